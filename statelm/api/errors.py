@@ -1,0 +1,26 @@
+"""Errors the API layer raises; the server maps them to OpenAI's error shape."""
+
+from __future__ import annotations
+
+
+class APIError(Exception):
+    """An error with an HTTP status and OpenAI's type/param/code fields."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def to_dict(self) -> dict[str, dict[str, str | None]]:
+        """OpenAI's error body."""
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}

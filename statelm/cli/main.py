@@ -1,0 +1,87 @@
+"""The `statelm` command line."""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated
+
+import typer
+
+from statelm.config import EngineConfig, ServerConfig
+
+app = typer.Typer(
+    no_args_is_help=True, add_completion=False, help="statelm: a stateful LLM inference server."
+)
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}  # fmt: skip
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as `2GiB`, `512MB` or `1000000`."""
+    match = _SIZE.match(text)
+    if not match or (match.group(2) or "").upper() not in _UNITS:
+        raise typer.BadParameter(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+@app.callback()
+def main() -> None:
+    """Serve a model with stateful sessions behind an OpenAI-compatible API."""
+
+
+@app.command()
+def serve(
+    model: Annotated[
+        str, typer.Option(help="Model dir, .gguf file, hub id (org/name), or `default`.")
+    ] = "default",
+    host: Annotated[
+        str, typer.Option(help="Interface to bind; loopback unless told otherwise.")
+    ] = "127.0.0.1",
+    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
+    dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    load_format: Annotated[str, typer.Option(help="auto | dummy (random weights, for benchmarks)")] = "auto",
+    max_model_len: Annotated[
+        int | None, typer.Option(help="Context length cap (default: the model's).")
+    ] = None,
+    kv_cache_memory: Annotated[
+        str | None,
+        typer.Option(help="KV cache budget, e.g. 2GiB (default: 2GiB on CPU, 80% of free GPU memory)."),
+    ] = None,
+    block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
+    max_num_seqs: Annotated[int, typer.Option(help="Most sequences running at once.")] = 64,
+    max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 512,
+    served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,
+    seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
+    threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
+    log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+) -> None:
+    """Start the OpenAI-compatible server.
+
+    Example: statelm serve --model default --port 8000
+    """
+    engine_config = EngineConfig(
+        model=model,
+        load_format=load_format,
+        device=device,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        block_size=block_size,
+        kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens,
+        seed=seed,
+        threads=threads,
+    )
+    server_config = ServerConfig(
+        host=host, port=port, served_model_name=served_model_name, log_level=log_level
+    )
+    from statelm.server.launch import LaunchError, run_server
+
+    try:
+        run_server(engine_config, server_config)
+    except LaunchError as exc:
+        typer.echo(f"statelm: error: {exc}", err=True)
+        raise typer.Exit(2) from None

@@ -1,0 +1,95 @@
+"""Runs the engine's step loop on its own thread and streams each request's outputs to asyncio."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from statelm.engine.engine import Engine, StepOutput
+from statelm.engine.sequence import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Subscriber:
+    loop: asyncio.AbstractEventLoop
+    outputs: asyncio.Queue[StepOutput]
+
+
+class EngineError(RuntimeError):
+    """A request failed inside the engine."""
+
+
+class AsyncEngine:
+    """Thread-safe front of Engine: requests go in through a queue, outputs come back per request."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._subscribers: dict[str, _Subscriber] = {}
+        self._thread = threading.Thread(target=self._run, name="statelm-engine", daemon=True)
+        self._thread.start()
+
+    async def generate(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> AsyncIterator[StepOutput]:
+        """Yield the request's step outputs until it finishes; leaving early aborts it."""
+        subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
+        self._subscribers[request_id] = subscriber
+        self._commands.put(lambda: self.engine.add_request(request_id, prompt_ids, params))
+        finished = False
+        try:
+            while not finished:
+                output = await subscriber.outputs.get()
+                if output.error is not None:
+                    raise EngineError(output.error)
+                finished = output.finished
+                yield output
+        finally:
+            self._subscribers.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine thread to drop a request at its next step."""
+        self._commands.put(lambda: self.engine.abort(request_id))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread after the command in progress."""
+        self._commands.put(None)
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                if not self._drain_commands(block=not self.engine.has_work()):
+                    return
+                self._publish(self.engine.step())
+            except Exception:  # keep serving: a bug in one step must not kill the thread
+                log.exception("engine loop error")
+
+    def _drain_commands(self, block: bool) -> bool:
+        """Apply queued commands; False when asked to stop."""
+        try:
+            command = self._commands.get(block=block)
+        except queue.Empty:
+            return True
+        while True:
+            if command is None:
+                return False
+            command()
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _publish(self, outputs: list[StepOutput]) -> None:
+        for output in outputs:
+            subscriber = self._subscribers.get(output.request_id)
+            if subscriber is not None:
+                subscriber.loop.call_soon_threadsafe(subscriber.outputs.put_nowait, output)

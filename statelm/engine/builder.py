@@ -1,0 +1,101 @@
+"""Builds a running engine from settings: model, KV cache sized from a memory budget, scheduler, thread."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from statelm.config import EngineConfig
+from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.block_pool import BlockPool
+from statelm.engine.engine import Engine
+from statelm.engine.kv_cache import KVCache
+from statelm.engine.runner import ModelRunner
+from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_BYTES = 2 << 30
+GPU_FREE_MEMORY_FRACTION = 0.8
+
+
+class EngineConfigError(ValueError):
+    """Settings that cannot make a working engine."""
+
+
+@dataclass
+class BuiltEngine:
+    """The loaded model and the engine thread serving it."""
+
+    loaded: LoadedModel
+    engine: AsyncEngine
+    max_model_len: int
+    num_blocks: int
+
+
+def build_engine(config: EngineConfig) -> BuiltEngine:
+    """Load the model, allocate the KV pool and start the engine thread."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    loaded = load_model(
+        config.model, device, resolve_dtype(config.dtype, device), config.load_format, config.seed
+    )
+    model_config = loaded.config
+    block_bytes = KVCache.bytes_per_block(
+        model_config.num_hidden_layers,
+        config.block_size,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        loaded.dtype,
+    )
+    num_blocks = _kv_budget(config, device) // block_bytes
+    max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
+    if num_blocks * config.block_size < max_model_len:
+        max_model_len = num_blocks * config.block_size
+    if max_model_len < config.block_size:
+        raise EngineConfigError(f"KV cache budget holds only {num_blocks} blocks; raise --kv-cache-memory")
+    kv_cache = KVCache(
+        model_config.num_hidden_layers,
+        num_blocks,
+        config.block_size,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        loaded.dtype,
+        device,
+    )
+    engine = Engine(
+        runner=ModelRunner(loaded.model, kv_cache, device),
+        pool=BlockPool(num_blocks, config.block_size),
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
+    log.info(
+        "KV cache: %d blocks of %d tokens (%.1f MiB); max model len %d; %s on %s, %d threads",
+        num_blocks,
+        config.block_size,
+        num_blocks * block_bytes / 2**20,
+        max_model_len,
+        loaded.dtype,
+        device,
+        torch.get_num_threads(),
+    )
+    return BuiltEngine(loaded, AsyncEngine(engine), max_model_len, num_blocks)
+
+
+def _kv_budget(config: EngineConfig, device: torch.device) -> int:
+    if config.kv_cache_memory is not None:
+        return config.kv_cache_memory
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free * GPU_FREE_MEMORY_FRACTION)
+    return min(DEFAULT_CPU_KV_BYTES, _available_memory() // 4)
+
+
+def _available_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")

@@ -1,0 +1,104 @@
+"""The synchronous engine: one step schedules, runs the model once and samples for every running sequence."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from statelm.engine.block_pool import BlockPool
+from statelm.engine.runner import ModelRunner
+from statelm.engine.sampler import make_generator, sample
+from statelm.engine.scheduler import Scheduler
+from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepOutput:
+    """What one step produced for one request: new tokens, and how it ended if it did."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    error: str | None = None
+
+
+class Engine:
+    """Owns the scheduler, block pool and model runner; knows nothing of HTTP."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        pool: BlockPool,
+        eos_token_ids: frozenset[int],
+        max_model_len: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+    ) -> None:
+        self.runner = runner
+        self.pool = pool
+        self.eos_token_ids = eos_token_ids
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens)
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Queue a request; the caller has checked that it fits the context."""
+        seq = Sequence(
+            request_id=request_id,
+            prompt_ids=list(prompt_ids),
+            params=params,
+            eos_token_ids=self.eos_token_ids,
+            max_total_tokens=self.max_model_len,
+            generator=None if params.greedy else make_generator(params.seed, self.runner.device),
+        )
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and free its blocks; False if it is not known (already finished)."""
+        return self.scheduler.abort(request_id) is not None
+
+    def has_work(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_work()
+
+    def step(self) -> list[StepOutput]:
+        """Run one scheduling step; on a model error, fail the requests of that step only."""
+        chunks = self.scheduler.schedule()
+        if not chunks:
+            return []
+        try:
+            result = self.runner.execute(chunks)
+            new_tokens = sample(result.logits, result.sampling_seqs)
+        except Exception as exc:  # a failing step must not take the engine down
+            log.exception("engine step failed")
+            return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]
+        for chunk in chunks:
+            chunk.seq.num_computed_tokens += chunk.num_tokens
+        outputs = []
+        for seq, token in zip(result.sampling_seqs, new_tokens, strict=True):
+            seq.append_token(token)
+            if seq.is_finished:
+                self.scheduler.finish(seq)
+            outputs.append(self._output(seq, [token]))
+        return outputs
+
+    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+        self.scheduler.abort(seq.request_id)
+        output = self._output(seq, [])
+        output.error = message
+        return output
+
+    @staticmethod
+    def _output(seq: Sequence, new_tokens: list[int]) -> StepOutput:
+        return StepOutput(
+            request_id=seq.request_id,
+            new_token_ids=new_tokens,
+            finished=seq.is_finished,
+            finish_reason=seq.finish_reason,
+            num_prompt_tokens=len(seq.prompt_ids),
+            num_cached_tokens=seq.num_cached_prompt_tokens,
+        )

@@ -1,0 +1,88 @@
+"""Turns a step's scheduled chunks into one flat forward pass and returns the logits that sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from statelm.engine.attention.base import AttentionMetadata
+from statelm.engine.kv_cache import KVCache
+from statelm.engine.scheduler import ScheduledChunk
+from statelm.engine.sequence import Sequence
+from statelm.models.llama import LlamaForCausalLM
+
+
+@dataclass
+class ForwardResult:
+    """Logits for the sequences whose last token was computed this step, in the same order."""
+
+    sampling_seqs: list[Sequence]
+    logits: torch.Tensor  # [len(sampling_seqs), vocab] float32
+
+
+class ModelRunner:
+    """Owns the model and the KV cache tensors; runs one batched forward per step."""
+
+    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.device = device
+        self.block_size = kv_cache.block_size
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[ScheduledChunk]) -> ForwardResult:
+        """Run every chunk through the model in one forward and compute logits where a token is sampled."""
+        input_ids: list[int] = []
+        positions: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        query_start = [0]
+        sample_rows: list[int] = []
+        sampling_seqs: list[Sequence] = []
+        for chunk in chunks:
+            seq, start = chunk.seq, chunk.seq.num_computed_tokens
+            end = start + chunk.num_tokens
+            input_ids.extend(seq.tokens[start:end])
+            positions.extend(range(start, end))
+            query_lens.append(chunk.num_tokens)
+            seq_lens.append(end)
+            query_start.append(query_start[-1] + chunk.num_tokens)
+            if end == seq.num_tokens:
+                sample_rows.append(query_start[-1] - 1)
+                sampling_seqs.append(seq)
+        position_tensor = torch.tensor(positions, dtype=torch.int64)
+        meta = AttentionMetadata(
+            slot_mapping=self._slot_mapping(chunks, position_tensor, query_start).to(self.device),
+            block_tables=self._block_tables(chunks).to(self.device),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+            query_start=query_start,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.int64, device=self.device),
+            position_tensor.to(self.device),
+            self.kv_cache,
+            meta,
+        )
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
+        return ForwardResult(sampling_seqs, logits)
+
+    def _slot_mapping(
+        self, chunks: list[ScheduledChunk], positions: torch.Tensor, query_start: list[int]
+    ) -> torch.Tensor:
+        slots = torch.empty_like(positions)
+        for i, chunk in enumerate(chunks):
+            rows = slice(query_start[i], query_start[i + 1])
+            pos = positions[rows]
+            table = torch.tensor(chunk.seq.block_table, dtype=torch.int64)
+            slots[rows] = table[pos // self.block_size] * self.block_size + pos % self.block_size
+        return slots
+
+    @staticmethod
+    def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
+        width = max(len(chunk.seq.block_table) for chunk in chunks)
+        tables = torch.zeros((len(chunks), width), dtype=torch.int64)
+        for i, chunk in enumerate(chunks):
+            tables[i, : len(chunk.seq.block_table)] = torch.tensor(chunk.seq.block_table, dtype=torch.int64)
+        return tables

@@ -1,0 +1,99 @@
+"""Chooses which tokens of which sequences go into each engine step."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from statelm.engine.block_pool import BlockPool
+from statelm.engine.sequence import FinishReason, Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledChunk:
+    """num_tokens uncomputed tokens of seq to run through the model this step."""
+
+    seq: Sequence
+    num_tokens: int
+
+
+class Scheduler:
+    """Waiting and running queues; each step packs running sequences first, then new prefill chunks."""
+
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        self.pool = pool
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a new sequence."""
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        """True while any sequence waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a sequence wherever it is and free its blocks."""
+        for queue in (self.waiting, self.running):
+            for seq in queue:
+                if seq.request_id == request_id:
+                    queue.remove(seq)
+                    self._free(seq)
+                    seq.finish(FinishReason.ABORT)
+                    return seq
+        return None
+
+    def schedule(self) -> list[ScheduledChunk]:
+        """Pick this step's work: every running sequence, then waiting ones while budget and blocks last."""
+        budget = self.max_num_batched_tokens
+        chunks: list[ScheduledChunk] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq not in self.running:  # preempted by an earlier iteration
+                continue
+            count = min(seq.num_uncomputed_tokens, budget)
+            if not self._reserve(seq, count):
+                continue
+            chunks.append(ScheduledChunk(seq, count))
+            budget -= count
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            count = min(seq.num_uncomputed_tokens, budget)
+            if not self.pool.grow(seq.block_table, seq.num_computed_tokens + count):
+                break
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            chunks.append(ScheduledChunk(seq, count))
+            budget -= count
+        return chunks
+
+    def finish(self, seq: Sequence) -> None:
+        """Take a finished sequence out of the running queue and free its blocks."""
+        self.running.remove(seq)
+        self._free(seq)
+
+    def _reserve(self, seq: Sequence, count: int) -> bool:
+        """Make room for count more tokens of a running seq, preempting the newest others if needed."""
+        while not self.pool.grow(seq.block_table, seq.num_computed_tokens + count):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free a running sequence's blocks and queue it to be recomputed first."""
+        self.running.remove(seq)
+        self._free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+
+    def _free(self, seq: Sequence) -> None:
+        self.pool.release(seq.block_table)
+        seq.block_table = []

@@ -1,0 +1,92 @@
+"""Architecture description of a decoder-only transformer, read from HF config.json or GGUF metadata."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ModelConfigError(ValueError):
+    """A model configuration that statelm cannot run."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a Llama-family decoder (Llama, Mistral, Qwen2, Qwen3)."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        """Build from a Hugging Face `config.json` mapping."""
+        model_type = str(raw.get("model_type", "")).lower()
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise ModelConfigError(
+                f"unsupported model_type {model_type!r}; statelm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            heads = int(raw["num_attention_heads"])
+            hidden = int(raw["hidden_size"])
+            eos = raw.get("eos_token_id")
+            eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+            window = raw.get("sliding_window") if raw.get("use_sliding_window", True) else None
+            return cls(
+                architecture=model_type,
+                vocab_size=int(raw["vocab_size"]),
+                hidden_size=hidden,
+                intermediate_size=int(raw["intermediate_size"]),
+                num_hidden_layers=int(raw["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(raw.get("num_key_value_heads") or heads),
+                head_dim=int(raw.get("head_dim") or hidden // heads),
+                max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+                rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(_rope_theta(raw)),
+                rope_scaling=_rope_scaling(raw),
+                tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+                attention_bias=bool(raw.get("attention_bias", model_type == "qwen2")),
+                qk_norm=model_type == "qwen3",
+                sliding_window=int(window) if window else None,
+                bos_token_id=raw.get("bos_token_id"),
+                eos_token_ids=eos_ids,
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ModelConfigError(f"malformed config.json: {exc!r}") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain mapping, used in the model fingerprint."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def _rope_theta(raw: dict[str, Any]) -> float:
+    params = raw.get("rope_parameters") or {}
+    return raw.get("rope_theta") or params.get("rope_theta") or 10000.0
+
+
+def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
+    scaling = raw.get("rope_scaling") or raw.get("rope_parameters")
+    if not scaling:
+        return None
+    kind = scaling.get("rope_type") or scaling.get("type")
+    if kind in (None, "default"):
+        return None
+    return dict(scaling, rope_type=kind)

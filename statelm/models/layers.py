@@ -1,0 +1,109 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary position embedding, gated MLP."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from statelm.models.config import ModelConfigError
+
+_INITIAL_ROPE_POSITIONS = 4096
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm computed in float32 and cast back before the weight, as Hugging Face does."""
+
+    def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.shape = (dim,)
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Normalise over the last dimension."""
+        return F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype) * self.weight
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with optional "linear" or "llama3" scaling."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(inv_freq, scaling)
+    raise ModelConfigError(
+        f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3"
+    )
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent rope scaling (low frequencies divided by factor, smooth in between)."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+class RotaryEmbedding:
+    """Table of rope cos/sin per position (grown lazily), applied in Hugging Face's rotate-half layout."""
+
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype
+    ) -> None:
+        self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.dtype = dtype
+        self.table = torch.empty(0, 2, head_dim, dtype=dtype)
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, each [T, 1, head_dim], for positions all below max_position."""
+        if max_position > self.table.shape[0] or self.table.device != positions.device:
+            self._build(max(max_position, _INITIAL_ROPE_POSITIONS), positions.device)
+        rows = self.table.index_select(0, positions)
+        return rows[:, 0:1], rows[:, 1:2]
+
+    def _build(self, num_positions: int, device: torch.device) -> None:
+        size = 1 << (num_positions - 1).bit_length()
+        inv_freq = self.inv_freq.to(device)
+        freqs = torch.outer(torch.arange(size, device=device, dtype=torch.float32), inv_freq)
+        angles = torch.cat([freqs, freqs], dim=-1)
+        sin = angles.sin()
+        half = inv_freq.shape[0]
+        sin[:, :half] = -sin[:, :half]
+        self.table = torch.stack([angles.cos(), sin], dim=1).to(self.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x * cos + rotate_half(x) * sin, where rotate_half's sign is folded into signed_sin."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class GatedMLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(
+        self, hidden: int, intermediate: int, *, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        super().__init__()
+        self.intermediate = intermediate
+        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype, device=device)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the feed-forward block to [T, hidden]."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

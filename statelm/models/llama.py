@@ -1,0 +1,219 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
+from statelm.engine.attention.reference import TorchAttentionBackend
+from statelm.engine.kv_cache import KVCache
+from statelm.models.config import ModelConfig, ModelConfigError
+from statelm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class LlamaAttention(nn.Module):
+    """Self-attention with fused QKV projection, optional q/k RMSNorm (Qwen3) and rope."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.scale = self.head_dim**-0.5
+        out_bias = config.attention_bias and config.architecture != "qwen2"
+        hidden = config.hidden_size
+        self.qkv_proj = nn.Linear(
+            hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype, device=device
+        )
+        self.o_proj = nn.Linear(self.q_size, hidden, bias=out_bias, dtype=dtype, device=device)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Project [T, hidden], write K/V to the cache, attend, and project back."""
+        tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+        return self.o_proj(out.reshape(tokens, self.q_size))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then gated MLP, each with a residual connection."""
+
+    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        eps = config.rms_norm_eps
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        backend: AttentionBackend,
+    ) -> torch.Tensor:
+        """Run the block on the flat batch [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only language model of the Llama family, reading and writing a paged KV cache."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        backend: AttentionBackend | None = None,
+    ) -> None:
+        super().__init__()
+        if backend is None:
+            backend = TorchAttentionBackend(sliding_window=config.sliding_window)
+        elif config.sliding_window and getattr(backend, "sliding_window", None) != config.sliding_window:
+            raise ModelConfigError(
+                f"model uses a sliding window of {config.sliding_window} tokens but the attention backend "
+                "does not apply it"
+            )
+        self.config = config
+        self.backend = backend
+        self.dtype = dtype
+        meta = torch.device("meta")
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=meta)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, dtype=dtype, device=meta) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=meta)
+        self.lm_head: nn.Parameter | None = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Parameter(
+                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta)
+            )
+        self.to_empty(device=device)
+        self.requires_grad_(False)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype)
+        self._targets = self._hf_targets()
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for a flat batch of T tokens."""
+        rope = self.rotary.cos_sin(positions, max(meta.seq_lens))
+        x = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, kv_cache.k[i], kv_cache.v[i], meta, self.backend)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the rows that sample."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        return F.linear(hidden, weight).float()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters, one at a time."""
+        pending = set(self._targets)
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
+                continue
+            if name not in self._targets:
+                unknown.append(name)
+                continue
+            param, start, end = self._targets[name]
+            target = param.data[start:end]
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            pending.discard(name)
+        if unknown or pending:
+            raise ValueError(
+                f"checkpoint does not match {self.config.architecture}: "
+                f"unknown weights {sorted(unknown)}, missing weights {sorted(pending)}"
+            )
+
+    def init_dummy_weights(self, seed: int = 0) -> None:
+        """Random weights for benchmarks and tests: normal(0, 0.02) matrices, zero biases, unit norms."""
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.data.fill_(1.0)
+            elif name.endswith("bias"):
+                param.data.zero_()
+            else:
+                values = torch.randn(param.shape, generator=generator) * 0.02
+                param.data.copy_(values.to(param.dtype))
+
+    def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """Map each Hugging Face weight name to (parameter, first row, end row) it fills."""
+        targets: dict[str, tuple[nn.Parameter, int, int]] = {
+            "model.embed_tokens.weight": _whole(self.embed_tokens.weight),
+            "model.norm.weight": _whole(self.norm.weight),
+        }
+        if self.lm_head is not None:
+            targets["lm_head.weight"] = _whole(self.lm_head)
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            targets.update({prefix + name: target for name, target in _layer_targets(layer).items()})
+        return targets
+
+
+def _whole(param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
+    return param, 0, param.shape[0]
+
+
+def _layer_targets(layer: LlamaDecoderLayer) -> dict[str, tuple[nn.Parameter, int, int]]:
+    """Hugging Face names of one decoder layer, relative to `model.layers.N.`."""
+    attn, mlp = layer.self_attn, layer.mlp
+    q, kv = attn.q_size, attn.kv_size
+    rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
+    targets: dict[str, tuple[nn.Parameter, int, int]] = {
+        "input_layernorm.weight": _whole(layer.input_layernorm.weight),
+        "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
+        "self_attn.o_proj.weight": _whole(attn.o_proj.weight),
+        "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, 0, mlp.intermediate),
+        "mlp.up_proj.weight": (mlp.gate_up_proj.weight, mlp.intermediate, 2 * mlp.intermediate),
+        "mlp.down_proj.weight": _whole(mlp.down_proj.weight),
+    }
+    for proj, (start, end) in rows.items():
+        targets[f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, start, end)
+        if attn.qkv_proj.bias is not None:
+            targets[f"self_attn.{proj}.bias"] = (attn.qkv_proj.bias, start, end)
+    if attn.o_proj.bias is not None:
+        targets["self_attn.o_proj.bias"] = _whole(attn.o_proj.bias)
+    if attn.q_norm is not None and attn.k_norm is not None:
+        targets["self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
+        targets["self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
+    return targets

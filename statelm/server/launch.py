@@ -1,0 +1,54 @@
+"""Starts the engine and serves the app with uvicorn."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import uvicorn
+
+from statelm.api.chat import ChatService, ServedModel
+from statelm.config import EngineConfig, ServerConfig
+from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
+from statelm.models.loader import ModelLoadError
+from statelm.server.app import create_app
+
+log = logging.getLogger("statelm")
+
+
+class LaunchError(RuntimeError):
+    """The server could not start; the message is for the user."""
+
+
+def build_chat(built: BuiltEngine, engine_config: EngineConfig, served_model_name: str | None) -> ChatService:
+    """The chat service over a built engine, answering to the served name and the `--model` value."""
+    name = served_model_name or built.loaded.name
+    model = ServedModel(
+        name=name,
+        aliases=frozenset({engine_config.model, built.loaded.name} - {name}),
+        max_model_len=built.max_model_len,
+        created=int(time.time()),
+    )
+    return ChatService(built.engine, built.loaded.tokenizer, model)
+
+
+def configure_logging(level: str) -> None:
+    """Plain UTC-timestamped log lines on stderr."""
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    logging.Formatter.converter = time.gmtime
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Load the model, then serve until interrupted."""
+    configure_logging(server_config.log_level)
+    started = time.perf_counter()
+    try:
+        built = build_engine(engine_config)
+    except (ModelLoadError, EngineConfigError) as exc:
+        raise LaunchError(str(exc)) from None
+    app = create_app(built.engine, build_chat(built, engine_config, server_config.served_model_name))
+    log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
+    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)

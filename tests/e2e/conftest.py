@@ -1,0 +1,78 @@
+"""A real statelm server on the default model, started once per test session."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+STARTUP_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `statelm serve` with args and wait until /health answers."""
+    port = free_port()
+    log = log_path.open("wb")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            time.sleep(0.3)
+    process.kill()
+    raise RuntimeError(f"server did not start in {STARTUP_TIMEOUT_S}s:\n{log_path.read_text()[-3000:]}")
+
+
+def stop_server(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM, then SIGKILL if it lingers."""
+    process.terminate()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+
+
+@pytest.fixture(scope="session")
+def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Base URL of a server on the default model."""
+    log_path = tmp_path_factory.mktemp("server") / "server.log"
+    process, url = start_server(["--model", "default", "--kv-cache-memory", "512MiB"], log_path)
+    yield url
+    stop_server(process)
+
+
+@pytest.fixture(scope="session")
+def client(server_url: str) -> openai.OpenAI:
+    """The official OpenAI SDK pointed at the server."""
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="session")
+def model_name(client: openai.OpenAI) -> str:
+    """The id the server lists in /v1/models."""
+    return client.models.list().data[0].id

@@ -1,0 +1,76 @@
+"""Tiny random Hugging Face checkpoints (config.json + safetensors) for tests, built with transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+
+_COMMON: dict[str, Any] = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "initializer_range": 0.1,
+    "tie_word_embeddings": False,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+
+_ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
+    "llama": {"rope_theta": 10000.0},
+    "llama3": {
+        "rope_theta": 500000.0,
+        "rope_scaling": {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 32,
+        },
+    },
+    "mistral": {"rope_theta": 10000.0, "sliding_window": None},
+    "qwen2": {"rope_theta": 1000000.0, "use_sliding_window": False},
+    "qwen3": {"rope_theta": 1000000.0, "head_dim": 32, "use_sliding_window": False},
+}
+
+
+def make_tiny_checkpoint(arch: str, path: Path, seed: int = 0, **overrides: Any) -> Path:
+    """Write a seeded random float32 checkpoint of `arch` (see ARCHITECTURES) into `path`; return `path`."""
+    import transformers
+
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown tiny architecture {arch!r}; choose from {ARCHITECTURES}")
+    model_type = "llama" if arch == "llama3" else arch
+    config_cls, model_cls = _classes(transformers, model_type)
+    config = config_cls(**{**_COMMON, **_ARCH_OVERRIDES[arch], **overrides})
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize_norms(model, seed)
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def _classes(transformers: Any, model_type: str) -> tuple[Any, Any]:
+    """(Config class, ForCausalLM class) of a model type."""
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
+
+
+def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
+    """Give norm weights and biases non-trivial values so that loading them wrongly shows in the logits."""
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1.0 + 0.1 * torch.randn(param.shape, generator=generator))
+            elif name.endswith("bias"):
+                param.copy_(0.1 * torch.randn(param.shape, generator=generator))

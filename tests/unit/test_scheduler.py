@@ -1,0 +1,76 @@
+"""Scheduler: token budget, chunked prefill, preemption of the newest sequence, abort."""
+
+from __future__ import annotations
+
+from statelm.engine.block_pool import BlockPool
+from statelm.engine.scheduler import Scheduler
+from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+
+
+def make_seq(request_id: str, prompt_len: int) -> Sequence:
+    return Sequence(
+        request_id=request_id,
+        prompt_ids=list(range(prompt_len)),
+        params=SamplingParams(max_tokens=100),
+        eos_token_ids=frozenset({-1}),
+        max_total_tokens=10_000,
+    )
+
+
+def run_step(scheduler: Scheduler) -> dict[str, int]:
+    """Schedule, pretend the forward ran, append a token where one is sampled."""
+    chunks = scheduler.schedule()
+    for chunk in chunks:
+        chunk.seq.num_computed_tokens += chunk.num_tokens
+        if chunk.seq.num_uncomputed_tokens == 0:
+            chunk.seq.append_token(7)
+    return {chunk.seq.request_id: chunk.num_tokens for chunk in chunks}
+
+
+def test_long_prompt_is_prefilled_in_chunks_next_to_running_decodes() -> None:
+    scheduler = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    scheduler.add(make_seq("short", 5))
+    assert run_step(scheduler) == {"short": 5}
+    scheduler.add(make_seq("long", 70))
+    assert run_step(scheduler) == {"short": 1, "long": 31}
+    assert run_step(scheduler) == {"short": 1, "long": 31}
+    assert run_step(scheduler) == {"short": 1, "long": 8}
+    assert run_step(scheduler) == {"short": 1, "long": 1}
+
+
+def test_max_num_seqs_caps_the_running_queue() -> None:
+    scheduler = Scheduler(BlockPool(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
+    for i in range(3):
+        scheduler.add(make_seq(f"s{i}", 4))
+    assert set(run_step(scheduler)) == {"s0", "s1"}
+    assert len(scheduler.waiting) == 1
+
+
+def test_newest_sequence_is_preempted_when_blocks_run_out_and_recomputed_later() -> None:
+    pool = BlockPool(4, 4)  # 16 tokens in all
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    old, new = make_seq("old", 7), make_seq("new", 7)
+    scheduler.add(old)
+    scheduler.add(new)
+    run_step(scheduler)  # both prefilled: 2 blocks each, pool full
+    assert pool.num_free_blocks == 0
+    assert run_step(scheduler) == {"old": 1, "new": 1}  # token 8 still fits in two blocks
+    assert run_step(scheduler) == {"old": 1}  # old needs a third block for token 9: new is preempted
+    assert old.status is SequenceStatus.RUNNING
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert scheduler.waiting[0] is new
+    scheduler.abort("old")
+    prompt_and_output = new.num_tokens
+    assert run_step(scheduler) == {"new": prompt_and_output}  # recomputes prompt plus its output
+
+
+def test_abort_frees_blocks_and_marks_the_sequence() -> None:
+    pool = BlockPool(8, 16)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    seq = make_seq("a", 20)
+    scheduler.add(seq)
+    run_step(scheduler)
+    assert pool.num_free_blocks == 6
+    assert scheduler.abort("a") is seq
+    assert pool.num_free_blocks == 8 and seq.finish_reason is FinishReason.ABORT
+    assert not scheduler.has_work() and scheduler.abort("a") is None
