@@ -61,6 +61,7 @@ def sampling_params(
     top_k: int | None,
     seed: int | None,
     max_tokens: int | None,
+    ignore_eos: bool,
     prompt_len: int,
     max_model_len: int,
 ) -> SamplingParams:
@@ -80,6 +81,7 @@ def sampling_params(
         top_k=max(top_k or 0, 0),
         seed=seed,
         max_tokens=room if max_tokens is None else max_tokens,
+        ignore_eos=ignore_eos,
     )
 
 
@@ -155,6 +157,7 @@ class ChatService:
             request.top_k,
             request.seed,
             request.requested_max_tokens(),
+            request.ignore_eos,
             len(prompt_ids),
             self.model.max_model_len,
         )

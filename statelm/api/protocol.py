@@ -61,6 +61,7 @@ class ChatCompletionRequest(StrictModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    ignore_eos: bool = False
     n: Annotated[int, Field(ge=1, le=1, description="only n=1 is supported")] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

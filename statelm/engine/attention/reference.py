@@ -41,6 +41,28 @@ class _Plan:
     prefills: list[_PrefillSeq]
 
 
+class _GatherBuffers:
+    """Reused output buffers for gathering cache blocks, so large gathers do not fault in fresh pages."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def gather(self, cache: torch.Tensor, blocks: torch.Tensor, name: str) -> torch.Tensor:
+        """cache[blocks] as [n, block_size, kv_heads, head_dim]; valid until the next gather into name."""
+        shape = (blocks.shape[0], *cache.shape[1:])
+        numel = shape[0] * cache[0].numel()
+        buffer = self._buffers.get(name)
+        if (
+            buffer is None
+            or buffer.numel() < numel
+            or buffer.dtype != cache.dtype
+            or buffer.device != cache.device
+        ):
+            buffer = torch.empty(numel, dtype=cache.dtype, device=cache.device)
+            self._buffers[name] = buffer
+        return torch.index_select(cache, 0, blocks, out=buffer[:numel].view(shape))
+
+
 class TorchAttentionBackend:
     """Paged attention on any torch device; one batched SDPA for decodes, one SDPA per prefilling sequence."""
 
@@ -48,6 +70,7 @@ class TorchAttentionBackend:
         self.sliding_window = sliding_window
         self._plan_meta: AttentionMetadata | None = None
         self._plan: _Plan | None = None
+        self._buffers = _GatherBuffers()
 
     def forward(
         self,
@@ -65,22 +88,24 @@ class TorchAttentionBackend:
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
         plan = self._plan_for(meta, k_cache.shape[1])
         if plan.decode is not None and plan.decode.rows is None:
-            return _decode(q, k_cache, v_cache, plan.decode, scale)
+            return _decode(q, k_cache, v_cache, plan.decode, scale, self._buffers)
         if (
             plan.decode is None
             and len(plan.prefills) == 1
             and plan.prefills[0].end - plan.prefills[0].start == len(q)
         ):
-            return _prefill(q, k, v, k_cache, v_cache, plan.prefills[0], scale)
+            return _prefill(q, (k, v), (k_cache, v_cache), plan.prefills[0], scale, self._buffers)
         out = torch.empty_like(q)
         if plan.decode is not None and plan.decode.rows is not None:
-            out.index_copy_(0, plan.decode.rows, _decode(q, k_cache, v_cache, plan.decode, scale))
+            out.index_copy_(
+                0, plan.decode.rows, _decode(q, k_cache, v_cache, plan.decode, scale, self._buffers)
+            )
         for seq in plan.prefills:
-            out[seq.start : seq.end] = _prefill(q, k, v, k_cache, v_cache, seq, scale)
+            out[seq.start : seq.end] = _prefill(q, (k, v), (k_cache, v_cache), seq, scale, self._buffers)
         return out
 
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> _Plan:
-        """Build the step's plan on the first layer and reuse it for the others."""
+        """Build the plan on a step's first layer, reuse it for the rest (keyed by the metadata object)."""
         if meta is not self._plan_meta or self._plan is None:
             self._plan = self._build_plan(meta, block_size)
             self._plan_meta = meta
@@ -133,7 +158,12 @@ class TorchAttentionBackend:
 
 
 def _decode(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, group: _DecodeGroup, scale: float
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    group: _DecodeGroup,
+    scale: float,
+    buffers: _GatherBuffers,
 ) -> torch.Tensor:
     """Attention for single-token queries; query heads are grouped per KV head, so no K/V expansion."""
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -142,27 +172,28 @@ def _decode(
         q = q.index_select(0, group.rows)
     q = q.reshape(group.num_seqs, kv_heads, num_heads // kv_heads, head_dim)
     shape = (group.num_seqs, -1, kv_heads, head_dim)
-    keys = k_cache.index_select(0, group.blocks).view(shape)[:, : group.ctx].transpose(1, 2)
-    values = v_cache.index_select(0, group.blocks).view(shape)[:, : group.ctx].transpose(1, 2)
+    keys = buffers.gather(k_cache, group.blocks, "k").view(shape)[:, : group.ctx].transpose(1, 2)
+    values = buffers.gather(v_cache, group.blocks, "v").view(shape)[:, : group.ctx].transpose(1, 2)
     out = F.scaled_dot_product_attention(q, keys, values, attn_mask=group.mask, scale=scale)
     return out.reshape(group.num_seqs, num_heads, head_dim)
 
 
 def _prefill(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    new_kv: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
     seq: _PrefillSeq,
     scale: float,
+    buffers: _GatherBuffers,
 ) -> torch.Tensor:
     """Causal attention of one sequence's query tokens over its whole context."""
     if seq.blocks is None:
-        keys, values = k[seq.start : seq.end], v[seq.start : seq.end]
+        keys, values = (t[seq.start : seq.end] for t in new_kv)
     else:
-        keys = k_cache.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]
-        values = v_cache.index_select(0, seq.blocks).flatten(0, 1)[: seq.seq_len]
+        keys, values = (
+            buffers.gather(cache, seq.blocks, name).flatten(0, 1)[: seq.seq_len]
+            for cache, name in zip(kv_cache, "kv", strict=True)
+        )
     out = F.scaled_dot_product_attention(
         q[seq.start : seq.end].transpose(0, 1).unsqueeze(0),
         keys.transpose(0, 1).unsqueeze(0),

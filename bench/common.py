@@ -1,0 +1,56 @@
+"""What every benchmark prints first: machine, commit, versions; and a server started for the run."""
+
+from __future__ import annotations
+
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def machine_report() -> str:
+    """CPU, cores, memory, Python/torch versions and the git commit, one line each."""
+    import torch
+
+    cpu = platform.processor() or "unknown cpu"
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.is_file():
+        names = [
+            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
+        ]
+        cpu = names[0] if names else cpu
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    commit = subprocess.run(
+        ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
+    ).stdout.strip()
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return "\n".join(
+        [
+            f"machine: {cpu}, {os.cpu_count()} cores, {memory:.0f} GiB, GPU: {gpu}",
+            f"python {platform.python_version()}, torch {torch.__version__}, statelm commit {commit}",
+        ]
+    )
+
+
+def start_server(args: list[str], port: int) -> tuple[subprocess.Popen[bytes], float]:
+    """Start `statelm serve`; return the process and the seconds until /health answered."""
+    started = time.perf_counter()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    while True:
+        if process.poll() is not None:
+            raise SystemExit(f"server exited with code {process.returncode}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                return process, time.perf_counter() - started
+        except httpx.HTTPError:
+            time.sleep(0.05)

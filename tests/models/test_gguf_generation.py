@@ -1,0 +1,67 @@
+"""The default SmolLM2 GGUF: statelm's greedy output equals transformers' loading the same file."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from statelm.config import EngineConfig
+from statelm.engine.builder import create_engine
+from statelm.engine.sequence import SamplingParams
+from statelm.models.loader import LoadedModel, load_model, resolve_source
+from tests.models.engine_run import generate
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about autumn leaves.",
+    "Explain in one paragraph why the sky is blue.",
+]
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def statelm_model() -> LoadedModel:
+    return load_model("default", torch.device("cpu"), torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(statelm_model: LoadedModel) -> dict[str, list[int]]:
+    tokenizer = statelm_model.tokenizer
+    return {
+        f"p{i}": tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+        for i, text in enumerate(PROMPTS)
+    }
+
+
+@pytest.fixture(scope="module")
+def transformers_greedy(prompt_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+    transformers = pytest.importorskip("transformers")
+    source = resolve_source("default")
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        source.path.parent, gguf_file=source.path.name, dtype=torch.float32
+    )
+    results = {}
+    for request_id, ids in prompt_ids.items():
+        output = model.generate(
+            torch.tensor([ids]), max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=2, pad_token_id=2
+        )
+        results[request_id] = output[0, len(ids) :].tolist()
+    return results
+
+
+def test_greedy_output_matches_transformers(
+    statelm_model: LoadedModel, prompt_ids: dict[str, list[int]], transformers_greedy: dict[str, list[int]]
+) -> None:
+    engine = create_engine(statelm_model, EngineConfig(kv_cache_memory=64 << 20))
+    ours = generate(engine, prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
+    assert ours == transformers_greedy
+    assert any(len(tokens) == NEW_TOKENS for tokens in ours.values())
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+def test_batched_and_alone_agree(statelm_model: LoadedModel, prompt_ids: dict[str, list[int]]) -> None:
+    engine = create_engine(statelm_model, EngineConfig(kv_cache_memory=64 << 20))
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+    together = generate(engine, prompt_ids, params)
+    alone = {rid: generate(engine, {rid: ids}, params)[rid] for rid, ids in prompt_ids.items()}
+    assert together == alone
