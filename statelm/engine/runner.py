@@ -65,8 +65,8 @@ class ModelRunner:
             self.kv_cache,
             meta,
         )
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        return ForwardResult(sampling_seqs, logits)
+        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
+        return ForwardResult(sampling_seqs, self.model.compute_logits(hidden[rows]))
 
     def _slot_mapping(
         self, chunks: list[ScheduledChunk], positions: torch.Tensor, query_start: list[int]

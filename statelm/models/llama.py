@@ -110,7 +110,12 @@ class LlamaForCausalLM(nn.Module):
         self.backend = backend
         self.dtype = dtype
         meta = torch.device("meta")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, dtype=dtype, device=meta)
+        # an explicit empty weight skips nn.Embedding's random init, whose first call on meta costs seconds
+        self.embed_tokens = nn.Embedding(
+            config.vocab_size,
+            config.hidden_size,
+            _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta),
+        )
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, dtype=dtype, device=meta) for _ in range(config.num_hidden_layers)
         )

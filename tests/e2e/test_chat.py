@@ -155,3 +155,11 @@ def test_sdk_raises_typed_errors(client: openai.OpenAI, model_name: str) -> None
     with pytest.raises(openai.BadRequestError) as info:
         client.chat.completions.create(model=model_name, messages=QUESTION, extra_body={"mystery": True})
     assert "mystery" in str(info.value)
+
+
+def test_prompt_longer_than_one_engine_step(client: openai.OpenAI, model_name: str) -> None:
+    long_text = "The river runs past the old mill. " * 120  # about 1,000 tokens: several prefill chunks
+    messages = [{"role": "user", "content": long_text + "\nWhat runs past the old mill?"}]
+    reply = client.chat.completions.create(model=model_name, messages=messages, temperature=0, max_tokens=10)
+    assert reply.usage.prompt_tokens > 900
+    assert reply.choices[0].message.content

@@ -128,3 +128,15 @@ def test_cli_prints_one_line_and_exits_nonzero(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("statelm: error: model")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(qwen2_dir: Path) -> None:
+    loaded = load_model(str(qwen2_dir), CPU, torch.float32)
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    assert len(prompt) > 100
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    outputs = []
+    for budget in (512, 37):
+        engine = create_engine(loaded, EngineConfig(kv_cache_memory=8 << 20, max_num_batched_tokens=budget))
+        outputs.append(generate(engine, {"r": prompt}, params)["r"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
