@@ -21,9 +21,7 @@ def machine_report() -> str:
     cpu = platform.processor() or "unknown cpu"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
-        names = [
-            line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line
-        ]
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
         cpu = names[0] if names else cpu
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     commit = subprocess.run(

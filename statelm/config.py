@@ -19,6 +19,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes; None = a default that depends on the device
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
+    enable_prefix_caching: bool = True
+    batch_invariant: bool = True  # fixed-size matmul row chunks: output independent of batch composition
+    max_queue: int = 256  # requests waiting for a slot; more get 429
     seed: int = 0
     threads: int | None = None
 

@@ -136,9 +136,7 @@ class Tokenizer:
         _add_gguf_special_tokens(backend, tokens, token_types, kind == "gpt2")
         named = [token(k) for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")]
         backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named if t])
-        extra = [
-            fields[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in fields
-        ]
+        extra = [fields[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in fields]
         return cls(
             backend,
             bos_token=token("bos_token_id"),
@@ -150,9 +148,7 @@ class Tokenizer:
 
     @functools.cached_property
     def _content_hash(self) -> str:
-        identity = json.dumps(
-            [self.bos_token, self.eos_token, self.add_bos_token, sorted(self.eos_token_ids)]
-        )
+        identity = json.dumps([self.bos_token, self.eos_token, self.add_bos_token, sorted(self.eos_token_ids)])
         return hashlib.sha256((identity + self.backend.to_str()).encode("utf-8")).hexdigest()
 
     def content_hash(self) -> str:
@@ -293,9 +289,7 @@ def _tojson(
     separators: tuple[str, str] | None = None,
     sort_keys: bool = False,
 ) -> str:
-    return json.dumps(
-        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-    )
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _strftime_now(fmt: str) -> str:
@@ -333,9 +327,7 @@ def render_chat_template(
     """Render a chat template in the sandbox; template failures raise ChatTemplateError."""
     compiled = _compile(template)
     try:
-        return compiled.render(
-            messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
-        )
+        return compiled.render(messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as exc:
         raise ChatTemplateError(f"chat template error: {exc}") from exc
     except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError) as exc:
@@ -385,9 +377,7 @@ def _bytes_to_unicode() -> dict[int, str]:
     return table
 
 
-def _gguf_byte_level_backend(
-    fields: Mapping[str, Any], tokens: list[str], token_types: list[int]
-) -> BackendTokenizer:
+def _gguf_byte_level_backend(fields: Mapping[str, Any], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
     """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`), pre-tokenized as llama.cpp does for `ggml.pre`."""
     alphabet = set(_bytes_to_unicode().values())
     spell = _bytes_to_unicode()
@@ -434,9 +424,7 @@ def _gguf_sentencepiece_backend(
     unk_index = fields.get("tokenizer.ggml.unknown_token_id")
     unk = tokens[int(unk_index)] if unk_index is not None else None
     if unk is None:
-        unk = next(
-            (t for t, kind in zip(tokens, token_types, strict=False) if kind == _TOKEN_TYPE_UNKNOWN), None
-        )
+        unk = next((t for t, kind in zip(tokens, token_types, strict=False) if kind == _TOKEN_TYPE_UNKNOWN), None)
     backend = BackendTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
     add_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
     # Like llama.cpp and sentencepiece: every text fragment (the start, and after each added token) gets the
@@ -456,9 +444,7 @@ def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[st
     merges: list[tuple[str, str, float]] = []
     for piece, score in zip(tokens, scores, strict=False):
         local = [
-            (piece[:k], piece[k:], score)
-            for k in range(1, len(piece))
-            if piece[:k] in vocab and piece[k:] in vocab
+            (piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
         ]
         merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
     merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)

@@ -22,6 +22,7 @@ from statelm.api.protocol import (
 )
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.sequence import SamplingParams
+from statelm.metrics import ServingMetrics
 from statelm.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -88,17 +89,18 @@ def sampling_params(
 class ChatService:
     """Serves chat completions from the engine."""
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model: ServedModel) -> None:
+    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model: ServedModel, metrics: ServingMetrics) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
+        self.metrics = metrics
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """Generate the whole reply."""
         request_id, prompt_ids, params = self._prepare(request)
         text: list[str] = []
         async for chunk in generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings()
+            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings(), self.metrics
         ):
             text.append(chunk.text)
         return ChatCompletionResponse(
@@ -131,7 +133,7 @@ class ChatService:
 
         yield chunk(DeltaMessage(role="assistant", content=""))
         async for piece in generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings()
+            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings(), self.metrics
         ):
             if piece.text:
                 yield chunk(DeltaMessage(content=piece.text))
@@ -144,6 +146,13 @@ class ChatService:
 
     def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
         self.model.check(request.model)
+        if self.engine.queue_is_full():
+            raise APIError(
+                f"The server is at capacity ({self.engine.max_queue} requests waiting); retry shortly.",
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+            )
         try:
             prompt = self.tokenizer.apply_chat_template(
                 [m.for_template() for m in request.messages], add_generation_prompt=True

@@ -9,9 +9,7 @@ import typer
 
 from statelm.config import EngineConfig, ServerConfig
 
-app = typer.Typer(
-    no_args_is_help=True, add_completion=False, help="statelm: a stateful LLM inference server."
-)
+app = typer.Typer(no_args_is_help=True, add_completion=False, help="statelm: a stateful LLM inference server.")
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
@@ -33,19 +31,13 @@ def main() -> None:
 
 @app.command()
 def serve(
-    model: Annotated[
-        str, typer.Option(help="Model dir, .gguf file, hub id (org/name), or `default`.")
-    ] = "default",
-    host: Annotated[
-        str, typer.Option(help="Interface to bind; loopback unless told otherwise.")
-    ] = "127.0.0.1",
+    model: Annotated[str, typer.Option(help="Model dir, .gguf file, hub id (org/name), or `default`.")] = "default",
+    host: Annotated[str, typer.Option(help="Interface to bind; loopback unless told otherwise.")] = "127.0.0.1",
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights, for benchmarks)")] = "auto",
-    max_model_len: Annotated[
-        int | None, typer.Option(help="Context length cap (default: the model's).")
-    ] = None,
+    max_model_len: Annotated[int | None, typer.Option(help="Context length cap (default: the model's).")] = None,
     kv_cache_memory: Annotated[
         str | None,
         typer.Option(help="KV cache budget, e.g. 2GiB (default: 2GiB on CPU, 80% of free GPU memory)."),
@@ -53,6 +45,11 @@ def serve(
     block_size: Annotated[int, typer.Option(help="Tokens per KV cache block.")] = 16,
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences running at once.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 512,
+    prefix_cache: Annotated[bool, typer.Option(help="Reuse cached KV blocks of shared prompt prefixes.")] = True,
+    max_queue: Annotated[int, typer.Option(help="Requests that may wait for a slot; more get 429.")] = 256,
+    batch_invariant: Annotated[
+        bool, typer.Option(help="Same output for a request whatever else runs (fixed-size matmul chunks).")
+    ] = True,
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
@@ -72,12 +69,13 @@ def serve(
         kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
+        enable_prefix_caching=prefix_cache,
+        max_queue=max_queue,
+        batch_invariant=batch_invariant,
         seed=seed,
         threads=threads,
     )
-    server_config = ServerConfig(
-        host=host, port=port, served_model_name=served_model_name, log_level=log_level
-    )
+    server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level)
     from statelm.server.launch import LaunchError, run_server
 
     try:

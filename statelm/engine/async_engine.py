@@ -28,8 +28,10 @@ class EngineError(RuntimeError):
 class AsyncEngine:
     """Thread-safe front of Engine: requests go in through a queue, outputs come back per request."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, max_queue: int) -> None:
         self.engine = engine
+        self.max_queue = max_queue
+        self._unfinished = 0  # generate() calls in progress, changed on the event loop only
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._subscribers: dict[str, _Subscriber] = {}
         self._thread = threading.Thread(target=self._run, name="statelm-engine", daemon=True)
@@ -42,6 +44,7 @@ class AsyncEngine:
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
         self._commands.put(lambda: self.engine.add_request(request_id, prompt_ids, params))
+        self._unfinished += 1
         finished = False
         try:
             while not finished:
@@ -51,9 +54,14 @@ class AsyncEngine:
                 finished = output.finished
                 yield output
         finally:
+            self._unfinished -= 1
             self._subscribers.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def queue_is_full(self) -> bool:
+        """True when max_queue requests already wait for a slot in the running batch."""
+        return self._unfinished - len(self.engine.scheduler.running) >= self.max_queue
 
     def abort(self, request_id: str) -> None:
         """Ask the engine thread to drop a request at its next step."""

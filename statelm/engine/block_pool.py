@@ -1,47 +1,78 @@
-"""Allocation of the paged KV cache's blocks: a free list plus reference counts."""
+"""Allocation of the paged KV cache's blocks: reference counts, an LRU of free blocks, and the prefix cache.
+
+A full block is identified by the hash of its tokens chained with the previous block's hash, so equal
+hashes mean equal prefixes; the tokens are kept as well to rule out collisions. A block whose last user
+lets go keeps its contents and hash in the free LRU until it is handed out again, so a later request
+with the same prefix can take it back instead of recomputing it.
+"""
 
 from __future__ import annotations
 
-from collections import deque
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+
+import xxhash
+
+ROOT_HASH = 0
 
 
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than were asked for."""
 
 
-class BlockPool:
-    """Hands out block ids of the KV cache and takes them back when their last user lets go."""
+def chain_hash(previous: int, tokens: Sequence[int]) -> int:
+    """Hash of one full block's tokens, chained with the hash of the block before it."""
+    return xxhash.xxh3_64_intdigest(previous.to_bytes(8, "little") + array("q", tokens).tobytes())
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+
+class BlockPool:
+    """Hands out KV block ids, takes them back, and finds cached blocks for a token prefix."""
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))
+        self.enable_prefix_caching = enable_prefix_caching
         self._refcounts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._hash_of: list[int | None] = [None] * num_blocks
+        self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
+        self._block_of_hash: dict[int, int] = {}
+        self.queried_tokens = 0
+        self.hit_tokens = 0
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that nobody holds."""
+        """Blocks that nobody holds (some may still hold reusable cached contents)."""
         return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        """Blocks held by at least one sequence."""
+        return self.num_blocks - len(self._free)
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Number of blocks that hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int]:
-        """Take count free blocks, each with one reference."""
+        """Take count free blocks, least recently released first, each with one reference."""
         if count > len(self._free):
             raise OutOfBlocksError(f"need {count} KV blocks, {len(self._free)} free")
-        blocks = [self._free.popleft() for _ in range(count)]
-        for block in blocks:
+        blocks = []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            self._forget(block)
             self._refcounts[block] = 1
+            blocks.append(block)
         return blocks
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds return to the free list."""
+        """Drop one reference to each block; blocks nobody holds go to the end of the free LRU."""
         for block in blocks:
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
-                self._free.append(block)
+                self._free[block] = None
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend block_table in place to hold num_tokens tokens; False if the pool is too small now."""
@@ -52,3 +83,58 @@ class BlockPool:
             return False
         block_table.extend(self.allocate(missing))
         return True
+
+    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+        """Cached blocks holding the longest prefix of tokens (leaving at least one token to compute).
+
+        Returns the blocks, each now referenced once more, and their chained hashes.
+        """
+        blocks: list[int] = []
+        hashes: list[int] = []
+        if not self.enable_prefix_caching:
+            return blocks, hashes
+        previous = ROOT_HASH
+        size = self.block_size
+        for start in range(0, len(tokens) - 1 - size + 1, size):
+            chunk = tuple(tokens[start : start + size])
+            digest = chain_hash(previous, chunk)
+            block = self._block_of_hash.get(digest)
+            if block is None or self._tokens_of[block] != chunk:
+                break
+            blocks.append(block)
+            hashes.append(digest)
+            previous = digest
+        for block in blocks:
+            self._refcounts[block] += 1
+            self._free.pop(block, None)
+        self.queried_tokens += len(tokens)
+        self.hit_tokens += len(blocks) * size
+        return blocks, hashes
+
+    def register_full_blocks(
+        self, tokens: Sequence[int], block_table: list[int], block_hashes: list[int], num_computed: int
+    ) -> None:
+        """Publish the computed, full blocks of a sequence that are not yet in the cache; extends block_hashes."""
+        if not self.enable_prefix_caching:
+            return
+        size = self.block_size
+        previous = block_hashes[-1] if block_hashes else ROOT_HASH
+        for index in range(len(block_hashes), num_computed // size):
+            chunk = tuple(tokens[index * size : (index + 1) * size])
+            digest = chain_hash(previous, chunk)
+            block = block_table[index]
+            if digest not in self._block_of_hash and self._hash_of[block] is None:
+                self._block_of_hash[digest] = block
+                self._hash_of[block] = digest
+                self._tokens_of[block] = chunk
+            block_hashes.append(digest)
+            previous = digest
+
+    def _forget(self, block: int) -> None:
+        """Drop a block's cached identity before it is reused for other tokens."""
+        digest = self._hash_of[block]
+        if digest is not None:
+            if self._block_of_hash.get(digest) == block:
+                del self._block_of_hash[digest]
+            self._hash_of[block] = None
+            self._tokens_of[block] = None

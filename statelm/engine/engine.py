@@ -77,7 +77,9 @@ class Engine:
             log.exception("engine step failed")
             return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]
         for chunk in chunks:
-            chunk.seq.num_computed_tokens += chunk.num_tokens
+            seq = chunk.seq
+            seq.num_computed_tokens += chunk.num_tokens
+            self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, seq.num_computed_tokens)
         outputs = []
         for seq, token in zip(result.sampling_seqs, new_tokens, strict=True):
             seq.append_token(token)

@@ -62,8 +62,12 @@ class Scheduler:
             budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if not seq.block_table:
+                self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
             if not self.pool.grow(seq.block_table, seq.num_computed_tokens + count):
+                self._free(seq)
+                seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
@@ -76,6 +80,14 @@ class Scheduler:
         """Take a finished sequence out of the running queue and free its blocks."""
         self.running.remove(seq)
         self._free(seq)
+
+    def _reuse_cached_prefix(self, seq: Sequence) -> None:
+        """Start a sequence from the cached blocks of its longest known prefix."""
+        blocks, hashes = self.pool.match_prefix(seq.tokens)
+        seq.block_table, seq.block_hashes = blocks, hashes
+        seq.num_computed_tokens = len(blocks) * self.pool.block_size
+        if seq.num_output_tokens == 0:
+            seq.num_cached_prompt_tokens = seq.num_computed_tokens
 
     def _reserve(self, seq: Sequence, count: int) -> bool:
         """Make room for count more tokens of a running seq, preempting the newest others if needed."""
@@ -97,3 +109,4 @@ class Scheduler:
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)
         seq.block_table = []
+        seq.block_hashes = []

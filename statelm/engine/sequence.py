@@ -51,23 +51,32 @@ class Sequence:
     params: SamplingParams
     eos_token_ids: frozenset[int]
     max_total_tokens: int
-    output_ids: list[int] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks published so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    tokens: list[int] = field(init=False)  # prompt then output, the sequence's whole token list
+
+    def __post_init__(self) -> None:
+        self.tokens = list(self.prompt_ids)
 
     @property
-    def tokens(self) -> list[int]:
-        """Every token of the sequence: prompt then output."""
-        return self.prompt_ids + self.output_ids
+    def output_ids(self) -> list[int]:
+        """The generated tokens."""
+        return self.tokens[len(self.prompt_ids) :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        """How many tokens have been generated."""
+        return len(self.tokens) - len(self.prompt_ids)
 
     @property
     def num_tokens(self) -> int:
         """Length of prompt plus output."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.tokens)
 
     @property
     def num_uncomputed_tokens(self) -> int:
@@ -81,11 +90,11 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and finish the sequence if it ends generation."""
-        self.output_ids.append(token_id)
+        self.tokens.append(token_id)
         params = self.params
         if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
             self.finish(FinishReason.STOP)
-        elif len(self.output_ids) >= params.max_tokens or self.num_tokens >= self.max_total_tokens:
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_total_tokens:
             self.finish(FinishReason.LENGTH)
 
     def finish(self, reason: FinishReason) -> None:

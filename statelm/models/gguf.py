@@ -94,11 +94,7 @@ class GGUFModel:
     def _convert(self, tensor: ReaderTensor) -> torch.Tensor:
         value = torch.from_numpy(_dequantize(tensor)).to(self.dtype)
         part = _BLOCK_TENSOR.match(tensor.name)
-        if (
-            self.config.architecture in PERMUTED_QK_ARCHITECTURES
-            and part
-            and part.group(2) in ("attn_q", "attn_k")
-        ):
+        if self.config.architecture in PERMUTED_QK_ARCHITECTURES and part and part.group(2) in ("attn_q", "attn_k"):
             heads = self.config.num_attention_heads
             if part.group(2) == "attn_k":
                 heads = self.config.num_key_value_heads
@@ -162,9 +158,7 @@ def _dequantize(tensor: ReaderTensor) -> np.ndarray:
 def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: Tokenizer) -> ModelConfig:
     arch = str(fields.get("general.architecture", ""))
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: unsupported architecture {arch!r}; statelm runs {', '.join(SUPPORTED_ARCHITECTURES)}"
-        )
+        raise GGUFError(f"{path}: unsupported architecture {arch!r}; statelm runs {', '.join(SUPPORTED_ARCHITECTURES)}")
 
     def key(name: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{name}", default)
@@ -222,9 +216,7 @@ def _rope_scaling(
     return scaling
 
 
-def llama3_rope_scaling(
-    rope_factors: np.ndarray, theta: float, head_dim: int, original_context: int
-) -> dict[str, Any]:
+def llama3_rope_scaling(rope_factors: np.ndarray, theta: float, head_dim: int, original_context: int) -> dict[str, Any]:
     """Recover Llama-3 `rope_scaling` from llama.cpp's baked `rope_freqs` tensor (per-frequency divisors).
 
     llama.cpp stores 1 for high frequencies, `factor` for low ones and `1 / ((1 - s) / factor + s)` between,

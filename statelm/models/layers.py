@@ -38,9 +38,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ModelConfigError(
-        f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3"
-    )
+    raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3")
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -62,9 +60,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 class RotaryEmbedding:
     """Table of rope cos/sin per position (grown lazily), applied in Hugging Face's rotate-half layout."""
 
-    def __init__(
-        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype
-    ) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.dtype = dtype
         self.table = torch.empty(0, 2, head_dim, dtype=dtype)
@@ -92,16 +88,50 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> 
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
+def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_chunk: int) -> torch.Tensor:
+    """x @ weight.T (+ bias), computed in calls of exactly row_chunk rows (zero-padded) when row_chunk > 0.
+
+    CPU GEMM kernels pick their blocking, and so their rounding, from the number of rows. Fixed-size calls
+    make each row's result independent of how many other rows share the batch, so a request's output does
+    not depend on what else is running (batch invariance); 0 means one call over all rows.
+    """
+    rows = x.shape[0]
+    if row_chunk <= 0:
+        return F.linear(x, weight, bias)
+    padding = -rows % row_chunk
+    if padding:
+        x = torch.cat([x, x.new_zeros(padding, x.shape[1])])
+    if rows <= row_chunk:
+        return F.linear(x, weight, bias)[:rows]
+    out = x.new_empty(rows + padding, weight.shape[0])
+    for start in range(0, rows + padding, row_chunk):
+        out[start : start + row_chunk] = F.linear(x[start : start + row_chunk], weight, bias)
+    return out[:rows]
+
+
+class RowChunkedLinear(nn.Linear):
+    """nn.Linear whose matmul runs in fixed-size row chunks (see chunked_linear)."""
+
+    def __init__(self, *args: object, row_chunk: int = 0, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)
+        self.row_chunk = row_chunk
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the projection to [T, in_features]."""
+        return chunked_linear(x, self.weight, self.bias, self.row_chunk)
+
+
 class GatedMLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
 
     def __init__(
-        self, hidden: int, intermediate: int, *, dtype: torch.dtype, device: torch.device | str
+        self, hidden: int, intermediate: int, *, dtype: torch.dtype, device: torch.device | str, row_chunk: int = 0
     ) -> None:
         super().__init__()
         self.intermediate = intermediate
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False, dtype=dtype, device=device)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False, dtype=dtype, device=device)
+        linear = {"bias": False, "dtype": dtype, "device": device, "row_chunk": row_chunk}
+        self.gate_up_proj = RowChunkedLinear(hidden, 2 * intermediate, **linear)
+        self.down_proj = RowChunkedLinear(intermediate, hidden, **linear)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the feed-forward block to [T, hidden]."""

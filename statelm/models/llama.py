@@ -5,14 +5,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.engine.attention.reference import TorchAttentionBackend
 from statelm.engine.kv_cache import KVCache
 from statelm.models.config import ModelConfig, ModelConfigError
-from statelm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, apply_rope
+from statelm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowChunkedLinear, apply_rope, chunked_linear
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -20,7 +19,9 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class LlamaAttention(nn.Module):
     """Self-attention with fused QKV projection, optional q/k RMSNorm (Qwen3) and rope."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, row_chunk: int = 0
+    ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -30,10 +31,9 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         out_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
-        self.qkv_proj = nn.Linear(
-            hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, dtype=dtype, device=device
-        )
-        self.o_proj = nn.Linear(self.q_size, hidden, bias=out_bias, dtype=dtype, device=device)
+        linear = {"dtype": dtype, "device": device, "row_chunk": row_chunk}
+        self.qkv_proj = RowChunkedLinear(hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **linear)
+        self.o_proj = RowChunkedLinear(self.q_size, hidden, bias=out_bias, **linear)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
         if config.qk_norm:
@@ -65,13 +65,17 @@ class LlamaAttention(nn.Module):
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block: attention then gated MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, row_chunk: int = 0
+    ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, row_chunk=row_chunk)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device)
+        self.mlp = GatedMLP(
+            config.hidden_size, config.intermediate_size, dtype=dtype, device=device, row_chunk=row_chunk
+        )
 
     def forward(
         self,
@@ -97,8 +101,10 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         backend: AttentionBackend | None = None,
+        row_chunk: int = 0,
     ) -> None:
         super().__init__()
+        self.row_chunk = row_chunk
         if backend is None:
             backend = TorchAttentionBackend(sliding_window=config.sliding_window)
         elif config.sliding_window and getattr(backend, "sliding_window", None) != config.sliding_window:
@@ -117,14 +123,13 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=meta) for _ in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, dtype=dtype, device=meta, row_chunk=row_chunk)
+            for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=meta)
         self.lm_head: nn.Parameter | None = None
         if not config.tie_word_embeddings:
-            self.lm_head = nn.Parameter(
-                torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta)
-            )
+            self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta))
         self.to_empty(device=device)
         self.requires_grad_(False)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype)
@@ -143,7 +148,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return F.linear(hidden, weight).float()
+        return chunked_linear(hidden, weight, None, self.row_chunk).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters, one at a time."""
@@ -158,9 +163,7 @@ class LlamaForCausalLM(nn.Module):
             param, start, end = self._targets[name]
             target = param.data[start:end]
             if target.shape != tensor.shape:
-                raise ValueError(
-                    f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}"
-                )
+                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
             target.copy_(tensor)
             pending.discard(name)
         if unknown or pending:

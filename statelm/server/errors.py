@@ -28,13 +28,9 @@ def validation_error(exc: RequestValidationError) -> APIError:
     param = ".".join(location) or None
     kind = first.get("type", "")
     if kind == "extra_forbidden":
-        return APIError(
-            f"Unrecognized request argument supplied: {param}", param=param, code="unsupported_parameter"
-        )
+        return APIError(f"Unrecognized request argument supplied: {param}", param=param, code="unsupported_parameter")
     if kind in ("json_invalid", "model_attributes_type") or not location:
-        return APIError(
-            f"Request body is not a valid JSON object: {first.get('msg', '')}", code="invalid_json"
-        )
+        return APIError(f"Request body is not a valid JSON object: {first.get('msg', '')}", code="invalid_json")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
 

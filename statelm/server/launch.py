@@ -11,6 +11,7 @@ import uvicorn
 from statelm.api.chat import ChatService, ServedModel
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
+from statelm.metrics import ServingMetrics
 from statelm.models.loader import ModelLoadError
 from statelm.server.app import create_app
 
@@ -21,7 +22,9 @@ class LaunchError(RuntimeError):
     """The server could not start; the message is for the user."""
 
 
-def build_chat(built: BuiltEngine, engine_config: EngineConfig, served_model_name: str | None) -> ChatService:
+def build_chat(
+    built: BuiltEngine, engine_config: EngineConfig, served_model_name: str | None, metrics: ServingMetrics
+) -> ChatService:
     """The chat service over a built engine, answering to the served name and the `--model` value."""
     name = served_model_name or built.loaded.name
     model = ServedModel(
@@ -30,7 +33,7 @@ def build_chat(built: BuiltEngine, engine_config: EngineConfig, served_model_nam
         max_model_len=built.max_model_len,
         created=int(time.time()),
     )
-    return ChatService(built.engine, built.loaded.tokenizer, model)
+    return ChatService(built.engine, built.loaded.tokenizer, model, metrics)
 
 
 def configure_logging(level: str) -> None:
@@ -49,6 +52,8 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         built = build_engine(engine_config)
     except (ModelLoadError, EngineConfigError) as exc:
         raise LaunchError(str(exc)) from None
-    app = create_app(built.engine, build_chat(built, engine_config, server_config.served_model_name))
+    metrics = ServingMetrics(built.engine.engine)
+    chat = build_chat(built, engine_config, server_config.served_model_name, metrics)
+    app = create_app(built.engine, chat, metrics)
     log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)

@@ -64,9 +64,7 @@ def test_max_tokens_gives_length(client: openai.OpenAI, model_name: str) -> None
     reply = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=3)
     assert reply.choices[0].finish_reason == "length"
     assert reply.usage.completion_tokens == 3
-    same = client.chat.completions.create(
-        model=model_name, messages=QUESTION, temperature=0, max_completion_tokens=3
-    )
+    same = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_completion_tokens=3)
     assert same.choices[0].message.content == reply.choices[0].message.content
 
 
@@ -74,17 +72,13 @@ def test_stop_string_ends_the_reply_before_it(client: openai.OpenAI, model_name:
     free = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=40)
     text = free.choices[0].message.content
     stop = text.split()[2]  # a word from the middle of the greedy reply
-    cut = client.chat.completions.create(
-        model=model_name, messages=QUESTION, temperature=0, max_tokens=40, stop=[stop]
-    )
+    cut = client.chat.completions.create(model=model_name, messages=QUESTION, temperature=0, max_tokens=40, stop=[stop])
     assert cut.choices[0].finish_reason == "stop"
     assert cut.choices[0].message.content == text[: text.index(stop)]
     streamed = client.chat.completions.create(
         model=model_name, messages=QUESTION, temperature=0, max_tokens=40, stop=stop, stream=True
     )
-    assert (
-        "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
-    )
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text[: text.index(stop)]
 
 
 def test_seed_reproduces_and_top_k_one_is_greedy(client: openai.OpenAI, model_name: str) -> None:

@@ -311,9 +311,7 @@ def test_dequantize_quantizable_types(tmp_path: Path, qtype: Q) -> None:
     ((name, tensor),) = load_gguf(path, torch.float32).tensors()
     assert name == "model.layers.0.mlp.up_proj.weight" and tensor.shape == (96, 64)
     expected = dequantize(stored, raw) if raw is not None else stored.astype(np.float32)
-    torch.testing.assert_close(
-        tensor, torch.from_numpy(np.asarray(expected, dtype=np.float32)), rtol=0, atol=0
-    )
+    torch.testing.assert_close(tensor, torch.from_numpy(np.asarray(expected, dtype=np.float32)), rtol=0, atol=0)
     assert (tensor - torch.from_numpy(weight)).abs().mean() < 0.15
 
 
@@ -337,14 +335,10 @@ def test_unpermute_inverts_llama_cpp_permute() -> None:
         assert not torch.equal(permuted, torch.from_numpy(weight))
         assert torch.equal(unpermute_qk(permuted, heads), torch.from_numpy(weight))
         bias = rng.standard_normal(rows).astype(np.float32)
-        assert torch.equal(
-            unpermute_qk(torch.from_numpy(llama_cpp_permute(bias, heads)), heads), torch.tensor(bias)
-        )
+        assert torch.equal(unpermute_qk(torch.from_numpy(llama_cpp_permute(bias, heads)), heads), torch.tensor(bias))
 
 
-def _attention_tensors(
-    rng: np.random.Generator, permute: bool
-) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+def _attention_tensors(rng: np.random.Generator, permute: bool) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
     hf = {
         "model.layers.0.self_attn.q_proj.weight": rng.standard_normal((64, 64)).astype(np.float32),
         "model.layers.0.self_attn.k_proj.weight": rng.standard_normal((32, 64)).astype(np.float32),
@@ -428,9 +422,7 @@ def test_rope_scaling_metadata(tmp_path: Path) -> None:
     }
 
 
-def _llama3_rope_factors(
-    theta: float, dim: int, factor: float, low: float, high: float, orig: int
-) -> np.ndarray:
+def _llama3_rope_factors(theta: float, dim: int, factor: float, low: float, high: float, orig: int) -> np.ndarray:
     """llama.cpp convert_hf_to_gguf.py LlamaModel.generate_extra_tensors (rope_freqs)."""
     freqs = 1.0 / theta ** (np.arange(0, dim, 2, dtype=np.float64) / dim)
     out = []
@@ -549,8 +541,7 @@ def sentencepiece_gguf(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, 
     spm = pytest.importorskip("sentencepiece")
     rng = random.Random(0)
     lines = [
-        " ".join(rng.choice(_SPM_WORDS) for _ in range(rng.randint(3, 12)))
-        + rng.choice([".", "!", " 123", ","])
+        " ".join(rng.choice(_SPM_WORDS) for _ in range(rng.randint(3, 12))) + rng.choice([".", "!", " 123", ","])
         for _ in range(3000)
     ]
     proto = io.BytesIO()

@@ -94,9 +94,7 @@ def load_statelm(path: Path, dtype: torch.dtype = torch.float32) -> LlamaForCaus
 
 def hf_logits(path: Path, tokens: list[int]) -> torch.Tensor:
     """transformers' float32 eager logits [len(tokens), vocab] for one full-sequence forward."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        path, attn_implementation="eager", dtype=torch.float32
-    )
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", dtype=torch.float32)
     with torch.inference_mode():
         return model(torch.tensor([tokens])).logits[0].float()
 

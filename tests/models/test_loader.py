@@ -23,20 +23,11 @@ from tests.models.tiny_model_dir import make_tiny_model_dir, write_chatml_tokeni
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module")
-def qwen2_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return make_tiny_model_dir("qwen2", tmp_path_factory.mktemp("qwen2"))
-
-
 def greedy(model_dir: Path | str, load_format: str = "auto") -> list[int]:
     loaded = load_model(str(model_dir), CPU, torch.float32, load_format)
     engine = create_engine(loaded, EngineConfig(kv_cache_memory=8 << 20))
-    prompt = loaded.tokenizer.encode(
-        loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}])
-    )
-    return generate(engine, {"r": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[
-        "r"
-    ]
+    prompt = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}]))
+    return generate(engine, {"r": prompt}, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))["r"]
 
 
 def test_hf_folder_loads_and_generates(qwen2_dir: Path) -> None:
@@ -74,9 +65,7 @@ def test_dummy_weights_are_random_but_seeded(qwen2_dir: Path) -> None:
     assert torch.isfinite(loaded.model.embed_tokens.weight).all()
 
 
-def test_hub_id_resolves_from_the_local_cache(
-    qwen2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_hub_id_resolves_from_the_local_cache(qwen2_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
     repo = tmp_path / "models--tiny-org--tiny-qwen2"
@@ -128,15 +117,3 @@ def test_cli_prints_one_line_and_exits_nonzero(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("statelm: error: model")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
-
-
-def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(qwen2_dir: Path) -> None:
-    loaded = load_model(str(qwen2_dir), CPU, torch.float32)
-    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
-    assert len(prompt) > 100
-    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    outputs = []
-    for budget in (512, 37):
-        engine = create_engine(loaded, EngineConfig(kv_cache_memory=8 << 20, max_num_batched_tokens=budget))
-        outputs.append(generate(engine, {"r": prompt}, params)["r"])
-    assert outputs[0] == outputs[1] and len(outputs[0]) == 8

@@ -34,3 +34,68 @@ def test_grow_covers_the_token_count_or_changes_nothing() -> None:
 def test_blocks_needed_rounds_up() -> None:
     pool = BlockPool(num_blocks=1, block_size=16)
     assert [pool.blocks_needed(n) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
+
+
+def cache_prompt(pool: BlockPool, tokens: list[int]) -> list[int]:
+    """Allocate blocks for tokens as if a sequence had computed them all, and publish them."""
+    table: list[int] = []
+    assert pool.grow(table, len(tokens))
+    pool.register_full_blocks(tokens, table, [], len(tokens))
+    return table
+
+
+def test_prefix_match_shares_full_blocks_and_leaves_the_last_token() -> None:
+    pool = BlockPool(num_blocks=8, block_size=4)
+    tokens = list(range(12))
+    table = cache_prompt(pool, tokens)
+    blocks, hashes = pool.match_prefix(tokens)
+    assert blocks == table[:2] and len(hashes) == 2  # 11 tokens may come from cache: two full blocks
+    longer, _ = pool.match_prefix([*tokens, 99])
+    assert longer == table
+    other, _ = pool.match_prefix([0, 1, 2, 3, 9, 9, 9, 9, 9])
+    assert other == table[:1]
+    pool.release(table)
+    pool.release(blocks)
+    pool.release(longer)
+    pool.release(other)
+    assert pool.num_free_blocks == 8
+
+
+def test_released_blocks_stay_reusable_until_handed_out_again() -> None:
+    pool = BlockPool(num_blocks=3, block_size=4)
+    tokens = list(range(9))
+    table = cache_prompt(pool, tokens)
+    pool.release(table)
+    assert pool.num_free_blocks == 3
+    blocks, _ = pool.match_prefix(tokens)
+    assert blocks == table[:2] and pool.num_free_blocks == 1
+    pool.release(blocks)
+    pool.allocate(3)  # evicts every cached block
+    assert pool.match_prefix(tokens) == ([], [])
+
+
+def test_least_recently_released_block_is_evicted_first() -> None:
+    pool = BlockPool(num_blocks=5, block_size=2)
+    first = cache_prompt(pool, [1, 1, 1])  # two blocks each, one block never used
+    second = cache_prompt(pool, [2, 2, 2])
+    pool.release(first)
+    pool.release(second)
+    pool.allocate(1)  # the never-used block
+    pool.allocate(1)  # then first's full block, released before second's
+    assert pool.match_prefix([1, 1, 1])[0] == []
+    assert pool.match_prefix([2, 2, 2])[0] == second[:1]
+
+
+def test_hash_collision_is_caught_by_the_stored_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    import statelm.engine.block_pool as block_pool
+
+    monkeypatch.setattr(block_pool, "chain_hash", lambda previous, tokens: 42)
+    pool = BlockPool(num_blocks=4, block_size=2)
+    cache_prompt(pool, [1, 2, 3])
+    assert pool.match_prefix([7, 8, 9])[0] == []
+
+
+def test_prefix_caching_can_be_turned_off() -> None:
+    pool = BlockPool(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    cache_prompt(pool, [1, 2, 3])
+    assert pool.match_prefix([1, 2, 3]) == ([], [])

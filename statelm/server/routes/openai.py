@@ -26,9 +26,7 @@ def chat_service(request: Request) -> ChatService:
 async def list_models(request: Request) -> ModelList:
     """The one model this server serves."""
     model = chat_service(request).model
-    return ModelList(
-        data=[ModelCard(id=model.name, created=model.created, max_model_len=model.max_model_len)]
-    )
+    return ModelList(data=[ModelCard(id=model.name, created=model.created, max_model_len=model.max_model_len)])
 
 
 @router.post("/chat/completions", response_model=None)

@@ -1,0 +1,60 @@
+"""Prometheus metrics of a serving process: request outcomes, tokens, latencies, engine and KV cache state."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from statelm.engine.engine import Engine
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
+
+
+class ServingMetrics:
+    """Counters and histograms fed by the API layer; gauges read from the engine at scrape time."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.registry = CollectorRegistry()
+        registry = self.registry
+        self.http_responses = Counter(
+            "statelm_http_responses", "HTTP responses by route and status code", ["route", "status"], registry=registry
+        )
+        self.finished_requests = Counter(
+            "statelm_requests_finished", "Generations ended, by finish reason", ["finish_reason"], registry=registry
+        )
+        self.prompt_tokens = Counter("statelm_prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.cached_prompt_tokens = Counter(
+            "statelm_prompt_tokens_cached", "Prompt tokens served by the prefix cache", registry=registry
+        )
+        self.generation_tokens = Counter("statelm_generation_tokens", "Tokens generated", registry=registry)
+        self.time_to_first_token = Histogram(
+            "statelm_time_to_first_token_seconds", "Request arrival to first token", buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )  # fmt: skip
+        self.inter_token_latency = Histogram(
+            "statelm_inter_token_latency_seconds", "Gap between a stream's tokens", buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )  # fmt: skip
+        scheduler, pool = engine.scheduler, engine.pool
+        gauges = {
+            "statelm_requests_running": ("Sequences in the running batch", lambda: len(scheduler.running)),
+            "statelm_requests_waiting": ("Sequences waiting for a slot", lambda: len(scheduler.waiting)),
+            "statelm_kv_blocks_used": ("KV cache blocks held by sequences", lambda: pool.num_used_blocks),
+            "statelm_kv_blocks_free": ("KV cache blocks free (cached or empty)", lambda: pool.num_free_blocks),
+            "statelm_prefix_cache_hit_rate": (
+                "Share of queried prompt tokens found in the prefix cache",
+                lambda: pool.hit_tokens / pool.queried_tokens if pool.queried_tokens else 0.0,
+            ),
+        }
+        for name, (description, read) in gauges.items():
+            Gauge(name, description, registry=registry).set_function(read)
+
+    def record_finished(self, finish_reason: str, prompt: int, cached: int, completion: int) -> None:
+        """Account for one generation that has ended."""
+        self.finished_requests.labels(finish_reason).inc()
+        self.prompt_tokens.inc(prompt)
+        self.cached_prompt_tokens.inc(cached)
+        self.generation_tokens.inc(completion)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

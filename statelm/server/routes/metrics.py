@@ -1,0 +1,14 @@
+"""Prometheus metrics endpoint."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST
+
+router = APIRouter(tags=["ops"])
+
+
+@router.get("/metrics")
+async def metrics(request: Request) -> Response:
+    """Every metric in Prometheus text format."""
+    return Response(request.app.state.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,98 @@
+"""The engine on a tiny real model: chunked prefill, prefix cache, preemption and batching change no output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from statelm.config import EngineConfig
+from statelm.engine.builder import create_engine
+from statelm.engine.engine import Engine
+from statelm.engine.sequence import SamplingParams
+from statelm.models.loader import LoadedModel, load_model
+from tests.models.engine_run import generate
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def loaded(qwen2_dir: Path) -> LoadedModel:
+    return load_model(str(qwen2_dir), torch.device("cpu"), torch.float32)
+
+
+def engine_for(loaded: LoadedModel, **settings: object) -> Engine:
+    return create_engine(loaded, EngineConfig(**{"kv_cache_memory": 8 << 20, **settings}))
+
+
+def prompts(loaded: LoadedModel, count: int, words: int = 40) -> dict[str, list[int]]:
+    encode = loaded.tokenizer.encode
+    return {f"r{i}": encode(f"Request {i}: " + "the quick brown fox " * (words // 4)) for i in range(count)}
+
+
+def test_prompt_longer_than_the_step_budget_is_prefilled_in_chunks(loaded: LoadedModel) -> None:
+    prompt = loaded.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 12)
+    assert len(prompt) > 100
+    outputs = [
+        generate(engine_for(loaded, max_num_batched_tokens=budget), {"r": prompt}, GREEDY)["r"] for budget in (512, 37)
+    ]
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 24
+
+
+def test_shared_prefix_is_served_from_the_cache_with_identical_output(loaded: LoadedModel) -> None:
+    prefix = loaded.tokenizer.encode("Shared system prompt about foxes. " * 40)
+    assert len(prefix) >= 300
+    first, second = [*prefix, *loaded.tokenizer.encode(" one")], [*prefix, *loaded.tokenizer.encode(" two")]
+    cold = engine_for(loaded, enable_prefix_caching=False)
+    expected = generate(cold, {"b": second}, GREEDY)["b"]
+    engine = engine_for(loaded)
+    generate(engine, {"a": first}, GREEDY)
+    cached: list[int] = []
+    engine.add_request("b", second, GREEDY)
+    output: list[int] = []
+    while engine.has_work():
+        for step in engine.step():
+            output.extend(step.new_token_ids)
+            cached.append(step.num_cached_tokens)
+    assert output == expected
+    assert cached[0] >= 256 and cached[0] % 16 == 0
+    assert engine.pool.hit_tokens >= 256
+
+
+def test_tiny_pool_preempts_and_still_gives_the_same_outputs(loaded: LoadedModel) -> None:
+    work = prompts(loaded, 8, words=60)
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    roomy = generate(engine_for(loaded), work, params)
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, block size, kv heads, head dim, float32
+    tight = engine_for(loaded, kv_cache_memory=24 * block_bytes)  # 384 tokens for 8 x ~130
+    preemptions = 0
+    original = tight.scheduler._preempt
+
+    def counting(seq: object) -> None:
+        nonlocal preemptions
+        preemptions += 1
+        original(seq)
+
+    tight.scheduler._preempt = counting
+    assert generate(tight, work, params) == roomy
+    assert preemptions > 0
+    assert tight.pool.num_used_blocks == 0
+
+
+def test_batched_equals_alone_for_greedy_and_seeded(loaded: LoadedModel) -> None:
+    work = prompts(loaded, 16, words=20)
+    for params in (GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)):
+        engine = engine_for(loaded, enable_prefix_caching=False)
+        together = generate(engine, work, params)
+        alone = {rid: generate(engine, {rid: ids}, params)[rid] for rid, ids in work.items()}
+        assert together == alone
+
+
+def test_abort_frees_the_blocks(loaded: LoadedModel) -> None:
+    engine = engine_for(loaded)
+    engine.add_request("a", prompts(loaded, 1)["r0"], GREEDY)
+    engine.step()
+    assert engine.pool.num_used_blocks > 0
+    assert engine.abort("a")
+    assert engine.pool.num_used_blocks == 0 and not engine.has_work()
