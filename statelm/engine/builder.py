@@ -14,13 +14,13 @@ from statelm.engine.block_pool import BlockPool
 from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
+from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_BYTES = 2 << 30
 GPU_FREE_MEMORY_FRACTION = 0.8
-BATCH_INVARIANT_ROW_CHUNK = 16  # rows per matmul call; 16 is also the fastest decode shape on AMX CPUs
 
 
 class EngineConfigError(ValueError):
@@ -42,9 +42,9 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
-    row_chunk = BATCH_INVARIANT_ROW_CHUNK if config.batch_invariant else 0
+    chunking = RowChunking.batch_invariant() if config.batch_invariant else None
     dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, row_chunk)
+    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking)
     engine = create_engine(loaded, config)
     return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), engine.max_model_len, engine.pool.num_blocks)
 

@@ -40,11 +40,14 @@ class ModelRunner:
         query_start = [0]
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        is_prompt: list[bool] = []
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
             end = start + chunk.num_tokens
             input_ids.extend(seq.tokens[start:end])
             positions.extend(range(start, end))
+            prompt_len = len(seq.prompt_ids)
+            is_prompt.extend(position < prompt_len for position in range(start, end))
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
@@ -64,6 +67,7 @@ class ModelRunner:
             position_tensor.to(self.device),
             self.kv_cache,
             meta,
+            torch.tensor(is_prompt, device=self.device) if any(is_prompt) else None,
         )
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return ForwardResult(sampling_seqs, self.model.compute_logits(hidden[rows]))

@@ -11,7 +11,15 @@ from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.engine.attention.reference import TorchAttentionBackend
 from statelm.engine.kv_cache import KVCache
 from statelm.models.config import ModelConfig, ModelConfigError
-from statelm.models.layers import GatedMLP, RMSNorm, RotaryEmbedding, RowChunkedLinear, apply_rope, chunked_linear
+from statelm.models.layers import (
+    GatedMLP,
+    RMSNorm,
+    RotaryEmbedding,
+    RowChunkedLinear,
+    RowChunking,
+    apply_rope,
+    chunked_linear,
+)
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -20,7 +28,7 @@ class LlamaAttention(nn.Module):
     """Self-attention with fused QKV projection, optional q/k RMSNorm (Qwen3) and rope."""
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, row_chunk: int = 0
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
     ) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
@@ -31,7 +39,7 @@ class LlamaAttention(nn.Module):
         self.scale = self.head_dim**-0.5
         out_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
-        linear = {"dtype": dtype, "device": device, "row_chunk": row_chunk}
+        linear = {"dtype": dtype, "device": device, "chunking": chunking}
         self.qkv_proj = RowChunkedLinear(hidden, self.q_size + 2 * self.kv_size, bias=config.attention_bias, **linear)
         self.o_proj = RowChunkedLinear(self.q_size, hidden, bias=out_bias, **linear)
         self.q_norm: RMSNorm | None = None
@@ -66,16 +74,14 @@ class LlamaDecoderLayer(nn.Module):
     """Pre-norm transformer block: attention then gated MLP, each with a residual connection."""
 
     def __init__(
-        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, row_chunk: int = 0
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
     ) -> None:
         super().__init__()
         eps = config.rms_norm_eps
         self.input_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, row_chunk=row_chunk)
+        self.self_attn = LlamaAttention(config, dtype=dtype, device=device, chunking=chunking)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, dtype=dtype, device=device)
-        self.mlp = GatedMLP(
-            config.hidden_size, config.intermediate_size, dtype=dtype, device=device, row_chunk=row_chunk
-        )
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, dtype=dtype, device=device, chunking=chunking)
 
     def forward(
         self,
@@ -101,10 +107,11 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
         backend: AttentionBackend | None = None,
-        row_chunk: int = 0,
+        chunking: RowChunking | None = None,
     ) -> None:
         super().__init__()
-        self.row_chunk = row_chunk
+        chunking = chunking or RowChunking()
+        self.chunking = chunking
         if backend is None:
             backend = TorchAttentionBackend(sliding_window=config.sliding_window)
         elif config.sliding_window and getattr(backend, "sliding_window", None) != config.sliding_window:
@@ -123,7 +130,7 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=meta, row_chunk=row_chunk)
+            LlamaDecoderLayer(config, dtype=dtype, device=meta, chunking=chunking)
             for _ in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=meta)
@@ -136,9 +143,18 @@ class LlamaForCausalLM(nn.Module):
         self._targets = self._hf_targets()
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache, meta: AttentionMetadata
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+        is_prompt: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states [T, hidden] after the final norm for a flat batch of T tokens."""
+        """Hidden states [T, hidden] after the final norm for a flat batch of T tokens.
+
+        is_prompt ([T] bool) marks prompt-token rows for the row chunking; None means all rows are generated.
+        """
+        self.chunking.set_rows(is_prompt)
         rope = self.rotary.cos_sin(positions, max(meta.seq_lens))
         x = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
@@ -148,7 +164,7 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
-        return chunked_linear(hidden, weight, None, self.row_chunk).float()
+        return chunked_linear(hidden, weight, None, self.chunking.generated).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy Hugging Face-named tensors into the (fused) parameters, one at a time."""

@@ -17,6 +17,7 @@ from tqdm import tqdm
 
 from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.gguf import GGUFError, load_gguf
+from statelm.models.layers import RowChunking
 from statelm.models.llama import LlamaForCausalLM
 from statelm.tokenizer import Tokenizer
 
@@ -97,9 +98,9 @@ def load_model(
     dtype: torch.dtype,
     load_format: str = "auto",
     seed: int = 0,
-    row_chunk: int = 0,
+    chunking: RowChunking | None = None,
 ) -> LoadedModel:
-    """Load config, tokenizer and weights (random ones for load_format `dummy`); see chunked_linear for row_chunk."""
+    """Load config, tokenizer and weights (random ones for load_format `dummy`); chunking: see RowChunking."""
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"unknown load format {load_format!r}; choose auto or dummy")
     source = resolve_source(spec)
@@ -116,7 +117,7 @@ def load_model(
             weight_identity = _safetensors_identity(files)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, row_chunk=row_chunk)
+    model = LlamaForCausalLM(config, dtype=dtype, device=device, chunking=chunking)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         weight_identity = f"dummy:{seed}"
