@@ -7,6 +7,9 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
@@ -52,3 +55,27 @@ def start_server(args: list[str], port: int) -> tuple[subprocess.Popen[bytes], f
                 return process, time.perf_counter() - started
         except httpx.HTTPError:
             time.sleep(0.05)
+
+
+@dataclass
+class Target:
+    """The server a benchmark measures, and its start-up time when the benchmark started it."""
+
+    url: str
+    startup_s: float | None
+
+
+@contextmanager
+def server_for(url: str | None, port: int, serve_args: str) -> Iterator[Target]:
+    """The given URL, or a `statelm serve --model default` started (and stopped) for the run."""
+    if url is not None:
+        yield Target(url, None)
+        return
+    process, startup = start_server(["--model", "default", *serve_args.split()], port)
+    print(f"server: statelm serve --model default {serve_args}".rstrip())
+    print(f"start-up (process start to /health OK): {startup:.2f} s")
+    try:
+        yield Target(f"http://127.0.0.1:{port}", startup)
+    finally:
+        process.terminate()
+        process.wait()

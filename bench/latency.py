@@ -14,7 +14,7 @@ import time
 
 import httpx
 
-from bench.common import machine_report, start_server
+from bench.common import machine_report, server_for
 
 
 def filler_prompt(approx_tokens: int) -> str:
@@ -67,34 +67,25 @@ def main() -> None:
     parser.add_argument("--serve-args", default="", help="extra `statelm serve` flags when starting one")
     args = parser.parse_args()
     print(machine_report())
-    process = None
-    if args.url is None:
-        process, startup = start_server(["--model", "default", *args.serve_args.split()], args.port)
-        args.url = f"http://127.0.0.1:{args.port}"
-        print(f"server: statelm serve --model default {args.serve_args}".rstrip())
-        print(f"start-up (process start to /health OK): {startup:.2f} s")
-    try:
-        model = httpx.get(f"{args.url}/v1/models").json()["data"][0]["id"]
-        timed_stream(args.url, model, "Hello", 8)  # warm-up
+    with server_for(args.url, args.port, args.serve_args) as target:
+        url = target.url
+        model = httpx.get(f"{url}/v1/models").json()["data"][0]["id"]
+        timed_stream(url, model, "Hello", 8)  # warm-up
         print(f"settings: prompt ≈{args.prompt_tokens} tokens, {args.output_tokens} output tokens, greedy")
         for run in range(args.runs):
             # a different opening word per run keeps the prefix cache from serving the prompt
-            result = timed_stream(args.url, model, f"Run {run}. " + filler_prompt(args.prompt_tokens), 16)
+            result = timed_stream(url, model, f"Run {run}. " + filler_prompt(args.prompt_tokens), 16)
             prefill = result["prompt_tokens"] / result["ttft_s"]
             print(
                 f"prefill: {result['prompt_tokens']} prompt tokens, TTFT {result['ttft_s'] * 1000:.0f} ms "
                 f"({prefill:.0f} tok/s)"
             )
         for _ in range(args.runs):
-            result = timed_stream(args.url, model, "Tell me a long story about a dragon.", args.output_tokens)
+            result = timed_stream(url, model, "Tell me a long story about a dragon.", args.output_tokens)
             print(
                 f"decode: {result['completion_tokens']} tokens at {result['decode_tok_s']:.1f} tok/s, "
                 f"median inter-token {result['median_itl_ms']:.1f} ms"
             )
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait()
 
 
 if __name__ == "__main__":

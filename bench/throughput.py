@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import openai
 
-from bench.common import machine_report, start_server
+from bench.common import machine_report, server_for
 
 SENTENCE = "The river runs past the old mill. "
 
@@ -327,28 +327,18 @@ def main() -> None:
     levels = [int(level) for level in args.concurrency.split(",")]
     machine = machine_report()
     print(machine)
-    process = None
-    startup = None
-    if args.url is None:
-        process, startup = start_server(["--model", "default", *args.serve_args.split()], args.port)
-        args.url = f"http://127.0.0.1:{args.port}"
-        print(f"server: statelm serve --model default {args.serve_args}".rstrip())
-        print(f"start-up (process start to /health OK): {startup:.2f} s")
     prompt_kind = "shared prefix, request id at the end" if args.shared_prefix else "unique start per request"
     print(
         f"settings: concurrency {levels}, prompt ≈{args.prompt_tokens} tokens ({prompt_kind}), "
         f"{args.output_tokens} output tokens, greedy, streaming, timeout {args.timeout:.0f} s per request"
     )
-    targets = [make_target(args.label, args.url, args.model, not args.no_ignore_eos, args.timeout)]
-    if args.peer_url:
-        peer_eos = not args.peer_no_ignore_eos
-        targets.append(make_target(args.peer_label, args.peer_url, args.peer_model, peer_eos, args.timeout))
-    try:
+    with server_for(args.url, args.port, args.serve_args) as server:
+        startup = server.startup_s
+        targets = [make_target(args.label, server.url, args.model, not args.no_ignore_eos, args.timeout)]
+        if args.peer_url:
+            peer_eos = not args.peer_no_ignore_eos
+            targets.append(make_target(args.peer_label, args.peer_url, args.peer_model, peer_eos, args.timeout))
         reports = asyncio.run(run_all(targets, levels, args))
-    finally:
-        if process is not None:
-            process.terminate()
-            process.wait()
     print(f"\n{machine}")
     print(
         f"Command: `{shlex.join(['.venv/bin/python', '-m', 'bench.throughput', *sys.argv[1:]])}`\n"
