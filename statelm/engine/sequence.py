@@ -64,11 +64,6 @@ class Sequence:
         self.tokens = list(self.prompt_ids)
 
     @property
-    def output_ids(self) -> list[int]:
-        """The generated tokens."""
-        return self.tokens[len(self.prompt_ids) :]
-
-    @property
     def num_output_tokens(self) -> int:
         """How many tokens have been generated."""
         return len(self.tokens) - len(self.prompt_ids)

@@ -96,3 +96,23 @@ def test_abort_frees_the_blocks(loaded: LoadedModel) -> None:
     assert engine.pool.num_used_blocks > 0
     assert engine.abort("a")
     assert engine.pool.num_used_blocks == 0 and not engine.has_work()
+
+
+def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = engine_for(loaded)
+    work = prompts(loaded, 2)
+    engine.add_request("doomed", work["r0"], GREEDY)
+    original = engine.runner.execute
+
+    def failing(chunks: object) -> object:
+        raise RuntimeError("injected failure")
+
+    monkeypatch.setattr(engine.runner, "execute", failing)
+    outputs = engine.step()
+    assert [(o.request_id, o.finished) for o in outputs] == [("doomed", True)]
+    assert "injected failure" in outputs[0].error
+    assert engine.pool.num_used_blocks == 0 and not engine.has_work()
+    monkeypatch.setattr(engine.runner, "execute", original)
+    assert generate(engine, {"r1": work["r1"]}, GREEDY) == generate(engine_for(loaded), {"r1": work["r1"]}, GREEDY)
