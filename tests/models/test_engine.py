@@ -116,3 +116,11 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(
     assert engine.pool.num_used_blocks == 0 and not engine.has_work()
     monkeypatch.setattr(engine.runner, "execute", original)
     assert generate(engine, {"r1": work["r1"]}, GREEDY) == generate(engine_for(loaded), {"r1": work["r1"]}, GREEDY)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_generates_what_the_cpu_engine_does(qwen2_dir: Path, loaded: LoadedModel) -> None:
+    on_gpu = load_model(str(qwen2_dir), torch.device("cuda"), torch.float32)
+    work = prompts(loaded, 4)
+    assert generate(engine_for(on_gpu), work, GREEDY) == generate(engine_for(loaded), work, GREEDY)
