@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,6 +15,7 @@ from statelm.api.errors import APIError
 
 log = logging.getLogger(__name__)
 
+_UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 _HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
@@ -21,10 +24,14 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.to_dict(), status_code=error.status)
 
 
-def validation_error(exc: RequestValidationError) -> APIError:
-    """The first problem pydantic found, named by its parameter."""
-    first = exc.errors()[0]
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
+def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+    """The most specific problem pydantic found, named by its parameter.
+
+    For a union field pydantic reports one error per member; the deepest error that is not merely a type
+    mismatch against another member is the one that explains what is wrong.
+    """
+    first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")))
+    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
     param = ".".join(location) or None
     kind = first.get("type", "")
     if kind == "extra_forbidden":
@@ -33,6 +40,11 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return APIError(f"Request body is not a valid JSON object: {first.get('msg', '')}", code="invalid_json")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
+
+
+def _is_type_tag(part: object) -> bool:
+    """Location parts like `str` or `list[TextContentPart]` name a union member, not a field."""
+    return isinstance(part, str) and ("[" in part or part in _UNION_MEMBER_TAGS)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -44,7 +56,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc))
+        return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(HTTPException)
     async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
