@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 
 
 @dataclass
@@ -33,5 +32,4 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     served_model_name: str | None = None
-    state_dir: Path | None = None
     log_level: str = "info"

@@ -97,11 +97,9 @@ class ChatService:
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """Generate the whole reply."""
-        request_id, prompt_ids, params = self._prepare(request)
+        request_id, pieces = self._start(request)
         text: list[str] = []
-        async for chunk in generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings(), self.metrics
-        ):
+        async for chunk in pieces:
             text.append(chunk.text)
         return ChatCompletionResponse(
             id=request_id,
@@ -119,11 +117,11 @@ class ChatService:
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Generate the reply as chunks; validation errors are raised before the first chunk."""
-        request_id, prompt_ids, params = self._prepare(request)
-        return self._chunks(request, request_id, prompt_ids, params)
+        request_id, pieces = self._start(request)
+        return self._chunks(request, request_id, pieces)
 
     async def _chunks(
-        self, request: ChatCompletionRequest, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self, request: ChatCompletionRequest, request_id: str, pieces: AsyncIterator[TextChunk]
     ) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
 
@@ -132,9 +130,7 @@ class ChatService:
             return ChatCompletionChunk(id=request_id, created=created, model=request.model, choices=[choice])
 
         yield chunk(DeltaMessage(role="assistant", content=""))
-        async for piece in generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings(), self.metrics
-        ):
+        async for piece in pieces:
             if piece.text:
                 yield chunk(DeltaMessage(content=piece.text))
             if piece.finish_reason is not None:
@@ -144,7 +140,8 @@ class ChatService:
                         id=request_id, created=created, model=request.model, choices=[], usage=usage_of(piece)
                     )
 
-    def _prepare(self, request: ChatCompletionRequest) -> tuple[str, list[int], SamplingParams]:
+    def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[TextChunk]]:
+        """Validate and render the request; return its id and its (not yet started) text generation."""
         self.model.check(request.model)
         if self.engine.queue_is_full():
             raise APIError(
@@ -170,4 +167,8 @@ class ChatService:
             len(prompt_ids),
             self.model.max_model_len,
         )
-        return f"chatcmpl-{uuid.uuid4().hex}", prompt_ids, params
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stops = request.stop_strings()
+        return request_id, generate_text(
+            self.engine, self.tokenizer, request_id, prompt_ids, params, stops, self.metrics
+        )

@@ -33,8 +33,6 @@ class BuiltEngine:
 
     loaded: LoadedModel
     engine: AsyncEngine
-    max_model_len: int
-    num_blocks: int
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
@@ -46,7 +44,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking)
     engine = create_engine(loaded, config)
-    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), engine.max_model_len, engine.pool.num_blocks)
+    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue))
 
 
 def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:

@@ -72,7 +72,7 @@ class Engine:
             return []
         try:
             result = self.runner.execute(chunks)
-            new_tokens = sample(result.logits, result.sampling_seqs) if result.sampling_seqs else []
+            new_tokens = sample(result.logits, result.sampling_seqs)
         except Exception as exc:  # a failing step must not take the engine down
             log.exception("engine step failed")
             return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]

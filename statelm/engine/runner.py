@@ -55,9 +55,13 @@ class ModelRunner:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_seqs.append(seq)
         position_tensor = torch.tensor(positions, dtype=torch.int64)
+        block_tables = self._block_tables(chunks)
+        token_seq = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens))
+        block_of_token = block_tables[token_seq, position_tensor // self.block_size]
+        slot_mapping = block_of_token * self.block_size + position_tensor % self.block_size
         meta = AttentionMetadata(
-            slot_mapping=self._slot_mapping(chunks, position_tensor, query_start).to(self.device),
-            block_tables=self._block_tables(chunks).to(self.device),
+            slot_mapping=slot_mapping.to(self.device),
+            block_tables=block_tables.to(self.device),
             query_lens=query_lens,
             seq_lens=seq_lens,
             query_start=query_start,
@@ -67,21 +71,10 @@ class ModelRunner:
             position_tensor.to(self.device),
             self.kv_cache,
             meta,
-            torch.tensor(is_prompt, device=self.device) if any(is_prompt) else None,
+            torch.tensor(is_prompt, device=self.device),
         )
         rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
         return ForwardResult(sampling_seqs, self.model.compute_logits(hidden[rows]))
-
-    def _slot_mapping(
-        self, chunks: list[ScheduledChunk], positions: torch.Tensor, query_start: list[int]
-    ) -> torch.Tensor:
-        slots = torch.empty_like(positions)
-        for i, chunk in enumerate(chunks):
-            rows = slice(query_start[i], query_start[i + 1])
-            pos = positions[rows]
-            table = torch.tensor(chunk.seq.block_table, dtype=torch.int64)
-            slots[rows] = table[pos // self.block_size] * self.block_size + pos % self.block_size
-        return slots
 
     @staticmethod
     def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -113,7 +114,7 @@ def load_model(
             config = ModelConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
             tokenizer = Tokenizer.from_hf_dir(source.path)
             files = _safetensors_files(source.path)
-            weights = lambda: _read_safetensors(files, dtype)  # noqa: E731
+            weights = functools.partial(_read_safetensors, files, dtype)
             weight_identity = _safetensors_identity(files)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc

@@ -30,7 +30,7 @@ def build_chat(
     model = ServedModel(
         name=name,
         aliases=frozenset({engine_config.model, built.loaded.name} - {name}),
-        max_model_len=built.max_model_len,
+        max_model_len=built.engine.engine.max_model_len,
         created=int(time.time()),
     )
     return ChatService(built.engine, built.loaded.tokenizer, model, metrics)
