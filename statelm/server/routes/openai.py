@@ -10,7 +10,13 @@ from sse_starlette import EventSourceResponse
 
 from statelm.api.chat import ChatService
 from statelm.api.errors import APIError
-from statelm.api.protocol import ChatCompletionRequest, ChatCompletionResponse, ModelCard, ModelList
+from statelm.api.protocol import (
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ModelCard,
+    ModelList,
+)
 from statelm.engine.async_engine import EngineError
 
 router = APIRouter(prefix="/v1", tags=["openai"])
@@ -44,7 +50,7 @@ async def chat_completions(
     return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)
 
 
-async def _sse(chunks: AsyncIterator) -> AsyncIterator[dict[str, str]]:
+async def _sse(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[dict[str, str]]:
     """Server-sent events of a stream, an error event if it fails midway, and the closing [DONE]."""
     try:
         async for chunk in chunks:
