@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from statelm.paths import default_state_dir
 
 
 @dataclass
@@ -33,3 +36,5 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     log_level: str = "info"
+    state_dir: Path = field(default_factory=default_state_dir)  # sessions and snapshots live here
+    persist_sessions: bool = True  # save live sessions on shutdown and resume them on start

@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
 
 from statelm.api.errors import APIError
 from statelm.api.generation import TextChunk, generate_text
@@ -15,6 +19,7 @@ from statelm.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
+    ChatMessage,
     ChunkChoice,
     DeltaMessage,
     PromptTokensDetails,
@@ -23,6 +28,8 @@ from statelm.api.protocol import (
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.sequence import SamplingParams
 from statelm.metrics import ServingMetrics
+from statelm.sessions.manager import SessionManager
+from statelm.sessions.session import Session
 from statelm.tokenizer import ChatTemplateError, Tokenizer
 
 
@@ -86,18 +93,34 @@ def sampling_params(
     )
 
 
-class ChatService:
-    """Serves chat completions from the engine."""
+def transcript_for_template(transcript: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """A session's messages as the chat template takes them; 422 if a stored message is malformed."""
+    try:
+        return [ChatMessage.model_validate(message).for_template() for message in transcript]
+    except ValidationError as exc:
+        raise APIError(f"the session's transcript holds an invalid message: {exc}", status=422) from exc
 
-    def __init__(self, engine: AsyncEngine, tokenizer: Tokenizer, model: ServedModel, metrics: ServingMetrics) -> None:
+
+class ChatService:
+    """Serves chat completions from the engine, stateless or as turns of a session."""
+
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        tokenizer: Tokenizer,
+        model: ServedModel,
+        metrics: ServingMetrics,
+        sessions: SessionManager | None = None,
+    ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model = model
         self.metrics = metrics
+        self.sessions = sessions
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """Generate the whole reply."""
-        request_id, pieces = self._start(request)
+        request_id, pieces = await self._start(request)
         text: list[str] = []
         async for chunk in pieces:
             text.append(chunk.text)
@@ -113,11 +136,12 @@ class ChatService:
                 )
             ],
             usage=usage_of(chunk),
+            session_id=request.session_id,
         )
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Generate the reply as chunks; validation errors are raised before the first chunk."""
-        request_id, pieces = self._start(request)
+        request_id, pieces = await self._start(request)
         return self._chunks(request, request_id, pieces)
 
     async def _chunks(
@@ -127,7 +151,9 @@ class ChatService:
 
         def chunk(delta: DeltaMessage, finish: str | None = None) -> ChatCompletionChunk:
             choice = ChunkChoice(index=0, delta=delta, finish_reason=finish)
-            return ChatCompletionChunk(id=request_id, created=created, model=request.model, choices=[choice])
+            return ChatCompletionChunk(
+                id=request_id, created=created, model=request.model, choices=[choice], session_id=request.session_id
+            )
 
         yield chunk(DeltaMessage(role="assistant", content=""))
         async for piece in pieces:
@@ -137,10 +163,15 @@ class ChatService:
                 yield chunk(DeltaMessage(), piece.finish_reason)
                 if request.stream_options and request.stream_options.include_usage:
                     yield ChatCompletionChunk(
-                        id=request_id, created=created, model=request.model, choices=[], usage=usage_of(piece)
+                        id=request_id,
+                        created=created,
+                        model=request.model,
+                        choices=[],
+                        usage=usage_of(piece),
+                        session_id=request.session_id,
                     )
 
-    def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[TextChunk]]:
+    async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[TextChunk]]:
         """Validate and render the request; return its id and its (not yet started) text generation."""
         self.model.check(request.model)
         if self.engine.queue_is_full():
@@ -150,25 +181,96 @@ class ChatService:
                 type="rate_limit_error",
                 code="queue_full",
             )
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        if request.session_id is not None:
+            return request_id, await self._start_turn(request, request_id)
+        prompt_ids = self._render([m.for_template() for m in request.messages], {})
+        params = self._sampling_params(request, len(prompt_ids), self.model.max_model_len)
+        pieces = generate_text(
+            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings(), self.metrics
+        )
+        return request_id, pieces
+
+    async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[TextChunk]:
+        """Begin a session turn: the session's transcript plus this turn's messages, from the session's KV."""
+        if self.sessions is None:
+            raise APIError("sessions are not enabled on this server", param="session_id")
+        session = self.sessions.begin_turn(request.session_id or "")
+        turn = SessionTurn(self.sessions, session, request_id)
         try:
-            prompt = self.tokenizer.apply_chat_template(
-                [m.for_template() for m in request.messages], add_generation_prompt=True
+            new_messages = [message.for_transcript() for message in request.messages]
+            prompt_ids = self._render(
+                transcript_for_template(session.transcript + new_messages), session.settings.chat_template_kwargs
             )
+            context = min(self.model.max_model_len, session.settings.max_tokens or self.model.max_model_len)
+            params = self._sampling_params(request, len(prompt_ids), context)
+            restore = await self.sessions.kv_to_restore(session)
+        except BaseException:
+            turn.end(None)
+            raise
+        pieces = generate_text(
+            self.engine,
+            self.tokenizer,
+            request_id,
+            prompt_ids,
+            params,
+            request.stop_strings(),
+            self.metrics,
+            session_id=session.id,
+            restore=restore,
+        )
+        return turn.follow(pieces, new_messages)
+
+    def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
+        """Token ids of the conversation rendered by the chat template, ready for the assistant's reply."""
+        try:
+            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
         except ChatTemplateError as exc:
             raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
-        prompt_ids = self.tokenizer.encode(prompt)
-        params = sampling_params(
+        return self.tokenizer.encode(prompt)
+
+    def _sampling_params(self, request: ChatCompletionRequest, prompt_len: int, context: int) -> SamplingParams:
+        return sampling_params(
             request.temperature,
             request.top_p,
             request.top_k,
             request.seed,
             request.requested_max_tokens(),
             request.ignore_eos,
-            len(prompt_ids),
-            self.model.max_model_len,
+            prompt_len,
+            context,
         )
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stops = request.stop_strings()
-        return request_id, generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, stops, self.metrics
-        )
+
+
+class SessionTurn:
+    """One turn of a session: commits its messages and KV when it completes, drops them otherwise."""
+
+    def __init__(self, sessions: SessionManager, session: Session, request_id: str) -> None:
+        self.sessions = sessions
+        self.session = session
+        self.request_id = request_id
+        self.ended = False
+
+    def end(self, messages: list[dict[str, Any]] | None) -> None:
+        """Commit messages (None: drop the turn); only the first call counts."""
+        if not self.ended:
+            self.ended = True
+            self.sessions.end_turn(self.session, self.request_id, messages)
+
+    def follow(self, pieces: AsyncIterator[TextChunk], new_messages: list[dict[str, Any]]) -> AsyncIterator[TextChunk]:
+        """pieces, committing the turn at the final chunk; a generation dropped before that drops the turn."""
+
+        async def committed() -> AsyncIterator[TextChunk]:
+            text: list[str] = []
+            try:
+                async for piece in pieces:
+                    text.append(piece.text)
+                    if piece.finish_reason is not None:
+                        self.end([*new_messages, {"role": "assistant", "content": "".join(text)}])
+                    yield piece
+            finally:
+                self.end(None)
+
+        stream = committed()
+        weakref.finalize(stream, self.end, None)  # a stream that is never iterated still frees the session
+        return stream

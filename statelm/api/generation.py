@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from statelm.api.parsers.stop import StopStringMatcher
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.sequence import FinishReason, SamplingParams
+from statelm.engine.session_kv import SessionKVData
 from statelm.metrics import ServingMetrics
 from statelm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -32,15 +33,20 @@ async def generate_text(
     params: SamplingParams,
     stop_strings: list[str],
     metrics: ServingMetrics,
+    session_id: str | None = None,
+    restore: SessionKVData | None = None,
 ) -> AsyncIterator[TextChunk]:
-    """Yield text as it becomes final; no text past a stop string is ever yielded."""
+    """Yield text as it becomes final; no text past a stop string is ever yielded.
+
+    A session turn (session_id) starts from the session's KV, restored from `restore` if it was spilled.
+    """
     detokenizer = IncrementalDetokenizer(tokenizer)
     matcher = StopStringMatcher(stop_strings)
     completion_tokens = 0
     finish: str | None = None
     last_arrival = time.perf_counter()
     try:
-        async for output in engine.generate(request_id, prompt_ids, params):
+        async for output in engine.generate(request_id, prompt_ids, params, session_id, restore):
             now = time.perf_counter()
             latency = metrics.time_to_first_token if completion_tokens == 0 else metrics.inter_token_latency
             latency.observe(now - last_arrival)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -35,6 +35,10 @@ class ChatMessage(StrictModel):
             return "".join(part.text for part in self.content)
         return self.content or ""
 
+    def for_transcript(self) -> dict[str, Any]:
+        """The message as a session's transcript keeps it: as sent, without unset fields."""
+        return self.model_dump(exclude_none=True)
+
     def for_template(self) -> dict[str, str]:
         """The message as a chat template expects it; `developer` is the newer name of `system`."""
         message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
@@ -65,6 +69,7 @@ class ChatCompletionRequest(StrictModel):
     n: Annotated[int, Field(ge=1, le=1, description="only n=1 is supported")] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    session_id: str | None = None  # statelm: `messages` are this turn's messages, appended to the session
 
     @model_validator(mode="after")
     def _check_consistency(self) -> ChatCompletionRequest:
@@ -127,6 +132,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    session_id: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class DeltaMessage(BaseModel):
@@ -154,6 +160,7 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChunkChoice]
     usage: Usage | None = None
+    session_id: str | None = Field(default=None, exclude_if=lambda value: value is None)
 
 
 class ModelCard(BaseModel):

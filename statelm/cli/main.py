@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from statelm.config import EngineConfig, ServerConfig
+from statelm.paths import default_state_dir
 
 app = typer.Typer(no_args_is_help=True, add_completion=False, help="statelm: a stateful LLM inference server.")
 
@@ -54,6 +56,12 @@ def serve(
     seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
+    state_dir: Annotated[
+        Path | None, typer.Option(help="Where sessions and snapshots are kept (default: the user state dir).")
+    ] = None,
+    persist_sessions: Annotated[
+        bool, typer.Option(help="Save live sessions on shutdown and resume them on the next start.")
+    ] = True,
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -75,7 +83,14 @@ def serve(
         seed=seed,
         threads=threads,
     )
-    server_config = ServerConfig(host=host, port=port, served_model_name=served_model_name, log_level=log_level)
+    server_config = ServerConfig(
+        host=host,
+        port=port,
+        served_model_name=served_model_name,
+        log_level=log_level,
+        state_dir=state_dir or default_state_dir(),
+        persist_sessions=persist_sessions,
+    )
     from statelm.server.launch import LaunchError, run_server
 
     try:

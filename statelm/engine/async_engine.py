@@ -8,9 +8,13 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from statelm.engine.engine import Engine, StepOutput
 from statelm.engine.sequence import SamplingParams
+from statelm.engine.session_kv import SessionKVData
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -38,12 +42,17 @@ class AsyncEngine:
         self._thread.start()
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        restore: SessionKVData | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Yield the request's step outputs until it finishes; leaving early aborts it."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
-        self._commands.put(lambda: self.engine.add_request(request_id, prompt_ids, params))
+        self._commands.put(lambda: self.engine.add_request(request_id, prompt_ids, params, session_id, restore))
         self._unfinished += 1
         finished = False
         try:
@@ -58,6 +67,34 @@ class AsyncEngine:
             self._subscribers.pop(request_id, None)
             if not finished:
                 self.abort(request_id)
+
+    def submit(self, function: Callable[[], object]) -> None:
+        """Run function on the engine thread, between steps, without waiting for it."""
+        self._commands.put(function)
+
+    async def call(self, function: Callable[[], T]) -> T:
+        """Run function on the engine thread, between steps, and return its result."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+
+        def settle(result: T | None, error: Exception | None) -> None:
+            if future.done():
+                return
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(result)  # type: ignore[arg-type]
+
+        def command() -> None:
+            try:
+                result = function()
+            except Exception as exc:
+                loop.call_soon_threadsafe(settle, None, exc)
+            else:
+                loop.call_soon_threadsafe(settle, result, None)
+
+        self._commands.put(command)
+        return await future
 
     def queue_is_full(self) -> bool:
         """True when max_queue requests already wait for a slot in the running batch."""

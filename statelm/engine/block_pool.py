@@ -67,6 +67,15 @@ class BlockPool:
             blocks.append(block)
         return blocks
 
+    def retain(self, blocks: list[int]) -> None:
+        """Add one reference to each block, which must be held already."""
+        for block in blocks:
+            self._refcounts[block] += 1
+
+    def num_sole_references(self, blocks: list[int]) -> int:
+        """How many of blocks would become free if their holder released them."""
+        return sum(self._refcounts[block] == 1 for block in blocks)
+
     def release(self, blocks: list[int]) -> None:
         """Drop one reference to each block; blocks nobody holds go to the end of the free LRU."""
         for block in blocks:

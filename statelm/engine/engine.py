@@ -10,6 +10,7 @@ from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import make_generator, sample
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
+from statelm.engine.session_kv import SessionKVData, SessionKVStore
 
 log = logging.getLogger(__name__)
 
@@ -43,16 +44,31 @@ class Engine:
         self.pool = pool
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens)
+        self.sessions = SessionKVStore(pool, runner.kv_cache)
+        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens, self.sessions)
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Queue a request; the caller has checked that it fits the context."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        session_id: str | None = None,
+        restore: SessionKVData | None = None,
+    ) -> None:
+        """Queue a request; the caller has checked that it fits the context.
+
+        A session turn (session_id given) starts from the session's KV, restored from `restore` if the
+        session was spilled, and parks its KV when it ends, for `sessions.commit` or `sessions.discard`.
+        """
+        if session_id is not None:
+            self.sessions.acquire(session_id, restore)
         seq = Sequence(
             request_id=request_id,
             prompt_ids=list(prompt_ids),
             params=params,
             eos_token_ids=self.eos_token_ids,
             max_total_tokens=self.max_model_len,
+            session_id=session_id,
             generator=None if params.greedy else make_generator(params.seed, self.runner.device),
         )
         self.scheduler.add(seq)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.sequence import FinishReason, Sequence, SequenceStatus
+from statelm.engine.session_kv import SessionKVStore
 
 
 @dataclass
@@ -20,8 +21,11 @@ class ScheduledChunk:
 class Scheduler:
     """Waiting and running queues; each step packs running sequences first, then new prefill chunks."""
 
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(
+        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, sessions: SessionKVStore | None = None
+    ) -> None:
         self.pool = pool
+        self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -41,7 +45,7 @@ class Scheduler:
             for seq in queue:
                 if seq.request_id == request_id:
                     queue.remove(seq)
-                    self._free(seq)
+                    self._retire(seq)
                     seq.finish(FinishReason.ABORT)
                     return seq
         return None
@@ -65,7 +69,7 @@ class Scheduler:
             if not seq.block_table:
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
-            if not self.pool.grow(seq.block_table, seq.num_computed_tokens + count):
+            if not self._grow(seq, seq.num_computed_tokens + count):
                 self._free(seq)
                 seq.num_computed_tokens = 0
                 break
@@ -77,21 +81,27 @@ class Scheduler:
         return chunks
 
     def finish(self, seq: Sequence) -> None:
-        """Take a finished sequence out of the running queue and free its blocks."""
+        """Take a finished sequence out of the running queue and free (or, for a session turn, park) its blocks."""
         self.running.remove(seq)
-        self._free(seq)
+        self._retire(seq)
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
-        """Start a sequence from the cached blocks of its longest known prefix."""
+        """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens."""
         blocks, hashes = self.pool.match_prefix(seq.tokens)
-        seq.block_table, seq.block_hashes = blocks, hashes
-        seq.num_computed_tokens = len(blocks) * self.pool.block_size
+        cached = len(blocks) * self.pool.block_size
+        session_length = self.sessions.reusable_length(seq) if self.sessions is not None else 0
+        if session_length > cached:
+            self.pool.release(blocks)
+            cached = self.sessions.attach(seq, session_length)
+        else:
+            seq.block_table, seq.block_hashes = blocks, hashes
+        seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
 
     def _reserve(self, seq: Sequence, count: int) -> bool:
         """Make room for count more tokens of a running seq, preempting the newest others if needed."""
-        while not self.pool.grow(seq.block_table, seq.num_computed_tokens + count):
+        while not self._grow(seq, seq.num_computed_tokens + count):
             victim = self.running[-1]
             self._preempt(victim)
             if victim is seq:
@@ -105,6 +115,24 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
+
+    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make seq's block table hold num_tokens, spilling idle sessions if the pool is short."""
+        if self.pool.grow(seq.block_table, num_tokens):
+            return True
+        missing = self.pool.blocks_needed(num_tokens) - len(seq.block_table)
+        return (
+            self.sessions is not None
+            and self.sessions.reclaim(missing)
+            and self.pool.grow(seq.block_table, num_tokens)
+        )
+
+    def _retire(self, seq: Sequence) -> None:
+        """Let go of an ended sequence's blocks: a session turn parks them, anything else frees them."""
+        if seq.session_id is not None and self.sessions is not None:
+            self.sessions.park(seq)
+        else:
+            self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
         self.pool.release(seq.block_table)

@@ -45,6 +45,22 @@ class ModelSource:
         return self.path.suffix == ".gguf"
 
 
+@dataclass(frozen=True)
+class ModelFingerprint:
+    """The parts of a model that decide what its KV cache means, each as a hash or a plain value."""
+
+    parts: dict[str, str]
+
+    @property
+    def digest(self) -> str:
+        """One hash of all parts."""
+        return hashlib.sha256(json.dumps(self.parts, sort_keys=True).encode()).hexdigest()
+
+    def differences(self, other: dict[str, str]) -> list[str]:
+        """Names of the parts in which other differs from this fingerprint."""
+        return sorted(name for name in self.parts.keys() | other.keys() if self.parts.get(name) != other.get(name))
+
+
 @dataclass
 class LoadedModel:
     """A model ready to run, with what the API layer needs to know about it."""
@@ -53,7 +69,7 @@ class LoadedModel:
     config: ModelConfig
     model: LlamaForCausalLM
     tokenizer: Tokenizer
-    fingerprint: str
+    fingerprint: ModelFingerprint
     device: torch.device
     dtype: torch.dtype
 
@@ -202,13 +218,17 @@ def _safetensors_identity(files: list[Path]) -> str:
     return f"safetensors:{digest.hexdigest()}"
 
 
-def _fingerprint(config: ModelConfig, weight_identity: str, dtype: torch.dtype, tokenizer: Tokenizer) -> str:
+def _fingerprint(
+    config: ModelConfig, weight_identity: str, dtype: torch.dtype, tokenizer: Tokenizer
+) -> ModelFingerprint:
     """Identity of everything that shapes a KV cache: architecture, weights, dtype, tokenizer, template."""
-    parts = {
-        "config": config.to_dict(),
-        "weights": weight_identity,
-        "dtype": str(dtype),
-        "tokenizer": tokenizer.content_hash(),
-        "chat_template": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
-    }
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+    config_json = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return ModelFingerprint(
+        {
+            "config": hashlib.sha256(config_json.encode()).hexdigest(),
+            "weights": weight_identity,
+            "dtype": str(dtype).removeprefix("torch."),
+            "tokenizer": tokenizer.content_hash(),
+            "chat_template": hashlib.sha256((tokenizer.chat_template or "").encode()).hexdigest(),
+        }
+    )

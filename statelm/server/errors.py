@@ -12,6 +12,8 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 
 from statelm.api.errors import APIError
+from statelm.api.sessions import session_api_error
+from statelm.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +55,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
+
+    @app.exception_handler(SessionError)
+    async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
+        return error_response(session_api_error(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:

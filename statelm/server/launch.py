@@ -9,11 +9,13 @@ import time
 import uvicorn
 
 from statelm.api.chat import ChatService, ServedModel
+from statelm.api.sessions import SessionService
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
 from statelm.metrics import ServingMetrics
 from statelm.models.loader import ModelLoadError
 from statelm.server.app import create_app
+from statelm.sessions.manager import SessionManager
 
 log = logging.getLogger("statelm")
 
@@ -22,18 +24,26 @@ class LaunchError(RuntimeError):
     """The server could not start; the message is for the user."""
 
 
-def build_chat(
-    built: BuiltEngine, engine_config: EngineConfig, served_model_name: str | None, metrics: ServingMetrics
-) -> ChatService:
-    """The chat service over a built engine, answering to the served name and the `--model` value."""
-    name = served_model_name or built.loaded.name
+def build_services(
+    built: BuiltEngine, engine_config: EngineConfig, server_config: ServerConfig, metrics: ServingMetrics
+) -> tuple[ChatService, SessionService]:
+    """Chat and session services over a built engine, answering to the served name and the `--model` value."""
+    name = server_config.served_model_name or built.loaded.name
     model = ServedModel(
         name=name,
         aliases=frozenset({engine_config.model, built.loaded.name} - {name}),
         max_model_len=built.engine.engine.max_model_len,
         created=int(time.time()),
     )
-    return ChatService(built.engine, built.loaded.tokenizer, model, metrics)
+    manager = SessionManager(
+        built.engine,
+        built.loaded.name,
+        built.loaded.fingerprint,
+        server_config.state_dir,
+        server_config.persist_sessions,
+    )
+    chat = ChatService(built.engine, built.loaded.tokenizer, model, metrics, manager)
+    return chat, SessionService(manager)
 
 
 def configure_logging(level: str) -> None:
@@ -53,7 +63,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     except (ModelLoadError, EngineConfigError) as exc:
         raise LaunchError(str(exc)) from None
     metrics = ServingMetrics(built.engine.engine)
-    chat = build_chat(built, engine_config, server_config.served_model_name, metrics)
-    app = create_app(built.engine, chat, metrics)
+    chat, session_service = build_services(built, engine_config, server_config, metrics)
+    app = create_app(built.engine, chat, session_service, metrics)
     log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
     uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)

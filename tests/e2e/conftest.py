@@ -28,6 +28,8 @@ def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen[byte
     """Start `statelm serve` with args and wait until /health answers."""
     port = free_port()
     log = log_path.open("wb")
+    if "--state-dir" not in args:
+        args = [*args, "--state-dir", str(log_path.parent / "state")]
     process = subprocess.Popen(
         [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
         stdout=log,

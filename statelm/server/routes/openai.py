@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
+from typing import TypeVar
 
 from fastapi import APIRouter, Request
 from sse_starlette import EventSourceResponse
@@ -20,6 +23,7 @@ from statelm.api.protocol import (
 from statelm.engine.async_engine import EngineError
 
 router = APIRouter(prefix="/v1", tags=["openai"])
+T = TypeVar("T")
 KEEP_ALIVE_SECONDS = 10
 
 
@@ -43,11 +47,35 @@ async def chat_completions(
     service = chat_service(request)
     try:
         if not body.stream:
-            return await service.complete(body)
+            return await cancel_on_disconnect(request, service.complete(body))
         chunks = await service.stream(body)
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
     return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)
+
+
+async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work, cancelling it if the client disconnects first (a dropped session turn then changes nothing)."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    finally:
+        watcher.cancel()
+    if task in done:
+        return task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+    raise APIError("the client disconnected", status=499, code="client_disconnected")
 
 
 async def _sse(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[dict[str, str]]:

@@ -1,0 +1,124 @@
+"""Request and response bodies of the sessions and snapshots API."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, Field, field_validator
+
+from statelm.api.protocol import StrictModel
+
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+Title = Annotated[str, Field(max_length=200)]
+Description = Annotated[str, Field(max_length=4000)]
+Tags = Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=32)]
+
+
+class CreateSessionRequest(StrictModel):
+    """Body of POST /v1/sessions."""
+
+    session_id: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    system: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _no_reserved_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
+        if reserved:
+            raise ValueError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs")
+        return value
+
+
+class RollbackRequest(StrictModel):
+    """Body of POST /v1/sessions/{id}/rollback."""
+
+    keep_messages: Annotated[int, Field(ge=0)]
+
+
+class ForkRequest(StrictModel):
+    """Body of POST /v1/sessions/{id}/fork."""
+
+    session_id: str | None = None
+
+
+class SnapshotRequest(StrictModel):
+    """Body of POST /v1/sessions/{id}/snapshot."""
+
+    title: Title | None = None
+    description: Description | None = None
+    tags: Tags | None = None
+
+
+class UpdateSnapshotRequest(SnapshotRequest):
+    """Body of PATCH /v1/snapshots/{id}: fields sent are set, null clears, absent ones stay."""
+
+
+class LoadSnapshotRequest(StrictModel):
+    """Body of POST /v1/snapshots/{id}/load."""
+
+    session_id: str | None = None
+    overwrite: bool = False
+
+
+class SessionObject(BaseModel):
+    """A session as the API shows it."""
+
+    id: str
+    object: Literal["session"] = "session"
+    created: int
+    last_used: int
+    num_tokens: int
+    num_messages: int
+    state: Literal["resident", "spilled", "busy"]
+    max_tokens: int | None
+    system: str | None
+    chat_template_kwargs: dict[str, Any]
+
+
+class SessionList(BaseModel):
+    """Body of GET /v1/sessions."""
+
+    object: Literal["list"] = "list"
+    data: list[SessionObject]
+
+
+class SessionHistory(BaseModel):
+    """Body of GET /v1/sessions/{id}/history."""
+
+    id: str
+    object: Literal["session.history"] = "session.history"
+    messages: list[dict[str, Any]]
+
+
+class SnapshotObject(BaseModel):
+    """A snapshot as the API shows it."""
+
+    id: str
+    object: Literal["snapshot"] = "snapshot"
+    created: int
+    session_id: str | None
+    num_tokens: int
+    num_messages: int
+    size_bytes: int
+    model: str | None
+    title: str | None = None
+    description: str | None = None
+    tags: list[str] | None = None
+    corrupt: str | None = Field(default=None, exclude_if=lambda value: value is None)  # unreadable manifest
+
+
+class SnapshotList(BaseModel):
+    """Body of GET /v1/snapshots."""
+
+    object: Literal["list"] = "list"
+    data: list[SnapshotObject]
+
+
+class DeletedObject(BaseModel):
+    """Body of a DELETE."""
+
+    id: str
+    object: Literal["session.deleted", "snapshot.deleted"]
+    deleted: bool = True

@@ -1,0 +1,144 @@
+"""The sessions and snapshots API: request bodies in, manager calls, response objects out."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from statelm.api.errors import APIError
+from statelm.api.session_protocol import (
+    CreateSessionRequest,
+    DeletedObject,
+    ForkRequest,
+    LoadSnapshotRequest,
+    RollbackRequest,
+    SessionHistory,
+    SessionList,
+    SessionObject,
+    SnapshotList,
+    SnapshotObject,
+    SnapshotRequest,
+    UpdateSnapshotRequest,
+)
+from statelm.sessions.errors import SessionError, check_id
+from statelm.sessions.manager import SessionManager, SessionView
+from statelm.sessions.session import Session, SessionSettings
+
+_STATUS_OF_CODE = {
+    "invalid_id": 400,
+    "invalid_request": 400,
+    "not_found": 404,
+    "already_exists": 409,
+    "session_busy": 409,
+    "fingerprint_mismatch": 409,
+    "snapshot_corrupt": 422,
+    "kv_pool_full": 507,
+}
+
+
+def session_api_error(error: SessionError) -> APIError:
+    """The HTTP error for a sessions-layer error."""
+    status = _STATUS_OF_CODE.get(error.code, 400)
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return APIError(error.message, status=status, type=kind, param=error.param, code=error.code)
+
+
+def session_object(view: SessionView) -> SessionObject:
+    """The API's view of a session."""
+    session = view.session
+    return SessionObject(
+        id=session.id,
+        created=int(session.created),
+        last_used=int(session.last_used),
+        num_tokens=view.num_tokens,
+        num_messages=len(session.transcript),
+        state=view.state.value,
+        **session.settings.to_dict(),
+    )
+
+
+def snapshot_object(manifest: dict[str, Any]) -> SnapshotObject:
+    """The API's view of a snapshot manifest."""
+    metadata = manifest.get("metadata", {})
+    return SnapshotObject(
+        id=manifest["id"],
+        created=int(manifest.get("created", 0)),
+        session_id=manifest.get("session", {}).get("id"),
+        num_tokens=manifest.get("num_tokens", 0),
+        num_messages=manifest.get("num_messages", 0),
+        size_bytes=manifest.get("size_bytes", 0),
+        model=manifest.get("model", {}).get("name"),
+        title=metadata.get("title"),
+        description=metadata.get("description"),
+        tags=metadata.get("tags"),
+        corrupt=manifest.get("corrupt"),
+    )
+
+
+class SessionService:
+    """Serves the /v1/sessions and /v1/snapshots routes from the session manager."""
+
+    def __init__(self, manager: SessionManager) -> None:
+        self.manager = manager
+
+    async def create(self, body: CreateSessionRequest) -> SessionObject:
+        """Create a session."""
+        settings = SessionSettings(body.max_tokens, body.system, dict(body.chat_template_kwargs or {}))
+        return await self._object(self.manager.create(body.session_id, settings))
+
+    async def list(self) -> SessionList:
+        """Every session, least recently used first."""
+        sessions = sorted(self.manager.sessions.values(), key=lambda session: session.last_used)
+        return SessionList(data=[session_object(view) for view in await self.manager.view(sessions)])
+
+    async def get(self, session_id: str) -> SessionObject:
+        """One session."""
+        return await self._object(self.manager.get(session_id))
+
+    async def delete(self, session_id: str) -> DeletedObject:
+        """Delete a session."""
+        await self.manager.delete(session_id)
+        return DeletedObject(id=session_id, object="session.deleted")
+
+    def history(self, session_id: str) -> SessionHistory:
+        """A session's transcript."""
+        return SessionHistory(id=session_id, messages=self.manager.get(session_id).transcript)
+
+    async def rollback(self, session_id: str, body: RollbackRequest) -> SessionObject:
+        """Keep only the first messages of a session's transcript."""
+        return await self._object(self.manager.rollback(session_id, body.keep_messages))
+
+    async def fork(self, session_id: str, body: ForkRequest) -> SessionObject:
+        """A copy of a session that shares its KV."""
+        return await self._object(await self.manager.fork(session_id, body.session_id))
+
+    async def snapshot(self, session_id: str, body: SnapshotRequest) -> SnapshotObject:
+        """Save a session as a snapshot."""
+        return snapshot_object(await self.manager.snapshot(session_id, body.model_dump()))
+
+    async def list_snapshots(self) -> SnapshotList:
+        """Every snapshot, oldest first."""
+        manifests = await asyncio.to_thread(self.manager.snapshots.list)
+        return SnapshotList(data=[snapshot_object(manifest) for manifest in manifests])
+
+    async def get_snapshot(self, snapshot_id: str) -> SnapshotObject:
+        """One snapshot."""
+        return snapshot_object(await asyncio.to_thread(self.manager.snapshots.get, snapshot_id))
+
+    async def update_snapshot(self, snapshot_id: str, body: UpdateSnapshotRequest) -> SnapshotObject:
+        """Change a snapshot's title, description or tags."""
+        changes = body.model_dump(include=body.model_fields_set)
+        return snapshot_object(await asyncio.to_thread(self.manager.snapshots.update, snapshot_id, changes))
+
+    async def delete_snapshot(self, snapshot_id: str) -> DeletedObject:
+        """Delete a snapshot."""
+        await asyncio.to_thread(self.manager.snapshots.delete, check_id(snapshot_id, "snapshot_id"))
+        return DeletedObject(id=snapshot_id, object="snapshot.deleted")
+
+    async def load_snapshot(self, snapshot_id: str, body: LoadSnapshotRequest) -> SessionObject:
+        """A new session from a snapshot."""
+        return await self._object(await self.manager.load_snapshot(snapshot_id, body.session_id, body.overwrite))
+
+    async def _object(self, session: Session) -> SessionObject:
+        (view,) = await self.manager.view([session])
+        return session_object(view)

@@ -1,0 +1,196 @@
+"""KV caches that sessions pin between turns: attach to a turn by longest common prefix, park, commit, spill.
+
+A session's KV is described by its token list and the blocks that hold those tokens, nothing else. A
+turn's sequence starts from the longest common prefix (LCP) of its prompt with the session's tokens:
+full blocks are shared (referenced once more), and a partly filled last block is copied, so a turn
+never writes into a block that a session (or a fork of it) holds. When the sequence ends, its KV is
+parked under the request id until the API layer commits it to the session or discards it; a
+session therefore changes only when the API layer says the turn completed.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from statelm.engine.block_pool import BlockPool
+from statelm.engine.kv_cache import KVCache
+from statelm.engine.sequence import Sequence
+
+
+@dataclass
+class SessionKVData:
+    """A session's KV outside the pool: its tokens and, per layer, K and V of shape [tokens, heads, dim]."""
+
+    tokens: list[int]
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+
+
+@dataclass
+class PinnedKV:
+    """Tokens whose K/V a session holds, and the blocks (each referenced once by it) that hold them."""
+
+    tokens: list[int]
+    block_table: list[int]
+    block_hashes: list[int]
+    last_used: float = field(default_factory=time.monotonic)
+    users: int = 0  # sequences of running turns attached to it; only unused sessions may spill
+
+
+class SessionKVError(RuntimeError):
+    """A session's KV cannot be placed in the pool."""
+
+
+def common_prefix_length(first: list[int], second: list[int]) -> int:
+    """Length of the longest common prefix of two token lists."""
+    limit = min(len(first), len(second))
+    for index in range(limit):
+        if first[index] != second[index]:
+            return index
+    return limit
+
+
+SpillHandler = Callable[[str, SessionKVData], None]
+
+
+class SessionKVStore:
+    """The pinned KV of every resident session, plus the parked KV of turns that have ended."""
+
+    def __init__(self, pool: BlockPool, kv_cache: KVCache) -> None:
+        self.pool = pool
+        self.kv_cache = kv_cache
+        self.pinned: dict[str, PinnedKV] = {}
+        self.parked: dict[str, PinnedKV] = {}
+        self.spill_handler: SpillHandler | None = None  # receives the KV of sessions spilled under pressure
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per block."""
+        return self.pool.block_size
+
+    def num_tokens(self, session_id: str) -> int | None:
+        """Tokens a resident session holds; None if it is not resident."""
+        pinned = self.pinned.get(session_id)
+        return None if pinned is None else len(pinned.tokens)
+
+    def acquire(self, session_id: str, restore: SessionKVData | None) -> None:
+        """Mark a resident session as used by a new turn; restore spilled KV first if it is given."""
+        if session_id not in self.pinned and restore is not None:
+            try:
+                self.load(session_id, restore)
+            except SessionKVError:
+                return  # the turn recomputes the prefix instead; nothing is lost
+        pinned = self.pinned.get(session_id)
+        if pinned is not None:
+            pinned.users += 1
+            pinned.last_used = time.monotonic()
+
+    def reusable_length(self, seq: Sequence) -> int:
+        """Tokens of seq its session's KV can serve: the LCP, keeping at least one token to compute."""
+        pinned = self.pinned.get(seq.session_id or "")
+        if pinned is None:
+            return 0
+        return min(common_prefix_length(pinned.tokens, seq.tokens), seq.num_tokens - 1)
+
+    def attach(self, seq: Sequence, length: int) -> int:
+        """Start seq from the first length tokens of its session's KV; returns the tokens actually attached."""
+        pinned = self.pinned[seq.session_id or ""]
+        full, partial = divmod(length, self.block_size)
+        if partial and not self.pool.num_free_blocks:
+            length, partial = full * self.block_size, 0
+        seq.block_table = list(pinned.block_table[:full])
+        self.pool.retain(seq.block_table)
+        seq.block_hashes = list(pinned.block_hashes[:full])
+        if partial:
+            (copy,) = self.pool.allocate(1)
+            self.kv_cache.copy_block(pinned.block_table[full], copy)
+            seq.block_table.append(copy)
+        seq.num_computed_tokens = length
+        return length
+
+    def park(self, seq: Sequence) -> None:
+        """Keep the KV of a session turn that ended (finished, stopped or aborted) until commit or discard."""
+        pinned = self.pinned.get(seq.session_id or "")
+        if pinned is not None:
+            pinned.users -= 1
+        computed = seq.num_computed_tokens
+        keep = self.pool.blocks_needed(computed)
+        self.pool.release(seq.block_table[keep:])
+        self.parked[seq.request_id] = PinnedKV(seq.tokens[:computed], seq.block_table[:keep], seq.block_hashes)
+        seq.block_table, seq.block_hashes = [], []
+
+    def commit(self, request_id: str, session_id: str) -> int | None:
+        """Make a parked turn's KV the session's; returns the session's token count, None if nothing was parked."""
+        parked = self.parked.pop(request_id, None)
+        if parked is None:
+            return None
+        previous = self.pinned.get(session_id)
+        if previous is not None:
+            parked.users = previous.users
+            self.pool.release(previous.block_table)
+        self.pinned[session_id] = parked
+        return len(parked.tokens)
+
+    def discard(self, request_id: str) -> None:
+        """Free a parked turn's KV; the session keeps what it had."""
+        parked = self.parked.pop(request_id, None)
+        if parked is not None:
+            self.pool.release(parked.block_table)
+
+    def release(self, session_id: str) -> None:
+        """Forget a session's KV (its full blocks stay in the prefix cache until reused)."""
+        pinned = self.pinned.pop(session_id, None)
+        if pinned is not None:
+            self.pool.release(pinned.block_table)
+
+    def fork(self, source_id: str, target_id: str) -> bool:
+        """Give target the same KV as source, sharing its blocks; False if source is not resident."""
+        source = self.pinned.get(source_id)
+        if source is None:
+            return False
+        self.release(target_id)
+        self.pool.retain(source.block_table)
+        self.pinned[target_id] = PinnedKV(list(source.tokens), list(source.block_table), list(source.block_hashes))
+        return True
+
+    def export(self, session_id: str) -> SessionKVData | None:
+        """Copy a resident session's K/V out of the pool; None if it is not resident."""
+        pinned = self.pinned.get(session_id)
+        if pinned is None:
+            return None
+        keys, values = self.kv_cache.gather(pinned.block_table, len(pinned.tokens))
+        return SessionKVData(list(pinned.tokens), keys, values)
+
+    def load(self, session_id: str, data: SessionKVData) -> None:
+        """Write a session's K/V into newly allocated blocks, spilling idle sessions if the pool is short."""
+        needed = self.pool.blocks_needed(len(data.tokens))
+        if needed > self.pool.num_free_blocks and not self.reclaim(needed):
+            raise SessionKVError(
+                f"the KV pool has {self.pool.num_free_blocks} free blocks; this session needs {needed}"
+            )
+        self.release(session_id)
+        blocks = self.pool.allocate(needed)
+        self.kv_cache.scatter(blocks, data.keys, data.values)
+        hashes: list[int] = []
+        self.pool.register_full_blocks(data.tokens, blocks, hashes, len(data.tokens))
+        self.pinned[session_id] = PinnedKV(list(data.tokens), blocks, hashes)
+
+    def reclaim(self, needed_blocks: int) -> bool:
+        """Spill least recently used idle sessions until needed_blocks are free; False if that is not possible."""
+        if self.spill_handler is None:
+            return needed_blocks <= self.pool.num_free_blocks
+        idle = sorted((p.last_used, sid) for sid, p in self.pinned.items() if p.users == 0)
+        for _, session_id in idle:
+            if self.pool.num_free_blocks >= needed_blocks:
+                break
+            if not self.pool.num_sole_references(self.pinned[session_id].block_table):
+                continue  # every block is shared with a fork or a running turn: spilling frees nothing
+            data = self.export(session_id)
+            self.release(session_id)
+            if data is not None:
+                self.spill_handler(session_id, data)
+        return self.pool.num_free_blocks >= needed_blocks

@@ -1,0 +1,340 @@
+"""Sessions on the event loop's side: create, list, turn bookkeeping, fork, rollback, spill, persist, snapshot.
+
+The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, and moves
+KV between the pool and disk. Blocking disk I/O runs in worker threads; engine work goes through
+AsyncEngine.call/submit, which the engine thread runs in order between steps.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.session_kv import SessionKVData, SessionKVError
+from statelm.models.loader import ModelFingerprint
+from statelm.sessions.errors import (
+    AlreadyExistsError,
+    NotFoundError,
+    SessionBusyError,
+    SessionError,
+    check_id,
+)
+from statelm.sessions.session import Session, SessionSettings, SessionState
+from statelm.sessions.snapshot_format import (
+    SnapshotContent,
+    read_snapshot,
+    read_transcript,
+    recover_directory,
+    write_snapshot,
+)
+from statelm.sessions.snapshots import SnapshotStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionView:
+    """A session with the figures that depend on the engine: token count and state."""
+
+    session: Session
+    num_tokens: int
+    state: SessionState
+
+
+def new_session_id() -> str:
+    """A fresh session id."""
+    return f"sess-{uuid.uuid4().hex[:24]}"
+
+
+class SessionManager:
+    """All sessions of the server, and the snapshot store."""
+
+    def __init__(
+        self, engine: AsyncEngine, model_name: str, fingerprint: ModelFingerprint, state_dir: Path, persist: bool
+    ) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self.fingerprint = fingerprint
+        self.persist = persist
+        self.sessions: dict[str, Session] = {}
+        self.sessions_dir = state_dir / "sessions" if persist else state_dir / f".spill-{os.getpid()}"
+        self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint)
+        self._kv = engine.engine.sessions
+        self._disk_locks: dict[str, asyncio.Lock] = {}
+        self._writes: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Take spilled KV from the engine from now on, and resume the sessions saved by the last run."""
+        loop = asyncio.get_running_loop()
+        self._kv.spill_handler = lambda session_id, data: loop.call_soon_threadsafe(self._spilled, session_id, data)
+        self.sessions_dir.mkdir(parents=True, exist_ok=True)
+        if self.persist:
+            resumed = await asyncio.to_thread(self._read_saved_sessions)
+            self.sessions.update((session.id, session) for session in resumed)
+            if resumed:
+                log.info("resumed %d sessions from %s", len(resumed), self.sessions_dir)
+
+    async def close(self) -> None:
+        """Save every session (when persisting) or remove the spill directory; the engine must still run."""
+        self._kv.spill_handler = None
+        if self._writes:
+            await asyncio.gather(*self._writes, return_exceptions=True)
+        if not self.persist:
+            await asyncio.to_thread(shutil.rmtree, self.sessions_dir, True)
+            return
+        saved = 0
+        for session in list(self.sessions.values()):
+            try:
+                saved += await self._save(session)
+            except (OSError, SessionError) as exc:
+                log.error("could not save session %s: %s", session.id, exc)
+        log.info("saved %d sessions to %s", saved, self.sessions_dir)
+
+    # --- session CRUD -------------------------------------------------------------------------------
+
+    def create(self, session_id: str | None, settings: SessionSettings) -> Session:
+        """A new, empty session (with the system message, if given)."""
+        session_id = check_id(session_id, "session_id") if session_id is not None else new_session_id()
+        if session_id in self.sessions:
+            raise AlreadyExistsError(f"session {session_id!r} already exists", param="session_id")
+        transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
+        session = Session(session_id, settings, transcript)
+        self.sessions[session_id] = session
+        return session
+
+    def get(self, session_id: str) -> Session:
+        """The session with that id."""
+        session = self.sessions.get(check_id(session_id, "session_id"))
+        if session is None:
+            raise NotFoundError(f"session {session_id!r} does not exist", param="session_id")
+        return session
+
+    async def view(self, sessions: list[Session]) -> list[SessionView]:
+        """Token counts and states of sessions, as the engine holds them now."""
+        resident = await self.engine.call(lambda: {sid: len(kv.tokens) for sid, kv in self._kv.pinned.items()})
+        views = []
+        for session in sessions:
+            in_pool = session.id in resident or not (session.on_disk or session.spilled_kv)
+            tokens = resident.get(session.id, 0 if in_pool else session.stored_tokens)
+            views.append(SessionView(session, tokens, session.state(in_pool)))
+        return views
+
+    async def delete(self, session_id: str) -> None:
+        """Forget a session, its KV and its saved copy."""
+        session = self._idle(session_id)
+        del self.sessions[session.id]
+        self.engine.submit(lambda: self._kv.release(session.id))
+        async with self._disk_lock(session.id):
+            await asyncio.to_thread(shutil.rmtree, self.sessions_dir / session.id, True)
+
+    def rollback(self, session_id: str, keep_messages: int) -> Session:
+        """Cut the transcript to its first keep_messages messages; the KV is trimmed by LCP on the next turn."""
+        session = self._idle(session_id)
+        if keep_messages > len(session.transcript):
+            raise SessionError(
+                f"keep_messages is {keep_messages} but the session has {len(session.transcript)} messages",
+                param="keep_messages",
+            )
+        session.transcript = session.transcript[:keep_messages]
+        session.disk_stale = True
+        session.touch()
+        return session
+
+    async def fork(self, session_id: str, child_id: str | None) -> Session:
+        """A new session with the parent's transcript, sharing its KV blocks (copied on write)."""
+        parent = self._idle(session_id)
+        child = self.create(child_id, SessionSettings.from_dict(parent.settings.to_dict()))
+        child.transcript = [dict(message) for message in parent.transcript]
+        child.busy = parent.busy = True
+        try:
+            if not await self.engine.call(lambda: self._kv.fork(parent.id, child.id)):
+                data = await self._kv_outside_pool(parent)
+                if data is not None:
+                    self._hold_spilled(child, data)
+        finally:
+            child.busy = parent.busy = False
+        return child
+
+    # --- turns --------------------------------------------------------------------------------------
+
+    def begin_turn(self, session_id: str) -> Session:
+        """Mark a session busy for a turn; SessionBusyError if a turn already runs."""
+        session = self._idle(session_id)
+        session.busy = True
+        session.touch()
+        return session
+
+    async def kv_to_restore(self, session: Session) -> SessionKVData | None:
+        """The session's KV if it is outside the pool (spilled), for the turn to load; None if resident."""
+        if await self.engine.call(lambda: self._kv.num_tokens(session.id)) is not None:
+            return None
+        return await self._kv_outside_pool(session)
+
+    def end_turn(self, session: Session, request_id: str, messages: list[dict[str, Any]] | None) -> None:
+        """Commit a completed turn (its messages and KV) or, with messages None, drop it; never awaits."""
+        if messages is not None:
+            session.transcript.extend(messages)
+            session.disk_stale = True
+            session.spilled_kv = None
+            self.engine.submit(lambda: self._kv.commit(request_id, session.id))
+        else:
+            self.engine.submit(lambda: self._kv.discard(request_id))
+        session.busy = False
+        session.touch()
+
+    # --- snapshots ----------------------------------------------------------------------------------
+
+    async def snapshot(self, session_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
+        """Write a snapshot of the session as it is now; returns the snapshot's manifest."""
+        session = self._idle(session_id)
+        session.busy = True
+        try:
+            transcript = [dict(message) for message in session.transcript]
+            data = await self._current_kv(session)
+        finally:
+            session.busy = False
+        content = SnapshotContent(transcript, data)
+        return await asyncio.to_thread(self.snapshots.create, content, session.manifest_fields(), metadata)
+
+    async def load_snapshot(self, snapshot_id: str, session_id: str | None, overwrite: bool) -> Session:
+        """A session made from a snapshot, its KV placed in the pool (or held spilled if the pool is full)."""
+        manifest, content = await asyncio.to_thread(self.snapshots.read, snapshot_id)
+        target = check_id(session_id, "session_id") if session_id is not None else new_session_id()
+        if target in self.sessions:
+            if not overwrite:
+                raise AlreadyExistsError(
+                    f"session {target!r} already exists; pass overwrite=true to replace it", param="session_id"
+                )
+            await self.delete(target)
+        session = self.create(target, SessionSettings.from_dict(manifest.get("session", {})))
+        session.transcript = content.transcript
+        await self._place(session, content.kv)
+        return session
+
+    # --- KV placement -------------------------------------------------------------------------------
+
+    async def _place(self, session: Session, data: SessionKVData) -> None:
+        """Put KV into the pool for session; if it cannot fit now, keep it spilled."""
+        try:
+            await self.engine.call(lambda: self._kv.load(session.id, data))
+        except SessionKVError as exc:
+            log.info("session %s stays spilled: %s", session.id, exc)
+            self._hold_spilled(session, data)
+
+    async def _current_kv(self, session: Session) -> SessionKVData:
+        """The session's KV wherever it is (an empty one for a session with no turns yet)."""
+        data = await self.engine.call(lambda: self._kv.export(session.id))
+        if data is None:
+            data = await self._kv_outside_pool(session)
+        return data if data is not None else self._empty_kv()
+
+    async def _kv_outside_pool(self, session: Session) -> SessionKVData | None:
+        """Spilled KV, from memory if it is not written yet, else from the session's directory."""
+        if session.spilled_kv is not None:
+            return session.spilled_kv
+        if not session.on_disk:
+            return None
+        async with self._disk_lock(session.id):
+            try:
+                _, content = await asyncio.to_thread(read_snapshot, self.sessions_dir / session.id, self.fingerprint)
+            except (OSError, SessionError) as exc:
+                log.warning("spilled KV of session %s is unusable (%s); its next turn recomputes it", session.id, exc)
+                return None
+        return content.kv
+
+    def _spilled(self, session_id: str, data: SessionKVData) -> None:
+        """The engine spilled a session's KV under memory pressure: keep it and write it to disk."""
+        session = self.sessions.get(session_id)
+        if session is not None:
+            log.info("spilled session %s (%d tokens)", session_id, len(data.tokens))
+            self._hold_spilled(session, data)
+
+    def _hold_spilled(self, session: Session, data: SessionKVData) -> None:
+        session.spilled_kv = data
+        session.stored_tokens = len(data.tokens)
+        task = asyncio.get_running_loop().create_task(self._write_spilled(session))
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)
+
+    async def _write_spilled(self, session: Session) -> None:
+        """Write a session's spilled KV to its directory, then let go of the copy in memory."""
+        try:
+            data = session.spilled_kv
+            written = data is not None and await self._write_session(session, data)
+            if written and session.spilled_kv is data:
+                session.spilled_kv = None
+        except (OSError, SessionError) as exc:
+            log.error("could not write spilled session %s, keeping it in memory: %s", session.id, exc)
+
+    async def _save(self, session: Session) -> bool:
+        """Write a session for the next run if its directory is not current; True if written."""
+        data = await self.engine.call(lambda: self._kv.export(session.id))
+        if data is None and (session.spilled_kv is not None or (session.on_disk and session.disk_stale)):
+            data = await self._kv_outside_pool(session)
+        if data is None and session.on_disk and not session.disk_stale:
+            return False
+        return await self._write_session(session, data if data is not None else self._empty_kv())
+
+    async def _write_session(self, session: Session, data: SessionKVData) -> bool:
+        """Write session (transcript, settings, KV) to its directory; False if it was deleted meanwhile."""
+        async with self._disk_lock(session.id):
+            if self.sessions.get(session.id) is not session:
+                return False
+            transcript = [dict(message) for message in session.transcript]
+            manifest = {
+                "id": session.id,
+                "created": session.created,
+                "model": {"name": self.model_name, "fingerprint": self.fingerprint.parts},
+                **session.manifest_fields(),
+            }
+            content = SnapshotContent(transcript, data)
+            await asyncio.to_thread(write_snapshot, self.sessions_dir / session.id, manifest, content)
+            session.on_disk = True
+            session.disk_stale = False
+            return True
+
+    def _read_saved_sessions(self) -> list[Session]:
+        """Sessions saved by the last run (KV left on disk until their next turn); unusable ones are skipped."""
+        recover_directory(self.sessions_dir)
+        sessions = []
+        for directory in sorted(self.sessions_dir.iterdir()):
+            if directory.name.startswith(".") or not directory.is_dir():
+                continue
+            try:
+                check_id(directory.name, "session_id")
+                manifest, transcript = read_transcript(directory, self.fingerprint)
+            except SessionError as exc:
+                log.warning("not resuming session %s: %s", directory.name, exc.message)
+                continue
+            fields = manifest.get("session", {})
+            session = Session(
+                directory.name,
+                SessionSettings.from_dict(fields),
+                transcript,
+                created=fields.get("created", manifest.get("created", 0.0)),
+                last_used=fields.get("last_used", manifest.get("created", 0.0)),
+                stored_tokens=int(manifest.get("num_tokens", 0)),
+                on_disk=True,
+            )
+            sessions.append(session)
+        return sessions
+
+    def _empty_kv(self) -> SessionKVData:
+        return SessionKVData([], *self._kv.kv_cache.gather([], 0))
+
+    def _idle(self, session_id: str) -> Session:
+        session = self.get(session_id)
+        if session.busy:
+            raise SessionBusyError(f"session {session_id!r} is busy with another request; retry when it is done")
+        return session
+
+    def _disk_lock(self, session_id: str) -> asyncio.Lock:
+        return self._disk_locks.setdefault(session_id, asyncio.Lock())
+

@@ -1,0 +1,226 @@
+"""The on-disk snapshot format: one directory with a manifest, the token ids, the transcript and the KV.
+
+```
+<id>/manifest.json     schema version, model fingerprint, counts, metadata, sha256 and size of every file
+<id>/tokens.json       the token ids whose K/V are stored
+<id>/transcript.json   the conversation's messages
+<id>/kv.safetensors    k.<layer> and v.<layer>, each [tokens, kv_heads, head_dim]
+```
+
+A snapshot is written into a hidden temporary directory, every file is fsynced, and the directory is
+renamed into place, so a crash never leaves a visible half-written snapshot. Reading verifies the
+schema, the model fingerprint and every checksum before anything is used. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from statelm.engine.session_kv import SessionKVData
+from statelm.models.loader import ModelFingerprint
+from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError
+
+SCHEMA_VERSION = 1
+FORMAT_NAME = "statelm-snapshot"
+MANIFEST = "manifest.json"
+TOKENS = "tokens.json"
+TRANSCRIPT = "transcript.json"
+KV = "kv.safetensors"
+TEMP_PREFIX = ".tmp-"
+OLD_PREFIX = ".old-"
+
+
+@dataclass
+class SnapshotContent:
+    """Everything a snapshot holds besides its manifest."""
+
+    transcript: list[dict[str, Any]]
+    kv: SessionKVData
+
+
+def write_snapshot(target: Path, manifest: dict[str, Any], content: SnapshotContent) -> dict[str, Any]:
+    """Write content and manifest (completed with counts and checksums) atomically as directory target."""
+    kv = content.kv
+    tensors = {f"k.{layer}": key for layer, key in enumerate(kv.keys)}
+    tensors.update({f"v.{layer}": value for layer, value in enumerate(kv.values)})
+    files = {
+        TOKENS: json.dumps(kv.tokens).encode(),
+        TRANSCRIPT: json.dumps(content.transcript, ensure_ascii=False).encode(),
+        KV: save_tensors(tensors),
+    }
+    manifest = {
+        **manifest,
+        "format": FORMAT_NAME,
+        "schema_version": SCHEMA_VERSION,
+        "num_tokens": len(kv.tokens),
+        "num_messages": len(content.transcript),
+        "files": {name: _file_entry(blob) for name, blob in files.items()},
+    }
+    files[MANIFEST] = json.dumps(manifest, indent=2, ensure_ascii=False).encode()
+    temporary = target.parent / f"{TEMP_PREFIX}{target.name}-{uuid.uuid4().hex}"
+    temporary.mkdir(parents=True)
+    try:
+        for name, data in files.items():
+            _write_synced(temporary / name, data)
+        _fsync_directory(temporary)
+        _replace_directory(temporary, target)
+    finally:
+        shutil.rmtree(temporary, ignore_errors=True)
+    return manifest
+
+
+def rewrite_manifest(directory: Path, manifest: dict[str, Any]) -> None:
+    """Replace a snapshot's manifest atomically (temporary file, fsync, rename)."""
+    temporary = directory / f"{TEMP_PREFIX}{MANIFEST}-{uuid.uuid4().hex}"
+    _write_synced(temporary, json.dumps(manifest, indent=2, ensure_ascii=False).encode())
+    os.replace(temporary, directory / MANIFEST)
+    _fsync_directory(directory)
+
+
+def read_manifest(directory: Path) -> dict[str, Any]:
+    """The manifest of a snapshot directory, checked for format and schema version."""
+    try:
+        manifest = json.loads((directory / MANIFEST).read_bytes())
+    except (OSError, ValueError) as exc:
+        raise SnapshotCorruptError(f"snapshot manifest is unreadable: {exc}") from exc
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
+        raise SnapshotCorruptError("not a statelm snapshot (manifest format field missing or wrong)")
+    if manifest.get("schema_version") != SCHEMA_VERSION:
+        raise SnapshotCorruptError(
+            f"snapshot schema version {manifest.get('schema_version')!r} is not supported (expected {SCHEMA_VERSION})"
+        )
+    return manifest
+
+
+def check_fingerprint(manifest: dict[str, Any], fingerprint: ModelFingerprint) -> None:
+    """FingerprintMismatchError naming what differs unless the snapshot was made with this model."""
+    stored = manifest.get("model", {}).get("fingerprint")
+    if not isinstance(stored, dict):
+        raise SnapshotCorruptError("snapshot manifest has no model fingerprint")
+    differences = fingerprint.differences(stored)
+    if differences:
+        made_with = manifest.get("model", {}).get("name", "another model")
+        raise FingerprintMismatchError(
+            f"snapshot was made with {made_with!r} and differs from the served model in: {', '.join(differences)}"
+        )
+
+
+def read_snapshot(directory: Path, fingerprint: ModelFingerprint) -> tuple[dict[str, Any], SnapshotContent]:
+    """Manifest and content of a snapshot, after checking schema, fingerprint, checksums and shapes."""
+    manifest = read_manifest(directory)
+    check_fingerprint(manifest, fingerprint)
+    data = {name: _read_checked(directory, name, manifest) for name in (TOKENS, TRANSCRIPT, KV)}
+    transcript = _parse_transcript(data[TRANSCRIPT])
+    try:
+        tokens = json.loads(data[TOKENS])
+        tensors = load_tensors(data[KV])
+    except (ValueError, SafetensorError) as exc:
+        raise SnapshotCorruptError(f"snapshot content is unreadable: {exc}") from exc
+    if not (isinstance(tokens, list) and all(type(token) is int for token in tokens)):
+        raise SnapshotCorruptError("tokens.json is not a list of token ids")
+    return manifest, SnapshotContent(transcript, _kv_from_tensors(tokens, tensors))
+
+
+def read_transcript(directory: Path, fingerprint: ModelFingerprint) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """Manifest and verified transcript of a snapshot, without reading its KV."""
+    manifest = read_manifest(directory)
+    check_fingerprint(manifest, fingerprint)
+    return manifest, _parse_transcript(_read_checked(directory, TRANSCRIPT, manifest))
+
+
+def recover_directory(root: Path) -> None:
+    """Clean up after a crash mid-write: drop temporaries, put back a replaced directory that was not restored."""
+    if not root.is_dir():
+        return
+    for entry in root.iterdir():
+        if entry.name.startswith(TEMP_PREFIX):
+            shutil.rmtree(entry, ignore_errors=True)
+        elif entry.name.startswith(OLD_PREFIX):
+            original = root / entry.name.removeprefix(OLD_PREFIX).rsplit("-", 1)[0]
+            if original.exists():
+                shutil.rmtree(entry, ignore_errors=True)
+            else:
+                entry.rename(original)
+
+
+def directory_size(directory: Path) -> int:
+    """Bytes of the files in a snapshot directory."""
+    return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
+
+
+def _parse_transcript(data: bytes) -> list[dict[str, Any]]:
+    try:
+        transcript = json.loads(data)
+    except ValueError as exc:
+        raise SnapshotCorruptError(f"transcript.json is unreadable: {exc}") from exc
+    if not (isinstance(transcript, list) and all(isinstance(message, dict) for message in transcript)):
+        raise SnapshotCorruptError("transcript.json is not a list of messages")
+    return transcript
+
+
+def _kv_from_tensors(tokens: list[int], tensors: dict[str, torch.Tensor]) -> SessionKVData:
+    num_layers = len(tensors) // 2
+    names = {f"{kind}.{layer}" for kind in "kv" for layer in range(num_layers)}
+    if set(tensors) != names:
+        raise SnapshotCorruptError("kv.safetensors does not hold k.<layer> and v.<layer> for every layer")
+    keys = [tensors[f"k.{layer}"] for layer in range(num_layers)]
+    values = [tensors[f"v.{layer}"] for layer in range(num_layers)]
+    if any(tensor.dim() != 3 or tensor.shape[0] != len(tokens) for tensor in keys + values):
+        raise SnapshotCorruptError(f"kv.safetensors tensors do not hold {len(tokens)} tokens each")
+    return SessionKVData(tokens, keys, values)
+
+
+def _read_checked(directory: Path, name: str, manifest: dict[str, Any]) -> bytes:
+    expected = manifest.get("files", {}).get(name)
+    if not isinstance(expected, dict):
+        raise SnapshotCorruptError(f"snapshot manifest lists no checksum for {name}")
+    try:
+        data = (directory / name).read_bytes()
+    except OSError as exc:
+        raise SnapshotCorruptError(f"cannot read {name}: {exc.strerror}") from exc
+    if _file_entry(data) != {"sha256": expected.get("sha256"), "size": expected.get("size")}:
+        raise SnapshotCorruptError(f"{name} is corrupt or truncated (checksum mismatch)")
+    return data
+
+
+def _file_entry(data: bytes) -> dict[str, Any]:
+    return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with path.open("wb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _fsync_directory(directory: Path) -> None:
+    descriptor = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(descriptor)
+    finally:
+        os.close(descriptor)
+
+
+def _replace_directory(source: Path, target: Path) -> None:
+    """Rename source to target; an existing target is moved aside first and removed after."""
+    if not target.exists():
+        source.rename(target)
+    else:
+        old = target.parent / f"{OLD_PREFIX}{target.name}-{uuid.uuid4().hex}"
+        target.rename(old)
+        source.rename(target)
+        shutil.rmtree(old, ignore_errors=True)
+    _fsync_directory(target.parent)
