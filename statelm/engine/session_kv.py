@@ -100,7 +100,7 @@ class SessionKVStore:
         """Start seq from the first length tokens of its session's KV; returns the tokens actually attached."""
         pinned = self.pinned[seq.session_id or ""]
         full, partial = divmod(length, self.block_size)
-        if partial and not self.pool.num_free_blocks:
+        if partial and not (self.pool.num_free_blocks or self.reclaim(1, keep=seq.session_id)):
             length, partial = full * self.block_size, 0
         seq.block_table = list(pinned.block_table[:full])
         self.pool.retain(seq.block_table)
@@ -179,11 +179,11 @@ class SessionKVStore:
         self.pool.register_full_blocks(data.tokens, blocks, hashes, len(data.tokens))
         self.pinned[session_id] = PinnedKV(list(data.tokens), blocks, hashes)
 
-    def reclaim(self, needed_blocks: int) -> bool:
-        """Spill least recently used idle sessions until needed_blocks are free; False if that is not possible."""
+    def reclaim(self, needed_blocks: int, keep: str | None = None) -> bool:
+        """Spill least recently used idle sessions (but keep) until needed_blocks are free; False if impossible."""
         if self.spill_handler is None:
             return needed_blocks <= self.pool.num_free_blocks
-        idle = sorted((p.last_used, sid) for sid, p in self.pinned.items() if p.users == 0)
+        idle = sorted((p.last_used, sid) for sid, p in self.pinned.items() if p.users == 0 and sid != keep)
         for _, session_id in idle:
             if self.pool.num_free_blocks >= needed_blocks:
                 break

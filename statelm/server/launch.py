@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import uvicorn
 
@@ -66,4 +69,20 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     chat, session_service = build_services(built, engine_config, server_config, metrics)
     app = create_app(built.engine, chat, session_service, metrics)
     log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
-    uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
+    with _graceful_signals_exit_zero():
+        uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
+
+
+@contextmanager
+def _graceful_signals_exit_zero() -> Iterator[None]:
+    """Make SIGTERM/SIGINT end the process with status 0 once uvicorn has shut down gracefully.
+
+    uvicorn handles the signal (drains, runs the lifespan shutdown that saves sessions), then raises it
+    again against the handlers it found at start; with these no-op handlers that re-raise is a no-op.
+    """
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

@@ -60,10 +60,18 @@ def stop_server(process: subprocess.Popen[bytes]) -> None:
 
 
 @pytest.fixture(scope="session")
-def server_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def state_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The state dir (sessions, snapshots) of the shared server."""
+    return tmp_path_factory.mktemp("server") / "state"
+
+
+@pytest.fixture(scope="session")
+def server_url(state_dir: Path) -> Iterator[str]:
     """Base URL of a server on the default model."""
-    log_path = tmp_path_factory.mktemp("server") / "server.log"
-    process, url = start_server(["--model", "default", "--kv-cache-memory", "512MiB"], log_path)
+    log_path = state_dir.parent / "server.log"
+    process, url = start_server(
+        ["--model", "default", "--kv-cache-memory", "512MiB", "--state-dir", str(state_dir)], log_path
+    )
     yield url
     stop_server(process)
 

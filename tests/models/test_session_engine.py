@@ -1,0 +1,85 @@
+"""Session KV on the default model as the server runs it (bf16, batch-invariant): exactness of reuse and restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from statelm.config import EngineConfig
+from statelm.engine.builder import create_engine
+from statelm.engine.engine import Engine
+from statelm.engine.scheduler import ScheduledChunk
+from statelm.engine.sequence import SamplingParams, Sequence
+from statelm.models.layers import RowChunking
+from statelm.models.loader import LoadedModel, load_model
+from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
+
+
+@pytest.fixture(scope="module")
+def loaded() -> LoadedModel:
+    return load_model("default", torch.device("cpu"), torch.bfloat16, chunking=RowChunking.batch_invariant())
+
+
+@pytest.fixture
+def engine(loaded: LoadedModel) -> Engine:
+    return create_engine(loaded, EngineConfig(kv_cache_memory=64 << 20))
+
+
+def chat_prompt(loaded: LoadedModel, text: str) -> list[int]:
+    tokenizer = loaded.tokenizer
+    return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
+
+
+def run_turn(engine: Engine, session_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy session turn, committed; returns the generated tokens."""
+    request_id = f"{session_id}-{len(prompt)}"
+    engine.add_request(request_id, prompt, SamplingParams(0.0, max_tokens=max_tokens, ignore_eos=True), session_id)
+    generated: list[int] = []
+    while engine.has_work():
+        for output in engine.step():
+            assert output.error is None
+            generated += output.new_token_ids
+    assert engine.sessions.commit(request_id, session_id) is not None
+    return generated
+
+
+def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> torch.Tensor:
+    """Logits after prompt, computed from the session's KV (attached by LCP), without sampling."""
+    seq = Sequence("probe", prompt, SamplingParams(0.0), frozenset(), 4096, session_id=session_id)
+    attached = engine.sessions.attach(seq, engine.sessions.reusable_length(seq))
+    assert attached == len(engine.sessions.pinned[session_id].tokens)
+    assert engine.pool.grow(seq.block_table, seq.num_tokens)
+    logits = engine.runner.execute([ScheduledChunk(seq, seq.num_uncomputed_tokens)]).logits
+    engine.pool.release(seq.block_table)
+    return logits
+
+
+def test_decoded_kv_equals_the_kv_a_prefill_of_the_same_tokens_computes(loaded: LoadedModel, engine: Engine) -> None:
+    prompt = chat_prompt(loaded, "Tell me a story about a dragon.")
+    generated = run_turn(engine, "decoded", prompt, 150)
+    run_turn(engine, "prefilled", prompt + generated, 1)
+    decoded, prefilled = engine.sessions.export("decoded"), engine.sessions.export("prefilled")
+    assert decoded is not None and prefilled is not None
+    count = len(decoded.tokens)
+    assert prefilled.tokens[:count] == decoded.tokens
+    for ours, theirs in zip(decoded.keys + decoded.values, prefilled.keys + prefilled.values, strict=True):
+        assert torch.equal(ours, theirs[:count])
+
+
+def test_snapshot_restore_gives_identical_next_token_logits(
+    loaded: LoadedModel, engine: Engine, tmp_path: Path
+) -> None:
+    prompt = chat_prompt(loaded, "What is the capital of France?")
+    generated = run_turn(engine, "original", prompt, 20)
+    data = engine.sessions.export("original")
+    assert data is not None
+    manifest = {"model": {"name": loaded.name, "fingerprint": loaded.fingerprint.parts}}
+    write_snapshot(tmp_path / "snap", manifest, SnapshotContent([{"role": "user", "content": "hi"}], data))
+    _, content = read_snapshot(tmp_path / "snap", loaded.fingerprint)
+    engine.sessions.load("restored", content.kv)
+    follow_up = prompt + generated + loaded.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd Germany?<|im_end|>\n")
+    original = next_token_logits(engine, "original", follow_up)
+    restored = next_token_logits(engine, "restored", follow_up)
+    assert torch.equal(original, restored)
