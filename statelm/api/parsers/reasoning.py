@@ -1,0 +1,141 @@
+"""Reasoning split from the answer in streamed model text, and think-tag detection in chat templates."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from statelm.api.parsers.partial import partial_marker_suffix
+from statelm.tokenizer import ChatTemplateError, render_chat_template
+
+
+@dataclass(frozen=True)
+class ReasoningTags:
+    """The strings that open and close a model's reasoning block."""
+
+    start: str = "<think>"
+    end: str = "</think>"
+
+
+THINK_TAGS = ReasoningTags()
+# Qwen3/DeepSeek-R1/GLM and most others, Seed-OSS, Magistral, Command-A Reasoning.
+KNOWN_REASONING_TAGS = (
+    ReasoningTags("<seed:think>", "</seed:think>"),
+    THINK_TAGS,
+    ReasoningTags("[THINK]", "[/THINK]"),
+    ReasoningTags("<|START_THINKING|>", "<|END_THINKING|>"),
+)
+
+
+class ReasoningDelta(NamedTuple):
+    """New reasoning text and new answer text from one chunk of output."""
+
+    reasoning: str
+    content: str
+
+
+class _Phase(enum.Enum):
+    OPENING = "opening"  # not yet known whether the output opens a think block
+    REASONING = "reasoning"
+    CONTENT = "content"
+
+
+class ReasoningParser:
+    """Routes streamed output to reasoning (inside the think block) or content (the answer), across any chunking.
+
+    The block is either opened by the prompt (`in_reasoning=True`, see `prompt_opens_reasoning`) or by the
+    start tag at the very beginning of the output; output that does not open one is all content. Tags are
+    dropped, and so is whitespace around the reasoning and before the answer that follows it.
+    """
+
+    def __init__(self, tags: ReasoningTags = THINK_TAGS, *, in_reasoning: bool = False) -> None:
+        self.tags = tags
+        self._phase = _Phase.REASONING if in_reasoning else _Phase.OPENING
+        self._held = ""
+        self._trim = True  # strip the whitespace that starts the reasoning or the answer after it
+        self._closed = False
+
+    @property
+    def in_reasoning(self) -> bool:
+        """True while output goes to reasoning (for a reasoning budget: count tokens while this holds)."""
+        return self._phase is _Phase.REASONING
+
+    @property
+    def reasoning_ended(self) -> bool:
+        """True once the end tag has been seen."""
+        return self._closed
+
+    def feed(self, text: str) -> ReasoningDelta:
+        """Add output text; return the reasoning and content that are certain now (a partial tag is held back)."""
+        self._held += text
+        reasoning: list[str] = []
+        content: list[str] = []
+        while self._step(reasoning, content):
+            pass
+        return ReasoningDelta("".join(reasoning), "".join(content))
+
+    def finish(self) -> ReasoningDelta:
+        """Release held text at the end of the output (an unclosed block is all reasoning)."""
+        held, self._held = self._held, ""
+        if self._phase is _Phase.OPENING:
+            return ReasoningDelta("", held)
+        if self._phase is _Phase.REASONING:
+            return ReasoningDelta(held.rstrip(), "")
+        return ReasoningDelta("", "")  # content is never held, except whitespace before the answer
+
+    def _step(self, reasoning: list[str], content: list[str]) -> bool:
+        """Consume what the current phase can; True when the phase changed and there may be more to do."""
+        start, end = self.tags.start, self.tags.end
+        if self._phase is _Phase.OPENING:
+            body = self._held.lstrip()
+            if body.startswith(start):
+                self._held = body[len(start) :]
+                self._phase, self._trim = _Phase.REASONING, True
+                return True
+            if not start.startswith(body):
+                self._phase, self._trim = _Phase.CONTENT, False
+                return True
+            return False
+        if self._trim:
+            self._held = self._held.lstrip()
+            if not self._held:
+                return False
+            self._trim = False
+        if self._phase is _Phase.CONTENT:
+            content.append(self._held)
+            self._held = ""
+            return False
+        index = self._held.find(end)
+        if index >= 0:
+            reasoning.append(self._held[:index].rstrip())
+            self._held = self._held[index + len(end) :]
+            self._phase, self._trim, self._closed = _Phase.CONTENT, True, True
+            return True
+        ready = self._held[: len(self._held) - partial_marker_suffix(self._held, (end,))].rstrip()
+        reasoning.append(ready)
+        self._held = self._held[len(ready) :]
+        return False
+
+
+def detect_reasoning_tags(template: str | None) -> ReasoningTags | None:
+    """The think tags a chat template's source uses, or None when it uses none of the known pairs."""
+    if not template:
+        return None
+    return next((tags for tags in KNOWN_REASONING_TAGS if tags.start in template and tags.end in template), None)
+
+
+def prompt_opens_reasoning(prompt: str, tags: ReasoningTags) -> bool:
+    """Whether a rendered prompt ends by opening a think block, so the output starts inside it."""
+    return prompt.rstrip().endswith(tags.start)
+
+
+def template_opens_reasoning(template: str, tags: ReasoningTags, **template_kwargs: object) -> bool:
+    """Whether the template's generation prompt opens a think block (with these kwargs, e.g. enable_thinking)."""
+    try:
+        prompt = render_chat_template(
+            template, [{"role": "user", "content": "Hi"}], add_generation_prompt=True, **template_kwargs
+        )
+    except ChatTemplateError:
+        return False
+    return prompt_opens_reasoning(prompt, tags)
