@@ -8,10 +8,18 @@ from typing import Annotated
 
 import typer
 
+from statelm.cli.chat_repl import chat
+from statelm.cli.docs import docs
+from statelm.cli.server_control import server_app
+from statelm.cli.sessions import session_app, snapshot_app
 from statelm.config import EngineConfig, ServerConfig
 from statelm.paths import default_state_dir
 
-app = typer.Typer(no_args_is_help=True, add_completion=False, help="statelm: a stateful LLM inference server.")
+app = typer.Typer(
+    no_args_is_help=True,
+    add_completion=False,
+    help="statelm: a stateful LLM inference server.\n\nExample: statelm server start && statelm chat",
+)
 
 _SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
 _UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
@@ -29,6 +37,13 @@ def parse_size(text: str) -> int:
 @app.callback()
 def main() -> None:
     """Serve a model with stateful sessions behind an OpenAI-compatible API."""
+
+
+app.command()(chat)
+app.command()(docs)
+app.add_typer(server_app, name="server")
+app.add_typer(session_app, name="session")
+app.add_typer(snapshot_app, name="snapshot")
 
 
 @app.command()
