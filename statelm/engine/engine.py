@@ -73,6 +73,14 @@ class Engine:
         )
         self.scheduler.add(seq)
 
+    def commit_turn(self, request_id: str, session_id: str) -> int | None:
+        """Make a parked turn's KV the session's and start refreshing its decoded tail; the token count or None."""
+        count = self.sessions.commit(request_id, session_id)
+        refresh = self.sessions.refresh_sequence(session_id)
+        if refresh is not None:
+            self.scheduler.add(refresh)
+        return count
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not known (already finished)."""
         return self.scheduler.abort(request_id) is not None
@@ -95,7 +103,13 @@ class Engine:
         for chunk in chunks:
             seq = chunk.seq
             seq.num_computed_tokens += chunk.num_tokens
-            self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+            # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
+            published = min(seq.num_computed_tokens, len(seq.prompt_ids))
+            self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, published)
+            if seq.prefill_only and seq.num_uncomputed_tokens == 0:
+                seq.finish(FinishReason.STOP)
+                self.scheduler.finish(seq)
+                self.sessions.finish_refresh(seq)
         outputs = []
         for seq, token in zip(result.sampling_seqs, new_tokens, strict=True):
             seq.append_token(token)
@@ -106,6 +120,8 @@ class Engine:
 
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
         self.scheduler.abort(seq.request_id)
+        if seq.prefill_only:
+            self.sessions.finish_refresh(seq)
         output = self._output(seq, [])
         output.error = message
         return output

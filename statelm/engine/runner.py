@@ -51,7 +51,7 @@ class ModelRunner:
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
-            if end == seq.num_tokens:
+            if end == seq.num_tokens and not seq.prefill_only:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_seqs.append(seq)
         position_tensor = torch.tensor(positions, dtype=torch.int64)

@@ -66,6 +66,8 @@ class Scheduler:
             budget -= count
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if self.sessions is not None and self.sessions.holds_back(seq):
+                break
             if not seq.block_table:
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)

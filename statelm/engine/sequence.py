@@ -52,6 +52,7 @@ class Sequence:
     eos_token_ids: frozenset[int]
     max_total_tokens: int
     session_id: str | None = None  # a session turn starts from, and parks its KV for, this session
+    prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a session refresh)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks published so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache

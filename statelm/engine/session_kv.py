@@ -6,6 +6,12 @@ full blocks are shared (referenced once more), and a partly filled last block is
 never writes into a block that a session (or a fork of it) holds. When the sequence ends, its KV is
 parked under the request id until the API layer commits it to the session or discards it; a
 session therefore changes only when the API layer says the turn completed.
+
+Only K/V computed as prompt rows are reused or saved: with batch-invariant kernels they are exactly
+what a prefill of the same tokens computes, whereas decoded tokens went through the matmuls in
+decode-sized chunks, which round differently. After a turn commits, a refresh prefills the decoded
+tail (a few milliseconds per token, in the background), so the next turn reuses the whole
+conversation and gives the very reply a stateless request with the full history gives.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ import torch
 
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.sequence import Sequence
+from statelm.engine.sequence import SamplingParams, Sequence
 
 
 @dataclass
@@ -37,6 +43,7 @@ class PinnedKV:
     tokens: list[int]
     block_table: list[int]
     block_hashes: list[int]
+    exact: int  # leading tokens whose K/V were computed as prompt rows; the rest await a refresh
     last_used: float = field(default_factory=time.monotonic)
     users: int = 0  # sequences of running turns attached to it; only unused sessions may spill
 
@@ -66,6 +73,7 @@ class SessionKVStore:
         self.pinned: dict[str, PinnedKV] = {}
         self.parked: dict[str, PinnedKV] = {}
         self.spill_handler: SpillHandler | None = None  # receives the KV of sessions spilled under pressure
+        self.refreshing: dict[str, tuple[Sequence, PinnedKV]] = {}  # session → refresh and the KV it extends
 
     @property
     def block_size(self) -> int:
@@ -94,7 +102,7 @@ class SessionKVStore:
         pinned = self.pinned.get(seq.session_id or "")
         if pinned is None:
             return 0
-        return min(common_prefix_length(pinned.tokens, seq.tokens), seq.num_tokens - 1)
+        return min(common_prefix_length(pinned.tokens, seq.tokens), pinned.exact, seq.num_tokens - 1)
 
     def attach(self, seq: Sequence, length: int) -> int:
         """Start seq from the first length tokens of its session's KV; returns the tokens actually attached."""
@@ -120,7 +128,8 @@ class SessionKVStore:
         computed = seq.num_computed_tokens
         keep = self.pool.blocks_needed(computed)
         self.pool.release(seq.block_table[keep:])
-        self.parked[seq.request_id] = PinnedKV(seq.tokens[:computed], seq.block_table[:keep], seq.block_hashes)
+        exact = min(computed, len(seq.prompt_ids))
+        self.parked[seq.request_id] = PinnedKV(seq.tokens[:computed], seq.block_table[:keep], seq.block_hashes, exact)
         seq.block_table, seq.block_hashes = [], []
 
     def commit(self, request_id: str, session_id: str) -> int | None:
@@ -134,6 +143,38 @@ class SessionKVStore:
             self.pool.release(previous.block_table)
         self.pinned[session_id] = parked
         return len(parked.tokens)
+
+    def refresh_sequence(self, session_id: str) -> Sequence | None:
+        """A prefill-only sequence that recomputes the session's decoded tail as prompt rows; None if none is due."""
+        pinned = self.pinned.get(session_id)
+        if pinned is None or pinned.exact >= len(pinned.tokens) or session_id in self.refreshing:
+            return None
+        seq = Sequence(
+            request_id=f"refresh:{session_id}:{len(pinned.tokens)}",
+            prompt_ids=list(pinned.tokens),
+            params=SamplingParams(max_tokens=1),
+            eos_token_ids=frozenset(),
+            max_total_tokens=len(pinned.tokens) + 1,
+            session_id=session_id,
+            prefill_only=True,
+        )
+        self.acquire(session_id, None)
+        self.refreshing[session_id] = (seq, pinned)
+        return seq
+
+    def finish_refresh(self, seq: Sequence) -> None:
+        """Adopt a finished (or aborted) refresh's parked KV, unless the session changed meanwhile."""
+        session_id = seq.session_id or ""
+        _, base = self.refreshing.pop(session_id)
+        parked = self.parked.get(seq.request_id)
+        if parked is not None and self.pinned.get(session_id) is base and parked.exact == len(base.tokens):
+            self.commit(seq.request_id, session_id)
+        else:
+            self.discard(seq.request_id)
+
+    def holds_back(self, seq: Sequence) -> bool:
+        """True for a turn whose session is being refreshed: it starts once the refresh is done."""
+        return not seq.prefill_only and seq.session_id in self.refreshing
 
     def discard(self, request_id: str) -> None:
         """Free a parked turn's KV; the session keeps what it had."""
@@ -154,16 +195,18 @@ class SessionKVStore:
             return False
         self.release(target_id)
         self.pool.retain(source.block_table)
-        self.pinned[target_id] = PinnedKV(list(source.tokens), list(source.block_table), list(source.block_hashes))
+        self.pinned[target_id] = PinnedKV(
+            list(source.tokens), list(source.block_table), list(source.block_hashes), source.exact
+        )
         return True
 
     def export(self, session_id: str) -> SessionKVData | None:
-        """Copy a resident session's K/V out of the pool; None if it is not resident."""
+        """Copy a resident session's exact K/V (not a decoded tail awaiting refresh) out of the pool; None if absent."""
         pinned = self.pinned.get(session_id)
         if pinned is None:
             return None
-        keys, values = self.kv_cache.gather(pinned.block_table, len(pinned.tokens))
-        return SessionKVData(list(pinned.tokens), keys, values)
+        keys, values = self.kv_cache.gather(pinned.block_table, pinned.exact)
+        return SessionKVData(pinned.tokens[: pinned.exact], keys, values)
 
     def load(self, session_id: str, data: SessionKVData) -> None:
         """Write a session's K/V into newly allocated blocks, spilling idle sessions if the pool is short."""
@@ -177,7 +220,7 @@ class SessionKVStore:
         self.kv_cache.scatter(blocks, data.keys, data.values)
         hashes: list[int] = []
         self.pool.register_full_blocks(data.tokens, blocks, hashes, len(data.tokens))
-        self.pinned[session_id] = PinnedKV(list(data.tokens), blocks, hashes)
+        self.pinned[session_id] = PinnedKV(list(data.tokens), blocks, hashes, len(data.tokens))
 
     def reclaim(self, needed_blocks: int, keep: str | None = None) -> bool:
         """Spill least recently used idle sessions (but keep) until needed_blocks are free; False if impossible."""

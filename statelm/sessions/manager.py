@@ -183,7 +183,7 @@ class SessionManager:
             session.transcript.extend(messages)
             session.disk_stale = True
             session.spilled_kv = None
-            self.engine.submit(lambda: self._kv.commit(request_id, session.id))
+            self.engine.submit(lambda: self.engine.engine.commit_turn(request_id, session.id))
         else:
             self.engine.submit(lambda: self._kv.discard(request_id))
         session.busy = False

@@ -32,16 +32,25 @@ def chat_prompt(loaded: LoadedModel, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def run_turn(engine: Engine, session_id: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """One greedy session turn, committed; returns the generated tokens."""
-    request_id = f"{session_id}-{len(prompt)}"
-    engine.add_request(request_id, prompt, SamplingParams(0.0, max_tokens=max_tokens, ignore_eos=True), session_id)
+def run_until_idle(engine: Engine) -> list[int]:
+    """Step until no work is left; returns the tokens generated."""
     generated: list[int] = []
     while engine.has_work():
         for output in engine.step():
             assert output.error is None
             generated += output.new_token_ids
-    assert engine.sessions.commit(request_id, session_id) is not None
+    return generated
+
+
+def run_turn(engine: Engine, session_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    """One greedy session turn, committed, and the refresh of its decoded tail; returns the generated tokens."""
+    request_id = f"{session_id}-{len(prompt)}"
+    engine.add_request(request_id, prompt, SamplingParams(0.0, max_tokens=max_tokens, ignore_eos=True), session_id)
+    generated = run_until_idle(engine)
+    assert engine.commit_turn(request_id, session_id) == len(prompt) + len(generated) - 1
+    assert engine.sessions.pinned[session_id].exact == len(prompt)
+    assert run_until_idle(engine) == []
+    assert engine.sessions.pinned[session_id].exact == len(prompt) + len(generated) - 1
     return generated
 
 
@@ -56,7 +65,7 @@ def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> tor
     return logits
 
 
-def test_decoded_kv_equals_the_kv_a_prefill_of_the_same_tokens_computes(loaded: LoadedModel, engine: Engine) -> None:
+def test_refreshed_session_kv_equals_a_prefill_of_the_same_tokens(loaded: LoadedModel, engine: Engine) -> None:
     prompt = chat_prompt(loaded, "Tell me a story about a dragon.")
     generated = run_turn(engine, "decoded", prompt, 150)
     run_turn(engine, "prefilled", prompt + generated, 1)

@@ -27,7 +27,8 @@ def turn(store: SessionKVStore, session_id: str, prompt: list[int], request_id: 
     """A sequence of a session turn, attached as the scheduler would, its whole prompt computed."""
     seq = Sequence(request_id, prompt, SamplingParams(), frozenset(), 1000, session_id=session_id)
     store.acquire(session_id, None)
-    store.attach(seq, store.reusable_length(seq))
+    if length := store.reusable_length(seq):
+        store.attach(seq, length)
     assert store.pool.grow(seq.block_table, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     return seq
@@ -126,3 +127,44 @@ def test_a_spilled_session_is_restored_when_its_turn_acquires_it() -> None:
     data = data_for([1, 2, 3, 4, 5])
     store.acquire("s", data)
     assert store.pinned["s"].tokens == [1, 2, 3, 4, 5] and store.pinned["s"].users == 1
+
+
+def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
+    store = make_store()
+    seq = turn(store, "s", [1, 2, 3, 4, 5], "t")
+    seq.tokens += [6, 7, 8]  # three decoded tokens, the last one sampled but not yet computed
+    seq.num_computed_tokens = 7
+    store.park(seq)
+    store.commit("t", "s")
+    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5, 6, 7] and store.pinned["s"].exact == 5
+    follow_up = Sequence("u", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), frozenset(), 100, session_id="s")
+    assert store.reusable_length(follow_up) == 5
+    assert store.export("s").tokens == [1, 2, 3, 4, 5]
+    refresh = store.refresh_sequence("s")
+    assert refresh is not None and refresh.prefill_only and refresh.prompt_ids == [1, 2, 3, 4, 5, 6, 7]
+    assert store.refresh_sequence("s") is None  # one at a time
+    assert store.holds_back(follow_up) and not store.holds_back(refresh)
+    store.attach(refresh, store.reusable_length(refresh))
+    assert store.pool.grow(refresh.block_table, refresh.num_tokens)
+    refresh.num_computed_tokens = refresh.num_tokens
+    store.park(refresh)
+    store.finish_refresh(refresh)
+    assert store.pinned["s"].exact == 7 and not store.holds_back(follow_up)
+    assert store.reusable_length(follow_up) == 7
+
+
+def test_a_refresh_overtaken_by_a_change_of_the_session_is_dropped() -> None:
+    store = make_store()
+    seq = turn(store, "s", [1, 2, 3], "t")
+    seq.tokens += [4, 5]
+    seq.num_computed_tokens = 4
+    store.park(seq)
+    store.commit("t", "s")
+    refresh = store.refresh_sequence("s")
+    assert refresh is not None
+    store.release("s")  # the session was deleted (or replaced) while the refresh ran
+    refresh.num_computed_tokens = 0
+    store.park(refresh)
+    used = store.pool.num_used_blocks
+    store.finish_refresh(refresh)
+    assert "s" not in store.pinned and store.pool.num_used_blocks <= used and not store.refreshing
