@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated, Any
 
 import typer
+from rich.table import Table
 
 from statelm.cli.common import ApiKeyOption, JsonOption, UrlOption, connect, console, print_json, reports_errors
 from statelm.cli.render import details, history, sessions_table, snapshots_table
@@ -21,6 +23,24 @@ snapshot_app = typer.Typer(
 SessionArg = Annotated[str, typer.Argument(help="Session id.", show_default=False)]
 SnapshotArg = Annotated[str, typer.Argument(help="Snapshot id.", show_default=False)]
 TagOption = Annotated[list[str] | None, typer.Option("--tag", help="A tag (repeat for several).")]
+
+
+def show_listing(rows: list[dict[str, Any]], as_json: bool, table: Callable[[list], Table], empty: str) -> None:
+    """Print rows as JSON, as a table, or say that there are none."""
+    if as_json:
+        print_json(rows)
+    elif rows:
+        console.print(table(rows))
+    else:
+        console.print(empty)
+
+
+def show_item(item: dict[str, Any], as_json: bool) -> None:
+    """Print one session or snapshot as JSON or as a details panel."""
+    if as_json:
+        print_json(item)
+    else:
+        console.print(details(item))
 
 
 def emit(obj: dict[str, Any], as_json: bool, message: str) -> None:
@@ -61,12 +81,7 @@ def session_ls(as_json: JsonOption = False, url: UrlOption = None, api_key: ApiK
     Example: statelm session ls --json
     """
     sessions = connect(url, api_key).sessions()
-    if as_json:
-        print_json(sessions)
-    elif sessions:
-        console.print(sessions_table(sessions))
-    else:
-        console.print("no sessions; start one with `statelm chat`")
+    show_listing(sessions, as_json, sessions_table, "no sessions; start one with `statelm chat`")
 
 
 @session_app.command("show")
@@ -78,11 +93,7 @@ def session_show(
 
     Example: statelm session show chat-1a2b
     """
-    session = connect(url, api_key).session(session_id)
-    if as_json:
-        print_json(session)
-    else:
-        console.print(details(session))
+    show_item(connect(url, api_key).session(session_id), as_json)
 
 
 @session_app.command("rm")
@@ -192,12 +203,7 @@ def snapshot_ls(
     Example: statelm snapshot ls --tag work
     """
     snaps = [s for s in connect(url, api_key).snapshots() if tag is None or tag in (s.get("tags") or [])]
-    if as_json:
-        print_json(snaps)
-    elif snaps:
-        console.print(snapshots_table(snaps))
-    else:
-        console.print("no snapshots; save one with `statelm snapshot save SESSION` or /save in a chat")
+    show_listing(snaps, as_json, snapshots_table, "no snapshots; save one with `statelm snapshot save SESSION`")
 
 
 @snapshot_app.command("show")
@@ -209,11 +215,7 @@ def snapshot_show(
 
     Example: statelm snapshot show snap-3f2a
     """
-    snap = connect(url, api_key).snapshot(snapshot_id)
-    if as_json:
-        print_json(snap)
-    else:
-        console.print(details(snap))
+    show_item(connect(url, api_key).snapshot(snapshot_id), as_json)
 
 
 @snapshot_app.command("load")
