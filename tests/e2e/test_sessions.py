@@ -156,7 +156,7 @@ def test_second_concurrent_turn_gets_409(
     body = {
         "model": model_name,
         "messages": [{"role": "user", "content": "Write a long story."}],
-        "max_tokens": 300,
+        "max_tokens": 120,
         "ignore_eos": True,
         "session_id": "busy",
     }
