@@ -74,12 +74,21 @@ class Engine:
         self.scheduler.add(seq)
 
     def commit_turn(self, request_id: str, session_id: str) -> int | None:
-        """Make a parked turn's KV the session's and start refreshing its decoded tail; the token count or None."""
+        """Make a turn's KV the session's and start refreshing its decoded tail; the token count or None.
+
+        A turn that a stop string ended may still be running here: it is stopped (and parked) first.
+        """
+        self.scheduler.abort(request_id)
         count = self.sessions.commit(request_id, session_id)
         refresh = self.sessions.refresh_sequence(session_id)
         if refresh is not None:
             self.scheduler.add(refresh)
         return count
+
+    def discard_turn(self, request_id: str) -> None:
+        """Stop a session turn if it still runs and drop its KV; the session keeps what it had."""
+        self.scheduler.abort(request_id)
+        self.sessions.discard(request_id)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and free its blocks; False if it is not known (already finished)."""

@@ -185,7 +185,7 @@ class SessionManager:
             session.spilled_kv = None
             self.engine.submit(lambda: self.engine.engine.commit_turn(request_id, session.id))
         else:
-            self.engine.submit(lambda: self._kv.discard(request_id))
+            self.engine.submit(lambda: self.engine.engine.discard_turn(request_id))
         session.busy = False
         session.touch()
 

@@ -269,3 +269,17 @@ def test_session_errors(client: openai.OpenAI, model_name: str, api: httpx.Clien
     bad_kwargs = api.post("/v1/sessions", json={"chat_template_kwargs": {"messages": []}})
     assert bad_kwargs.status_code == 400
     assert api.post("/v1/sessions", json={"max_tokens": 0}).status_code == 400
+
+
+def test_a_turn_ended_by_a_stop_string_is_committed(client: openai.OpenAI, model_name: str, api: httpx.Client) -> None:
+    create_session(api, session_id="stopped")
+    reply = turn(client, model_name, "stopped", QUESTIONS[0], stop=[" is "])  # the model goes on after " is "
+    text = reply.choices[0].message.content
+    assert reply.choices[0].finish_reason == "stop" and text == "The capital of France"
+    assert history(api, "stopped")[-1] == {"role": "assistant", "content": text}
+    held = api.get("/v1/sessions/stopped").json()["num_tokens"]
+    assert held >= reply.usage.prompt_tokens + reply.usage.completion_tokens - 1
+    follow_up = turn(client, model_name, "stopped", "Go on.")
+    messages = [*history(api, "stopped")[:-2], {"role": "user", "content": "Go on."}]
+    assert follow_up.choices[0].message.content == stateless(client, model_name, messages)
+    assert follow_up.usage.prompt_tokens_details.cached_tokens >= reply.usage.prompt_tokens
