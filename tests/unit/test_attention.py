@@ -120,3 +120,29 @@ def test_plan_is_rebuilt_for_a_new_step() -> None:
     backend.forward(q, kv, kv, cache, cache.clone(), first, 1.0)
     out = backend.forward(q, kv, kv, cache, cache.clone(), second, 1.0)
     torch.testing.assert_close(out, kv)
+
+
+def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_call() -> None:
+    heads, kv_heads, head_dim, block_size, length = 9, 3, 64, 16, 150
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(length, kv_heads, head_dim, generator=gen).bfloat16()
+    values = torch.randn(length, kv_heads, head_dim, generator=gen).bfloat16()
+    queries = torch.randn(length, heads, head_dim, generator=gen).bfloat16()
+    num_blocks = -(-length // block_size)
+    table = torch.arange(num_blocks).view(1, -1)
+
+    def attend(first: int, last: int) -> torch.Tensor:
+        """Rows first..last-1 as one query chunk over keys 0..last-1."""
+        k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        k_cache.view(-1, kv_heads, head_dim)[:first] = keys[:first]
+        v_cache.view(-1, kv_heads, head_dim)[:first] = values[:first]
+        meta = AttentionMetadata(torch.arange(first, last), table, [last - first], [last], [0, last - first])
+        backend = TorchAttentionBackend()
+        return backend.forward(queries[first:last], keys[first:last], values[first:last], k_cache, v_cache, meta, 0.125)
+
+    prefill = attend(0, length)
+    mismatched = [row for row in range(100, length) if not torch.equal(attend(row, row + 1)[0], prefill[row])]
+    assert mismatched == []
+    for first in (16, 32, 117, 133):  # a prompt whose first rows came from the prefix cache
+        assert torch.equal(attend(first, length), prefill[first:])

@@ -4,7 +4,10 @@ Batch invariance: a query row's result must not depend on which other sequences 
 prompt was split into prefill chunks, or whether it is decoded or recomputed after preemption. The CPU
 SDPA kernel's reductions depend on the key length, so every call sees keys zero-padded to a multiple of
 KEY_PAD with an explicit mask; padded keys contribute exactly zero, so the result of a row then depends
-only on its own visible keys.
+only on its own visible keys. The kernel's path also depends on the query layout and on a single
+query row versus several: queries are always passed in one contiguous layout, and single-row calls
+(decodes, or a prompt whose prefix but one token came from the cache) send their row twice and drop the
+copy. A row's result is then the same whatever the number of query rows in its call.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch.nn.functional as F
 from statelm.engine.attention.base import AttentionMetadata
 
 KEY_PAD = 64
+DECODE_QUERY_ROWS = 2  # the fewest query rows that take the same SDPA path as a prefill
 
 
 @dataclass
@@ -84,6 +88,8 @@ class TorchAttentionBackend:
         if tables.shape[1] < blocks_per_seq:  # padding keys read block 0; the mask hides them
             tables = F.pad(tables, (0, blocks_per_seq - tables.shape[1]))
         query_pos = seq_lens.view(-1, 1, 1) - query_len + torch.arange(query_len, device=device).view(1, -1, 1)
+        if query_len == 1:
+            query_pos = query_pos.expand(-1, DECODE_QUERY_ROWS, -1)
         key_pos = torch.arange(num_keys, device=device).view(1, 1, -1)
         mask = key_pos <= query_pos
         if self.sliding_window is not None:
@@ -101,9 +107,13 @@ def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, call:
     """SDPA of the call's query rows [rows, heads, dim] over their padded contexts; returns the same shape."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = k_cache.shape[2]
-    query = q[call.rows].view(call.num_seqs, -1, num_heads, head_dim).transpose(1, 2)
+    query = q[call.rows].view(call.num_seqs, -1, num_heads, head_dim)
+    query_len = query.shape[1]
+    if query_len < call.mask.shape[2]:  # a decode group: repeat the query row (see the module docstring)
+        query = query.expand(-1, call.mask.shape[2], -1, -1)
+    query = query.transpose(1, 2).contiguous()  # SDPA's path also depends on the layout: always the same one
     shape = (call.num_seqs, -1, kv_heads, head_dim)
     keys = k_cache.index_select(0, call.blocks).view(shape)[:, : call.num_keys].transpose(1, 2)
     values = v_cache.index_select(0, call.blocks).view(shape)[:, : call.num_keys].transpose(1, 2)
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask, scale=scale, enable_gqa=True)
-    return out.transpose(1, 2).reshape(-1, num_heads, head_dim)
+    return out[:, :, :query_len].transpose(1, 2).reshape(-1, num_heads, head_dim)
