@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from statelm.paths import default_state_dir
 
@@ -26,6 +27,7 @@ class EngineConfig:
     max_queue: int = 256  # requests waiting for a slot; more get 429
     seed: int = 0
     threads: int | None = None
+    default_sampling: dict[str, Any] = field(default_factory=dict)  # request field defaults over the model's own
 
 
 @dataclass
@@ -38,3 +40,14 @@ class ServerConfig:
     log_level: str = "info"
     state_dir: Path = field(default_factory=default_state_dir)  # sessions and snapshots live here
     persist_sessions: bool = True  # save live sessions on shutdown and resume them on start
+    api_keys: list[str] = field(default_factory=list)  # none (and no file, no admin key): no authentication
+    api_key_file: Path | None = None  # one key a line, read again when it changes
+    admin_keys: list[str] = field(default_factory=list)  # may see and manage every key's sessions and snapshots
+    metrics_require_key: bool = False  # /metrics is public unless set
+    max_request_bytes: int = 16 * 2**20  # larger bodies get 413
+    max_messages: int | None = 1024  # per generation request; more get 400
+    max_prompt_tokens: int | None = None  # None: the context length
+    max_completion_tokens: int | None = 8192  # max_tokens above it gets 400; also the default when none is sent
+    max_sessions_per_key: int | None = 256  # more get 429
+    snapshot_quota: int | None = 20 * 2**30  # bytes of snapshots per key; past it 507
+    drain_timeout: float = 30.0  # seconds running requests may take to finish after SIGTERM

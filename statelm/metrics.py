@@ -19,7 +19,7 @@ class ServingMetrics:
             "statelm_http_responses", "HTTP responses by route and status code", ["route", "status"], registry=registry
         )
         self.finished_requests = Counter(
-            "statelm_requests_finished", "Generations ended, by finish reason", ["finish_reason"], registry=registry
+            "statelm_requests_finished", "Choices ended, by finish reason", ["finish_reason"], registry=registry
         )
         self.prompt_tokens = Counter("statelm_prompt_tokens", "Prompt tokens processed", registry=registry)
         self.cached_prompt_tokens = Counter(
@@ -48,9 +48,10 @@ class ServingMetrics:
         for name, (description, read) in gauges.items():
             Gauge(name, description, registry=registry).set_function(read)
 
-    def record_finished(self, finish_reason: str, prompt: int, cached: int, completion: int) -> None:
-        """Account for one generation that has ended."""
-        self.finished_requests.labels(finish_reason).inc()
+    def record_finished(self, finish_reasons: list[str], prompt: int, cached: int, completion: int) -> None:
+        """Account for one generation that has ended: how each of its choices ended, and its tokens."""
+        for reason in finish_reasons:
+            self.finished_requests.labels(reason).inc()
         self.prompt_tokens.inc(prompt)
         self.cached_prompt_tokens.inc(cached)
         self.generation_tokens.inc(completion)

@@ -6,13 +6,14 @@ import time
 import uuid
 import weakref
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
 from statelm.api.errors import APIError
-from statelm.api.generation import TextChunk, generate_text
+from statelm.api.generation import TextDelta, collect
+from statelm.api.limits import GenerationLimits
+from statelm.api.logprobs import chat_logprobs
 from statelm.api.protocol import (
     AssistantMessage,
     ChatChoice,
@@ -22,75 +23,22 @@ from statelm.api.protocol import (
     ChatMessage,
     ChunkChoice,
     DeltaMessage,
-    PromptTokensDetails,
+    Timings,
     Usage,
 )
+from statelm.api.serving import (
+    ServedModel,
+    ServingContext,
+    sampling_defaults,
+    stream_events,
+    timings_of,
+    usage_of,
+)
 from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.sequence import SamplingParams
 from statelm.metrics import ServingMetrics
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import Session
-from statelm.tokenizer import ChatTemplateError, Tokenizer
-
-
-@dataclass
-class ServedModel:
-    """The model this server answers for, as the API sees it."""
-
-    name: str
-    aliases: frozenset[str]
-    max_model_len: int
-    created: int
-
-    def check(self, requested: str) -> None:
-        """404 unless the request names this model."""
-        if requested != self.name and requested not in self.aliases:
-            raise APIError(
-                f"The model `{requested}` does not exist; this server serves `{self.name}`.",
-                status=404,
-                param="model",
-                code="model_not_found",
-            )
-
-
-def usage_of(chunk: TextChunk) -> Usage:
-    """Usage block from the final counts of a generation."""
-    return Usage(
-        prompt_tokens=chunk.prompt_tokens,
-        completion_tokens=chunk.completion_tokens,
-        total_tokens=chunk.prompt_tokens + chunk.completion_tokens,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=chunk.cached_tokens),
-    )
-
-
-def sampling_params(
-    temperature: float | None,
-    top_p: float | None,
-    top_k: int | None,
-    seed: int | None,
-    max_tokens: int | None,
-    ignore_eos: bool,
-    prompt_len: int,
-    max_model_len: int,
-) -> SamplingParams:
-    """Engine parameters, after checking that prompt and completion fit the context."""
-    room = max_model_len - prompt_len
-    if room <= 0 or (max_tokens is not None and max_tokens > room):
-        wanted = f" plus max_tokens {max_tokens}" if max_tokens is not None else ""
-        raise APIError(
-            f"This model's maximum context length is {max_model_len} tokens; the prompt has "
-            f"{prompt_len} tokens{wanted}, which does not fit.",
-            param="messages" if room <= 0 else "max_tokens",
-            code="context_length_exceeded",
-        )
-    return SamplingParams(
-        temperature=1.0 if temperature is None else temperature,
-        top_p=1.0 if top_p is None else top_p,
-        top_k=max(top_k or 0, 0),
-        seed=seed,
-        max_tokens=room if max_tokens is None else max_tokens,
-        ignore_eos=ignore_eos,
-    )
+from statelm.tokenizer import Tokenizer
 
 
 def transcript_for_template(transcript: list[dict[str, Any]]) -> list[dict[str, str]]:
@@ -102,7 +50,10 @@ def transcript_for_template(transcript: list[dict[str, Any]]) -> list[dict[str, 
 
 
 class ChatService:
-    """Serves chat completions from the engine, stateless or as turns of a session."""
+    """Serves chat completions from the engine, stateless or as turns of a session.
+
+    Its `context` (engine, tokenizer, model, limits, sampling defaults) serves the other endpoints as well.
+    """
 
     def __init__(
         self,
@@ -111,135 +62,105 @@ class ChatService:
         model: ServedModel,
         metrics: ServingMetrics,
         sessions: SessionManager | None = None,
+        limits: GenerationLimits | None = None,
     ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.model = model
-        self.metrics = metrics
+        defaults = sampling_defaults(engine.engine.sampling_defaults)
+        self.context = ServingContext(engine, tokenizer, model, metrics, limits, defaults)
         self.sessions = sessions
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
-        """Generate the whole reply."""
-        request_id, pieces = await self._start(request)
-        text: list[str] = []
-        async for chunk in pieces:
-            text.append(chunk.text)
+        """Generate every choice in full."""
+        request_id, deltas = await self._start(request)
+        choices, stats = await collect(deltas, request.n)
+        strings = self.context.strings
         return ChatCompletionResponse(
             id=request_id,
             created=int(time.time()),
             model=request.model,
             choices=[
                 ChatChoice(
-                    index=0,
-                    message=AssistantMessage(content="".join(text)),
-                    finish_reason=chunk.finish_reason,
+                    index=index,
+                    message=AssistantMessage(content=choice.text),
+                    finish_reason=choice.finish_reason,
+                    logprobs=chat_logprobs(choice.tokens, strings) if request.logprobs else None,
                 )
+                for index, choice in enumerate(choices)
             ],
-            usage=usage_of(chunk),
+            usage=usage_of(stats),
+            timings=timings_of(stats),
             session_id=request.session_id,
         )
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
-        """Generate the reply as chunks; validation errors are raised before the first chunk."""
-        request_id, pieces = await self._start(request)
-        return self._chunks(request, request_id, pieces)
+        """Generate the choices as chunks; validation errors are raised before the first chunk."""
+        request_id, deltas = await self._start(request)
+        return self._chunks(request, request_id, deltas)
 
     async def _chunks(
-        self, request: ChatCompletionRequest, request_id: str, pieces: AsyncIterator[TextChunk]
+        self, request: ChatCompletionRequest, request_id: str, deltas: AsyncIterator[TextDelta]
     ) -> AsyncIterator[ChatCompletionChunk]:
         created = int(time.time())
 
-        def chunk(delta: DeltaMessage, finish: str | None = None) -> ChatCompletionChunk:
-            choice = ChunkChoice(index=0, delta=delta, finish_reason=finish)
+        def chunk(
+            choices: list[ChunkChoice], usage: Usage | None = None, timings: Timings | None = None
+        ) -> ChatCompletionChunk:
             return ChatCompletionChunk(
-                id=request_id, created=created, model=request.model, choices=[choice], session_id=request.session_id
+                id=request_id,
+                created=created,
+                model=request.model,
+                choices=choices,
+                usage=usage,
+                timings=timings,
+                session_id=request.session_id,
             )
 
-        yield chunk(DeltaMessage(role="assistant", content=""))
-        async for piece in pieces:
-            if piece.text:
-                yield chunk(DeltaMessage(content=piece.text))
-            if piece.finish_reason is not None:
-                yield chunk(DeltaMessage(), piece.finish_reason)
-                if request.stream_options and request.stream_options.include_usage:
-                    yield ChatCompletionChunk(
-                        id=request_id,
-                        created=created,
-                        model=request.model,
-                        choices=[],
-                        usage=usage_of(piece),
-                        session_id=request.session_id,
-                    )
+        for index in range(request.n):
+            yield chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
+        async for event in stream_events(deltas, request.include_usage()):
+            delta = event.delta
+            if delta is None:
+                yield chunk([], usage=event.usage, timings=event.timings)
+            elif event.finish:
+                finish = ChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=delta.finish_reason)
+                yield chunk([finish], timings=event.timings)
+            else:
+                logprobs = chat_logprobs(delta.tokens, self.context.strings) if request.logprobs else None
+                yield chunk([ChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs)])
 
-    async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[TextChunk]]:
-        """Validate and render the request; return its id and its (not yet started) text generation."""
-        self.model.check(request.model)
-        if self.engine.queue_is_full():
-            raise APIError(
-                f"The server is at capacity ({self.engine.max_queue} requests waiting); retry shortly.",
-                status=429,
-                type="rate_limit_error",
-                code="queue_full",
-            )
+    async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[TextDelta]]:
+        """Validate and render the request; return its id and its (not yet started) generation."""
+        self.context.admit(request.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if request.session_id is not None:
             return request_id, await self._start_turn(request, request_id)
-        prompt_ids = self._render([m.for_template() for m in request.messages], {})
-        params = self._sampling_params(request, len(prompt_ids), self.model.max_model_len)
-        pieces = generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, request.stop_strings(), self.metrics
-        )
-        return request_id, pieces
+        prompt_ids = self.context.render_chat([m.for_template() for m in request.messages], {})
+        params = self.context.sampling_params(request, len(prompt_ids), self.context.model.max_model_len, "messages")
+        return request_id, self.context.generate(request_id, prompt_ids, params, request.stop_strings())
 
-    async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[TextChunk]:
+    async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[TextDelta]:
         """Begin a session turn: the session's transcript plus this turn's messages, from the session's KV."""
         if self.sessions is None:
             raise APIError("sessions are not enabled on this server", param="session_id")
+        if request.n != 1:
+            raise APIError("a session turn has one reply: n must be 1 with session_id", param="n")
         session = self.sessions.begin_turn(request.session_id or "")
         turn = SessionTurn(self.sessions, session, request_id)
         try:
             new_messages = [message.for_transcript() for message in request.messages]
-            prompt_ids = self._render(
+            prompt_ids = self.context.render_chat(
                 transcript_for_template(session.transcript + new_messages), session.settings.chat_template_kwargs
             )
-            context = min(self.model.max_model_len, session.settings.max_tokens or self.model.max_model_len)
-            params = self._sampling_params(request, len(prompt_ids), context)
+            max_model_len = self.context.model.max_model_len
+            context = min(max_model_len, session.settings.max_tokens or max_model_len)
+            params = self.context.sampling_params(request, len(prompt_ids), context, "messages")
             restore = await self.sessions.kv_to_restore(session)
         except BaseException:
             turn.end(None)
             raise
-        pieces = generate_text(
-            self.engine,
-            self.tokenizer,
-            request_id,
-            prompt_ids,
-            params,
-            request.stop_strings(),
-            self.metrics,
-            session_id=session.id,
-            restore=restore,
+        deltas = self.context.generate(
+            request_id, prompt_ids, params, request.stop_strings(), session_id=session.id, restore=restore
         )
-        return turn.follow(pieces, new_messages)
-
-    def _render(self, messages: list[dict[str, Any]], template_kwargs: dict[str, Any]) -> list[int]:
-        """Token ids of the conversation rendered by the chat template, ready for the assistant's reply."""
-        try:
-            prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, **template_kwargs)
-        except ChatTemplateError as exc:
-            raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
-        return self.tokenizer.encode(prompt)
-
-    def _sampling_params(self, request: ChatCompletionRequest, prompt_len: int, context: int) -> SamplingParams:
-        return sampling_params(
-            request.temperature,
-            request.top_p,
-            request.top_k,
-            request.seed,
-            request.requested_max_tokens(),
-            request.ignore_eos,
-            prompt_len,
-            context,
-        )
+        return turn.follow(deltas, new_messages)
 
 
 class SessionTurn:
@@ -257,17 +178,17 @@ class SessionTurn:
             self.ended = True
             self.sessions.end_turn(self.session, self.request_id, messages)
 
-    def follow(self, pieces: AsyncIterator[TextChunk], new_messages: list[dict[str, Any]]) -> AsyncIterator[TextChunk]:
-        """pieces, committing the turn at the final chunk; a generation dropped before that drops the turn."""
+    def follow(self, deltas: AsyncIterator[TextDelta], new_messages: list[dict[str, Any]]) -> AsyncIterator[TextDelta]:
+        """deltas, committing the turn at the final one; a generation dropped before that drops the turn."""
 
-        async def committed() -> AsyncIterator[TextChunk]:
+        async def committed() -> AsyncIterator[TextDelta]:
             text: list[str] = []
             try:
-                async for piece in pieces:
-                    text.append(piece.text)
-                    if piece.finish_reason is not None:
+                async for delta in deltas:
+                    text.append(delta.text)
+                    if delta.finish_reason is not None:
                         self.end([*new_messages, {"role": "assistant", "content": "".join(text)}])
-                    yield piece
+                    yield delta
             finally:
                 self.end(None)
 

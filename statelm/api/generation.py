@@ -1,28 +1,147 @@
-"""Token stream from the engine to text: incremental detokenization, then stop strings."""
+"""Token stream from the engine to text: per choice, incremental detokenization, stop strings and logprobs."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import time
+from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from statelm.api.parsers.stop import StopStringMatcher
 from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.engine import StepOutput
+from statelm.engine.sampler import TokenLogprob
 from statelm.engine.sequence import FinishReason, SamplingParams
 from statelm.engine.session_kv import SessionKVData
 from statelm.metrics import ServingMetrics
 from statelm.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
-@dataclass
-class TextChunk:
-    """New text of a generation; the last chunk carries the finish reason and final counts."""
+@dataclass(frozen=True)
+class ReleasedToken:
+    """A generated token whose text has been given out, at `offset` characters into its choice's text."""
 
-    text: str
-    finish_reason: str | None
+    logprob: TokenLogprob
+    offset: int
+
+
+@dataclass(frozen=True)
+class GenerationStats:
+    """Token counts and engine times (time.perf_counter) of a finished generation."""
+
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    started_at: float  # its first prompt chunk ran
+    prefilled_at: float  # every prompt had its first token
+    ended_at: float  # the last token was sampled
+
+    @classmethod
+    def merge(cls, parts: list[GenerationStats]) -> GenerationStats:
+        """The stats of several generations served as one response."""
+        return cls(
+            prompt_tokens=sum(part.prompt_tokens for part in parts),
+            cached_tokens=sum(part.cached_tokens for part in parts),
+            completion_tokens=sum(part.completion_tokens for part in parts),
+            started_at=min(part.started_at for part in parts),
+            prefilled_at=max(part.prefilled_at for part in parts),
+            ended_at=max(part.ended_at for part in parts),
+        )
+
+
+@dataclass
+class TextDelta:
+    """New text of one choice; its last delta has the finish reason, the generation's last also the stats."""
+
+    index: int
+    text: str
+    tokens: list[ReleasedToken] = field(default_factory=list)  # with logprobs on: the tokens whose text starts here
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+class ChoiceText:
+    """One choice's tokens as text: nothing past a stop string, and the logprobs of exactly the tokens given out.
+
+    Stop strings are looked for in the text after the first `min_tokens` tokens. The token that ends a
+    choice (EOS or a stop token) is not part of its text, nor is a stop string.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, stop_strings: list[str], min_tokens: int) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopStringMatcher(stop_strings)
+        self.min_tokens = min_tokens
+        self.num_tokens = 0
+        self.decoded = 0  # characters the detokenizer has produced
+        self.released = 0  # characters given out
+        self.pending: deque[ReleasedToken] = deque()
+        self.finish_reason: str | None = None
+
+    def add(self, output: StepOutput) -> TextDelta:
+        """The text (and tokens) one engine output adds to this choice."""
+        text: list[str] = []
+        last = len(output.new_token_ids) - 1
+        ended_by_token = output.finished and output.finish_reason is FinishReason.STOP
+        for position, token_id in enumerate(output.new_token_ids):
+            self.num_tokens += 1
+            if ended_by_token and position == last:
+                break
+            if output.logprobs is not None:
+                self.pending.append(ReleasedToken(output.logprobs[position], self.decoded))
+            text.append(self._text(self.detokenizer.add(token_id)))
+        if output.finished and not self.matcher.stopped:
+            text.append(self._text(self.detokenizer.flush()))
+            text.append("" if self.matcher.stopped else self.matcher.flush())
+        if self.matcher.stopped:
+            self.finish_reason = FinishReason.STOP.value
+        elif output.finished:
+            self.finish_reason = (output.finish_reason or FinishReason.STOP).value
+        joined = "".join(text)
+        self.released += len(joined)
+        return TextDelta(output.index, joined, self._release(), self.finish_reason)
+
+    def _text(self, piece: str) -> str:
+        """Text that may be given out now, once the stop strings have seen it."""
+        self.decoded += len(piece)
+        if self.num_tokens <= self.min_tokens and not self.matcher.stopped:
+            return piece
+        return self.matcher.feed(piece)
+
+    def _release(self) -> list[ReleasedToken]:
+        """Pending tokens whose text has started to be given out; at a finish without a stop string, all of them."""
+        released: list[ReleasedToken] = []
+        everything = self.finish_reason is not None and not self.matcher.stopped
+        while self.pending and (everything or self.pending[0].offset < self.released):
+            released.append(self.pending.popleft())
+        if self.finish_reason is not None:
+            self.pending.clear()
+        return released
+
+
+@dataclass
+class CollectedChoice:
+    """A whole choice: its text, the tokens given out with it (when logprobs are on) and its finish reason."""
+
+    text: str = ""
+    tokens: list[ReleasedToken] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def collect(deltas: AsyncIterator[TextDelta], count: int) -> tuple[list[CollectedChoice], GenerationStats]:
+    """Every choice of a generation in full, and its stats."""
+    choices = [CollectedChoice() for _ in range(count)]
+    stats: GenerationStats | None = None
+    async for delta in deltas:
+        choice = choices[delta.index]
+        choice.text += delta.text
+        choice.tokens += delta.tokens
+        choice.finish_reason = delta.finish_reason or choice.finish_reason
+        stats = delta.stats or stats
+    if stats is None:
+        raise RuntimeError("the generation ended before all its choices finished")
+    return choices, stats
 
 
 async def generate_text(
@@ -35,37 +154,95 @@ async def generate_text(
     metrics: ServingMetrics,
     session_id: str | None = None,
     restore: SessionKVData | None = None,
-) -> AsyncIterator[TextChunk]:
-    """Yield text as it becomes final; no text past a stop string is ever yielded.
+) -> AsyncIterator[TextDelta]:
+    """Yield each choice's text as it becomes final; the very last delta carries the generation's stats.
 
-    A session turn (session_id) starts from the session's KV, restored from `restore` if it was spilled.
+    A choice that meets a stop string is stopped in the engine at once. A session turn (session_id) starts
+    from the session's KV, restored from `restore` if it was spilled.
     """
-    detokenizer = IncrementalDetokenizer(tokenizer)
-    matcher = StopStringMatcher(stop_strings)
-    completion_tokens = 0
-    finish: str | None = None
-    last_arrival = time.perf_counter()
+    choices = [ChoiceText(tokenizer, stop_strings, params.min_tokens) for _ in range(params.n)]
+    first_token_at: dict[int, float] = {}
+    arrived_at = time.perf_counter()
+    last_arrival: dict[int, float] = {}  # per choice
+    scheduled_at = ended_at = 0.0
+    prompt_tokens = cached_tokens = 0
+    done = 0
     try:
         async for output in engine.generate(request_id, prompt_ids, params, session_id, restore):
+            choice = choices[output.index]
+            if choice.finish_reason is not None:
+                continue  # sampled before a stop string's abort reached the engine
             now = time.perf_counter()
-            latency = metrics.time_to_first_token if completion_tokens == 0 else metrics.inter_token_latency
-            latency.observe(now - last_arrival)
-            last_arrival = now
-            completion_tokens += len(output.new_token_ids)
-            text = matcher.feed("".join(detokenizer.add(t) for t in output.new_token_ids))
-            if output.finished and not matcher.stopped:
-                text += matcher.feed(detokenizer.flush())
-                text += "" if matcher.stopped else matcher.flush()
-            if matcher.stopped:
-                finish = FinishReason.STOP.value
-            elif output.finished:
-                finish = (output.finish_reason or FinishReason.STOP).value
-            chunk = TextChunk(text, finish, output.num_prompt_tokens, output.num_cached_tokens, completion_tokens)
-            if finish is not None:
-                metrics.record_finished(finish, chunk.prompt_tokens, chunk.cached_tokens, completion_tokens)
-            yield chunk
-            if finish is not None:
-                return  # leaving the engine's generator aborts a request that a stop string ended
+            if not last_arrival:
+                metrics.time_to_first_token.observe(now - arrived_at)
+            elif output.index in last_arrival:
+                metrics.inter_token_latency.observe(now - last_arrival[output.index])
+            last_arrival[output.index] = now
+            first_token_at.setdefault(output.index, output.produced_at)
+            scheduled_at, ended_at = output.scheduled_at or output.produced_at, output.produced_at
+            prompt_tokens, cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
+            delta = choice.add(output)
+            if delta.finish_reason is not None:
+                done += 1
+                if not output.finished and done < len(choices):
+                    engine.abort(request_id, output.index)  # a stop string ended it
+            if done == len(choices):
+                delta.stats = GenerationStats(
+                    prompt_tokens=prompt_tokens,
+                    cached_tokens=cached_tokens,
+                    completion_tokens=sum(choice.num_tokens for choice in choices),
+                    started_at=scheduled_at,
+                    prefilled_at=max(first_token_at.values()),
+                    ended_at=ended_at,
+                )
+                reasons = [choice.finish_reason or FinishReason.STOP.value for choice in choices]
+                metrics.record_finished(reasons, prompt_tokens, cached_tokens, delta.stats.completion_tokens)
+            if delta.text or delta.tokens or delta.finish_reason is not None:
+                yield delta
+            if done == len(choices):
+                return  # leaving the engine's generator aborts choices that stop strings ended
     finally:
-        if finish is None:  # the client went away or the engine failed
+        if done < len(choices):  # the client went away or the engine failed
             metrics.finished_requests.labels(FinishReason.ABORT.value).inc()
+
+
+async def merge_generations(
+    streams: list[AsyncIterator[TextDelta]], choices_per_stream: int
+) -> AsyncIterator[TextDelta]:
+    """Several generations as one: stream k's choice i becomes choice k * choices_per_stream + i; stats merged."""
+    if len(streams) == 1:
+        async for delta in streams[0]:
+            yield delta
+        return
+    queue: asyncio.Queue[tuple[int, TextDelta | BaseException | None]] = asyncio.Queue()
+
+    async def pump(position: int, stream: AsyncIterator[TextDelta]) -> None:
+        try:
+            async for delta in stream:
+                queue.put_nowait((position, delta))
+        except Exception as exc:
+            queue.put_nowait((position, exc))
+        else:
+            queue.put_nowait((position, None))
+
+    tasks = [asyncio.create_task(pump(position, stream)) for position, stream in enumerate(streams)]
+    stats: list[GenerationStats] = []
+    try:
+        remaining = len(streams)
+        while remaining:
+            position, item = await queue.get()
+            if item is None:
+                remaining -= 1
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            delta = dataclasses.replace(item, index=position * choices_per_stream + item.index, stats=None)
+            if item.stats is not None:
+                stats.append(item.stats)
+                if len(stats) == len(streams):
+                    delta.stats = GenerationStats.merge(stats)
+            yield delta
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

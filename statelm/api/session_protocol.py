@@ -6,18 +6,21 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, field_validator
 
-from statelm.api.protocol import StrictModel
+from statelm.api.protocol import TypedModel
+from statelm.sessions.errors import ID_PATTERN
 
 RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
+# Documented in the schema; checked by the sessions layer, whose error names the id (code `invalid_id`).
+Identifier = Annotated[str, Field(json_schema_extra={"pattern": ID_PATTERN.pattern})]
 Title = Annotated[str, Field(max_length=200)]
 Description = Annotated[str, Field(max_length=4000)]
 Tags = Annotated[list[Annotated[str, Field(min_length=1, max_length=64)]], Field(max_length=32)]
 
 
-class CreateSessionRequest(StrictModel):
+class CreateSessionRequest(TypedModel):
     """Body of POST /v1/sessions."""
 
-    session_id: str | None = None
+    session_id: Identifier | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     system: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -31,19 +34,19 @@ class CreateSessionRequest(StrictModel):
         return value
 
 
-class RollbackRequest(StrictModel):
+class RollbackRequest(TypedModel):
     """Body of POST /v1/sessions/{id}/rollback."""
 
     keep_messages: Annotated[int, Field(ge=0)]
 
 
-class ForkRequest(StrictModel):
+class ForkRequest(TypedModel):
     """Body of POST /v1/sessions/{id}/fork."""
 
-    session_id: str | None = None
+    session_id: Identifier | None = None
 
 
-class SnapshotRequest(StrictModel):
+class SnapshotRequest(TypedModel):
     """Body of POST /v1/sessions/{id}/snapshot."""
 
     title: Title | None = None
@@ -55,10 +58,10 @@ class UpdateSnapshotRequest(SnapshotRequest):
     """Body of PATCH /v1/snapshots/{id}: fields sent are set, null clears, absent ones stay."""
 
 
-class LoadSnapshotRequest(StrictModel):
+class LoadSnapshotRequest(TypedModel):
     """Body of POST /v1/snapshots/{id}/load."""
 
-    session_id: str | None = None
+    session_id: Identifier | None = None
     overwrite: bool = False
 
 

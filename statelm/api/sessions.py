@@ -20,8 +20,9 @@ from statelm.api.session_protocol import (
     SnapshotRequest,
     UpdateSnapshotRequest,
 )
-from statelm.sessions.errors import SessionError, check_id
+from statelm.sessions.errors import SessionError
 from statelm.sessions.manager import SessionManager, SessionView
+from statelm.sessions.ownership import current_principal
 from statelm.sessions.session import Session, SessionSettings
 
 _STATUS_OF_CODE = {
@@ -32,14 +33,21 @@ _STATUS_OF_CODE = {
     "session_busy": 409,
     "fingerprint_mismatch": 409,
     "snapshot_corrupt": 422,
+    "session_limit_reached": 429,
     "kv_pool_full": 507,
+    "snapshot_quota_exceeded": 507,
+}
+_TYPE_OF_CODE = {
+    "session_limit_reached": "rate_limit_error",
+    "kv_pool_full": "server_error",
+    "snapshot_quota_exceeded": "insufficient_quota",
 }
 
 
 def session_api_error(error: SessionError) -> APIError:
     """The HTTP error for a sessions-layer error."""
     status = _STATUS_OF_CODE.get(error.code, 400)
-    kind = "server_error" if status >= 500 else "invalid_request_error"
+    kind = _TYPE_OF_CODE.get(error.code, "invalid_request_error")
     return APIError(error.message, status=status, type=kind, param=error.param, code=error.code)
 
 
@@ -87,9 +95,8 @@ class SessionService:
         return await self._object(self.manager.create(body.session_id, settings))
 
     async def list(self) -> SessionList:
-        """Every session, least recently used first."""
-        sessions = sorted(self.manager.sessions.values(), key=lambda session: session.last_used)
-        return SessionList(data=[session_object(view) for view in await self.manager.view(sessions)])
+        """The caller's sessions, least recently used first."""
+        return SessionList(data=[session_object(view) for view in await self.manager.view(self.manager.visible())])
 
     async def get(self, session_id: str) -> SessionObject:
         """One session."""
@@ -117,22 +124,23 @@ class SessionService:
         return snapshot_object(await self.manager.snapshot(session_id, body.model_dump()))
 
     async def list_snapshots(self) -> SnapshotList:
-        """Every snapshot, oldest first."""
-        manifests = await asyncio.to_thread(self.manager.snapshots.list)
+        """The caller's snapshots, oldest first."""
+        manifests = await asyncio.to_thread(self.manager.snapshots.list, current_principal())
         return SnapshotList(data=[snapshot_object(manifest) for manifest in manifests])
 
     async def get_snapshot(self, snapshot_id: str) -> SnapshotObject:
         """One snapshot."""
-        return snapshot_object(await asyncio.to_thread(self.manager.snapshots.get, snapshot_id))
+        return snapshot_object(await asyncio.to_thread(self.manager.snapshots.get, snapshot_id, current_principal()))
 
     async def update_snapshot(self, snapshot_id: str, body: UpdateSnapshotRequest) -> SnapshotObject:
         """Change a snapshot's title, description or tags."""
         changes = body.model_dump(include=body.model_fields_set)
-        return snapshot_object(await asyncio.to_thread(self.manager.snapshots.update, snapshot_id, changes))
+        store = self.manager.snapshots
+        return snapshot_object(await asyncio.to_thread(store.update, snapshot_id, changes, current_principal()))
 
     async def delete_snapshot(self, snapshot_id: str) -> DeletedObject:
         """Delete a snapshot."""
-        await asyncio.to_thread(self.manager.snapshots.delete, check_id(snapshot_id, "snapshot_id"))
+        await asyncio.to_thread(self.manager.snapshots.delete, snapshot_id, current_principal())
         return DeletedObject(id=snapshot_id, object="snapshot.deleted")
 
     async def load_snapshot(self, snapshot_id: str, body: LoadSnapshotRequest) -> SessionObject:

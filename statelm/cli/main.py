@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -32,6 +33,24 @@ def parse_size(text: str) -> int:
     if not match or (match.group(2) or "").upper() not in _UNITS:
         raise typer.BadParameter(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1000000)")
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def with_keys_from_environment(keys: list[str] | None, variable: str) -> list[str]:
+    """The keys given as flags plus those in an environment variable (several may be separated by spaces)."""
+    return [*(keys or []), *os.environ.get(variable, "").split()]
+
+
+def parse_sampling_defaults(text: str) -> dict[str, Any]:
+    """The --default-sampling JSON object, checked as request fields are."""
+    from pydantic import ValidationError
+
+    from statelm.api.protocol import SamplerSettings
+
+    try:
+        return SamplerSettings.model_validate_json(text).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+        raise typer.BadParameter(f"{problems} (fields: {', '.join(SamplerSettings.model_fields)})") from None
 
 
 @app.callback()
@@ -70,6 +89,10 @@ def serve(
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
+    default_sampling: Annotated[
+        str | None,
+        typer.Option(help='Sampling defaults over the model\'s own, as JSON: \'{"temperature": 0.7, "top_k": 40}\'.'),
+    ] = None,
     log_level: Annotated[str, typer.Option(help="debug | info | warning | error")] = "info",
     state_dir: Annotated[
         Path | None, typer.Option(help="Where sessions and snapshots are kept (default: the user state dir).")
@@ -77,6 +100,31 @@ def serve(
     persist_sessions: Annotated[
         bool, typer.Option(help="Save live sessions on shutdown and resume them on the next start.")
     ] = True,
+    api_key: Annotated[
+        list[str] | None,
+        typer.Option(show_default=False, help="A key clients may send (repeatable); STATELM_API_KEY adds more."),
+    ] = None,
+    api_key_file: Annotated[
+        Path | None, typer.Option(help="File of keys clients may send, one a line; read again when it changes.")
+    ] = None,
+    admin_key: Annotated[
+        list[str] | None,
+        typer.Option(show_default=False, help="A key that manages every key's state; STATELM_ADMIN_KEY adds more."),
+    ] = None,
+    metrics_require_key: Annotated[bool, typer.Option(help="Ask for a key on /metrics as well.")] = False,
+    max_request_bytes: Annotated[str, typer.Option(help="Largest request body; a larger one gets 413.")] = "16MiB",
+    max_messages: Annotated[int, typer.Option(help="Most messages in one request (0: no limit).")] = 1024,
+    max_prompt_tokens: Annotated[int, typer.Option(help="Most prompt tokens in one request (0: the context).")] = 0,
+    max_completion_tokens: Annotated[
+        int, typer.Option(help="Cap on max_tokens, and its value when a request sends none (0: the context).")
+    ] = 8192,
+    max_sessions_per_key: Annotated[int, typer.Option(help="Most sessions one key may hold (0: no limit).")] = 256,
+    snapshot_quota: Annotated[
+        str, typer.Option(help="Bytes of snapshots one key may keep on disk, e.g. 20GiB (0: no limit).")
+    ] = "20GiB",
+    drain_timeout: Annotated[
+        float, typer.Option(help="Seconds that running requests get to finish after SIGTERM.")
+    ] = 30.0,
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -97,6 +145,7 @@ def serve(
         batch_invariant=batch_invariant,
         seed=seed,
         threads=threads,
+        default_sampling=parse_sampling_defaults(default_sampling) if default_sampling else {},
     )
     server_config = ServerConfig(
         host=host,
@@ -105,6 +154,17 @@ def serve(
         log_level=log_level,
         state_dir=state_dir or default_state_dir(),
         persist_sessions=persist_sessions,
+        api_keys=with_keys_from_environment(api_key, "STATELM_API_KEY"),
+        api_key_file=api_key_file,
+        admin_keys=with_keys_from_environment(admin_key, "STATELM_ADMIN_KEY"),
+        metrics_require_key=metrics_require_key,
+        max_request_bytes=parse_size(max_request_bytes),
+        max_messages=max_messages or None,
+        max_prompt_tokens=max_prompt_tokens or None,
+        max_completion_tokens=max_completion_tokens or None,
+        max_sessions_per_key=max_sessions_per_key or None,
+        snapshot_quota=parse_size(snapshot_quota) or None,
+        drain_timeout=drain_timeout,
     )
     from statelm.server.launch import LaunchError, run_server
 

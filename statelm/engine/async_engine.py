@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 from statelm.engine.engine import Engine, StepOutput
-from statelm.engine.sequence import SamplingParams
+from statelm.engine.sequence import FinishReason, SamplingParams
 from statelm.engine.session_kv import SessionKVData
 
 T = TypeVar("T")
@@ -49,23 +49,34 @@ class AsyncEngine:
         session_id: str | None = None,
         restore: SessionKVData | None = None,
     ) -> AsyncIterator[StepOutput]:
-        """Yield the request's step outputs until it finishes; leaving early aborts it."""
+        """Yield the step outputs of the request's choices until all have finished; leaving early aborts it."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
-        self._commands.put(lambda: self.engine.add_request(request_id, prompt_ids, params, session_id, restore))
+
+        def add() -> None:
+            try:
+                self.engine.add_request(request_id, prompt_ids, params, session_id, restore)
+            except Exception as exc:  # the request fails alone; the engine goes on
+                log.exception("cannot start request %s", request_id)
+                error = f"cannot start the request: {exc}"
+                self._publish([StepOutput(request_id, [], True, FinishReason.ABORT, len(prompt_ids), 0, error=error)])
+
+        self._commands.put(add)
         self._unfinished += 1
-        finished = False
+        unfinished = params.n
         try:
-            while not finished:
+            while unfinished:
                 output = await subscriber.outputs.get()
                 if output.error is not None:
+                    unfinished = 0  # the engine has dropped the whole request
                     raise EngineError(output.error)
-                finished = output.finished
+                if output.finished:
+                    unfinished -= 1
                 yield output
         finally:
             self._unfinished -= 1
             self._subscribers.pop(request_id, None)
-            if not finished:
+            if unfinished:
                 self.abort(request_id)
 
     def submit(self, function: Callable[[], object]) -> None:
@@ -100,9 +111,9 @@ class AsyncEngine:
         """True when max_queue requests already wait for a slot in the running batch."""
         return self._unfinished - len(self.engine.scheduler.running) >= self.max_queue
 
-    def abort(self, request_id: str) -> None:
-        """Ask the engine thread to drop a request at its next step."""
-        self._commands.put(lambda: self.engine.abort(request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Ask the engine thread to drop a request (or only its choice `index`) at its next step."""
+        self._commands.put(lambda: self.engine.abort(request_id, index))
 
     def shutdown(self) -> None:
         """Stop the engine thread after the command in progress."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -19,6 +20,8 @@ from statelm.models.loader import LoadedModel, load_model, resolve_device, resol
 
 log = logging.getLogger(__name__)
 
+# generation_config.json keys that are defaults of the request fields of the same names (as vLLM takes them)
+GENERATION_CONFIG_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 DEFAULT_CPU_KV_BYTES = 2 << 30
 GPU_FREE_MEMORY_FRACTION = 0.8
 
@@ -91,7 +94,15 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
+        sampling_defaults=sampling_defaults(loaded, config),
     )
+
+
+def sampling_defaults(loaded: LoadedModel, config: EngineConfig) -> dict[str, Any]:
+    """Defaults of requests' sampling fields: the model's generation config, overridden by --default-sampling."""
+    generation_config = loaded.generation_config
+    from_model = {key: generation_config[key] for key in GENERATION_CONFIG_DEFAULTS if key in generation_config}
+    return {**from_model, **config.default_sampling}
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

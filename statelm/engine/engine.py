@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import logging
+import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.runner import ModelRunner
-from statelm.engine.sampler import make_generator, sample
+from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore
@@ -17,7 +20,7 @@ log = logging.getLogger(__name__)
 
 @dataclass
 class StepOutput:
-    """What one step produced for one request: new tokens, and how it ended if it did."""
+    """What one step produced for one choice of a request: new tokens, and how it ended if it did."""
 
     request_id: str
     new_token_ids: list[int]
@@ -25,6 +28,10 @@ class StepOutput:
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    index: int = 0  # the choice
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
+    scheduled_at: float | None = None  # time.perf_counter() when the request's first chunk ran
+    produced_at: float = 0.0  # time.perf_counter() when this step's tokens were sampled
     error: str | None = None
 
 
@@ -39,11 +46,13 @@ class Engine:
         max_model_len: int,
         max_num_seqs: int,
         max_num_batched_tokens: int,
+        sampling_defaults: Mapping[str, Any] | None = None,
     ) -> None:
         self.runner = runner
         self.pool = pool
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
+        self.sampling_defaults = dict(sampling_defaults or {})  # request fields' defaults for this model, by name
         self.sessions = SessionKVStore(pool, runner.kv_cache)
         self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens, self.sessions)
 
@@ -57,21 +66,30 @@ class Engine:
     ) -> None:
         """Queue a request; the caller has checked that it fits the context.
 
-        A session turn (session_id given) starts from the session's KV, restored from `restore` if the
-        session was spilled, and parks its KV when it ends, for `sessions.commit` or `sessions.discard`.
+        Its `params.n` choices share the prompt: the first computes it, the others start from its KV when it
+        samples its first token. A session turn (session_id given, one choice) starts from the session's KV,
+        restored from `restore` if the session was spilled, and parks its KV when it ends, for
+        `sessions.commit` or `sessions.discard`.
         """
         if session_id is not None:
+            if params.n != 1:
+                raise ValueError("a session turn has exactly one choice")
             self.sessions.acquire(session_id, restore)
-        seq = Sequence(
-            request_id=request_id,
-            prompt_ids=list(prompt_ids),
-            params=params,
-            eos_token_ids=self.eos_token_ids,
-            max_total_tokens=self.max_model_len,
-            session_id=session_id,
-            generator=None if params.greedy else make_generator(params.seed, self.runner.device),
-        )
-        self.scheduler.add(seq)
+        first, *forks = [
+            Sequence(
+                request_id=request_id,
+                prompt_ids=list(prompt_ids),
+                params=params,
+                eos_token_ids=self.eos_token_ids,
+                max_total_tokens=self.max_model_len,
+                session_id=session_id,
+                index=index,
+                generator=None if params.greedy else make_generator(params.choice_seed(index), self.runner.device),
+            )
+            for index in range(params.n)
+        ]
+        first.forks = forks
+        self.scheduler.add(first)
 
     def commit_turn(self, request_id: str, session_id: str) -> int | None:
         """Make a turn's KV the session's and start refreshing its decoded tail; the token count or None.
@@ -90,27 +108,29 @@ class Engine:
         self.scheduler.abort(request_id)
         self.sessions.discard(request_id)
 
-    def abort(self, request_id: str) -> bool:
-        """Stop a request and free its blocks; False if it is not known (already finished)."""
-        return self.scheduler.abort(request_id) is not None
+    def abort(self, request_id: str, index: int | None = None) -> bool:
+        """Stop a request (or only its choice `index`) and free its blocks; False if nothing was running."""
+        return bool(self.scheduler.abort(request_id, index))
 
     def has_work(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_work()
 
     def step(self) -> list[StepOutput]:
-        """Run one scheduling step; on a model error, fail the requests of that step only."""
+        """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
+        started = time.perf_counter()
         try:
             result = self.runner.execute(chunks)
-            new_tokens = sample(result.logits, result.sampling_seqs)
         except Exception as exc:  # a failing step must not take the engine down
             log.exception("engine step failed")
             return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]
         for chunk in chunks:
             seq = chunk.seq
+            if seq.first_scheduled_at is None:
+                seq.first_scheduled_at = started
             seq.num_computed_tokens += chunk.num_tokens
             # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
             published = min(seq.num_computed_tokens, len(seq.prompt_ids))
@@ -119,24 +139,62 @@ class Engine:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
                 self.sessions.finish_refresh(seq)
-        outputs = []
-        for seq, token in zip(result.sampling_seqs, new_tokens, strict=True):
-            seq.append_token(token)
+        rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
+        seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
+        sampled = sample(result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits, seqs)
+        return self._record(seqs, sampled, time.perf_counter())
+
+    def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[StepOutput]:
+        """Append sampled tokens and start the forks of first samples; a row that failed fails its request."""
+        outputs: list[StepOutput] = []
+        failed: set[str] = set()
+        for seq, outcome in zip(seqs, sampled, strict=True):
+            if outcome.error is not None and seq.request_id not in failed:
+                failed.add(seq.request_id)
+                outputs.append(self._fail(seq, outcome.error))
+        forks = [fork for seq in seqs if seq.request_id not in failed for fork in self._start_forks(seq)]
+        for seq, outcome in zip(seqs, sampled, strict=True):
+            if seq.request_id in failed:
+                continue
+            seq.append_token(outcome.token_id)
             if seq.is_finished:
                 self.scheduler.finish(seq)
-            outputs.append(self._output(seq, [token]))
+            logprobs = None if outcome.logprob is None else [outcome.logprob]
+            outputs.append(self._output(seq, [outcome.token_id], logprobs, produced_at))
+        self.scheduler.add_forks([fork for fork in forks if not fork.is_finished])
         return outputs
 
+    def _start_forks(self, seq: Sequence) -> list[Sequence]:
+        """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""
+        forks, seq.forks = seq.forks, []
+        full, partial = divmod(len(seq.prompt_ids), self.pool.block_size)
+        for fork in forks:
+            fork.block_table = list(seq.block_table[:full])
+            fork.block_hashes = list(seq.block_hashes[:full])
+            self.pool.retain(fork.block_table)
+            fork.num_computed_tokens = full * self.pool.block_size
+            if partial and self.pool.num_free_blocks:
+                (copy,) = self.pool.allocate(1)
+                self.runner.kv_cache.copy_block(seq.block_table[full], copy)
+                fork.block_table.append(copy)
+                fork.num_computed_tokens = len(seq.prompt_ids)
+            fork.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
+            fork.first_scheduled_at = seq.first_scheduled_at
+        return forks
+
     def _fail(self, seq: Sequence, message: str) -> StepOutput:
+        """End seq's whole request with an error."""
         self.scheduler.abort(seq.request_id)
         if seq.prefill_only:
             self.sessions.finish_refresh(seq)
-        output = self._output(seq, [])
+        output = self._output(seq, [], None, time.perf_counter())
         output.error = message
         return output
 
     @staticmethod
-    def _output(seq: Sequence, new_tokens: list[int]) -> StepOutput:
+    def _output(
+        seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None, produced_at: float
+    ) -> StepOutput:
         return StepOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
@@ -144,4 +202,8 @@ class Engine:
             finish_reason=seq.finish_reason,
             num_prompt_tokens=len(seq.prompt_ids),
             num_cached_tokens=seq.num_cached_prompt_tokens,
+            index=seq.index,
+            logprobs=logprobs,
+            scheduled_at=seq.first_scheduled_at,
+            produced_at=produced_at,
         )

@@ -39,16 +39,23 @@ class Scheduler:
         """True while any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
-    def abort(self, request_id: str) -> Sequence | None:
-        """Remove a sequence wherever it is and free its blocks."""
-        for queue in (self.waiting, self.running):
-            for seq in queue:
-                if seq.request_id == request_id:
-                    queue.remove(seq)
-                    self._retire(seq)
-                    seq.finish(FinishReason.ABORT)
-                    return seq
-        return None
+    def add_forks(self, forks: list[Sequence]) -> None:
+        """Queue a request's other choices, started from its prompt KV, ahead of the requests that wait."""
+        self.waiting.extendleft(reversed(forks))
+
+    def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
+        """Remove a request's sequences (or only choice `index`) wherever they are and free their blocks."""
+        aborted = [
+            seq
+            for queue in (self.waiting, self.running)
+            for seq in queue
+            if seq.request_id == request_id and index in (None, seq.index)
+        ]
+        for seq in aborted:
+            (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
+            self._retire(seq)
+            seq.finish(FinishReason.ABORT)
+        return aborted
 
     def schedule(self) -> list[ScheduledChunk]:
         """Pick this step's work: every running sequence, then waiting ones while budget and blocks last."""
@@ -84,7 +91,8 @@ class Scheduler:
 
     def finish(self, seq: Sequence) -> None:
         """Take a finished sequence out of the running queue and free (or, for a session turn, park) its blocks."""
-        self.running.remove(seq)
+        if seq in self.running:  # a fork that ends at its first token was never queued
+            self.running.remove(seq)
         self._retire(seq)
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
@@ -124,9 +132,7 @@ class Scheduler:
             return True
         missing = self.pool.blocks_needed(num_tokens) - len(seq.block_table)
         return (
-            self.sessions is not None
-            and self.sessions.reclaim(missing)
-            and self.pool.grow(seq.block_table, num_tokens)
+            self.sessions is not None and self.sessions.reclaim(missing) and self.pool.grow(seq.block_table, num_tokens)
         )
 
     def _retire(self, seq: Sequence) -> None:

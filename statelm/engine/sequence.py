@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
+
+SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); negative seeds wrap around
+GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in vLLM): logits / temperature would overflow
 
 
 @dataclass(frozen=True)
@@ -15,15 +19,28 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    min_p: float = 0.0  # 0 = off
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # 1 = off
+    repetition_penalty_range: int = -1  # tokens at the end of the context it looks at: -1 all of them, 0 none
+    logit_bias: Mapping[int, float] | None = None
     seed: int | None = None
+    n: int = 1  # choices, each its own sequence after the shared prompt
     max_tokens: int = 16
+    min_tokens: int = 0  # EOS and stop tokens cannot be sampled before this many tokens
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    logprobs: int | None = None  # report the chosen token's logprob and this many top alternatives; None = off
 
     @property
     def greedy(self) -> bool:
         """True when the most likely token is always taken."""
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def choice_seed(self, index: int) -> int | None:
+        """The seed of choice `index`: choice i of seed s samples as a single request with seed s + i would."""
+        return None if self.seed is None else (self.seed + index) % SEED_MODULUS
 
 
 class SequenceStatus(enum.Enum):
@@ -42,9 +59,9 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)
 class Sequence:
-    """Prompt and generated token ids, the KV blocks that hold them and the sampling state."""
+    """Prompt and generated token ids, the KV blocks that hold them and the sampling state (compared by identity)."""
 
     request_id: str
     prompt_ids: list[int]
@@ -53,6 +70,8 @@ class Sequence:
     max_total_tokens: int
     session_id: str | None = None  # a session turn starts from, and parks its KV for, this session
     prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a session refresh)
+    index: int = 0  # which of the request's n choices this is
+    forks: list[Sequence] = field(default_factory=list)  # the other choices, started from this one's prompt KV
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks published so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -60,6 +79,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None
+    first_scheduled_at: float | None = None  # time.perf_counter() when its first chunk ran
     tokens: list[int] = field(init=False)  # prompt then output, the sequence's whole token list
 
     def __post_init__(self) -> None:
@@ -85,13 +105,26 @@ class Sequence:
         """True once generation has ended."""
         return self.status is SequenceStatus.FINISHED
 
+    @property
+    def output_ids(self) -> list[int]:
+        """The generated token ids."""
+        return self.tokens[len(self.prompt_ids) :]
+
+    def may_stop(self) -> bool:
+        """False while min_tokens keeps EOS and the stop tokens from being sampled."""
+        return self.num_output_tokens >= self.params.min_tokens
+
+    def ending_token_ids(self) -> frozenset[int]:
+        """Token ids whose sampling ends the sequence: the stop tokens, and EOS unless it is ignored."""
+        params = self.params
+        return params.stop_token_ids if params.ignore_eos else params.stop_token_ids | self.eos_token_ids
+
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and finish the sequence if it ends generation."""
         self.tokens.append(token_id)
-        params = self.params
-        if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in self.eos_token_ids):
+        if token_id in self.ending_token_ids():
             self.finish(FinishReason.STOP)
-        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= self.max_total_tokens:
+        elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
             self.finish(FinishReason.LENGTH)
 
     def finish(self, reason: FinishReason) -> None:

@@ -9,8 +9,9 @@ import json
 import re
 import struct
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -72,6 +73,7 @@ class LoadedModel:
     fingerprint: ModelFingerprint
     device: torch.device
     dtype: torch.dtype
+    generation_config: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json, if any
 
 
 def resolve_source(spec: str) -> ModelSource:
@@ -126,12 +128,14 @@ def load_model(
             gguf = load_gguf(source.path, dtype)
             config, tokenizer, weights = gguf.config, gguf.tokenizer, gguf.tensors
             weight_identity = f"gguf:{source.path.stat().st_size}:{gguf.metadata_digest}"
+            generation_config: dict[str, Any] = {}
         else:
             config = ModelConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
             tokenizer = Tokenizer.from_hf_dir(source.path)
             files = _safetensors_files(source.path)
             weights = functools.partial(_read_safetensors, files, dtype)
             weight_identity = _safetensors_identity(files)
+            generation_config = _generation_config(source.path)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
     model = LlamaForCausalLM(config, dtype=dtype, device=device, chunking=chunking)
@@ -152,7 +156,17 @@ def load_model(
         fingerprint=_fingerprint(config, weight_identity, dtype, tokenizer),
         device=device,
         dtype=dtype,
+        generation_config=generation_config,
     )
+
+
+def _generation_config(path: Path) -> dict[str, Any]:
+    """A Hugging Face folder's generation_config.json as a dict; empty when it has none."""
+    file = path / "generation_config.json"
+    if not file.is_file():
+        return {}
+    data = json.loads(file.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
 
 
 def _default_source() -> ModelSource:

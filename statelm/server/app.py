@@ -1,22 +1,50 @@
-"""The FastAPI application: routers, error handlers, response accounting and the engine's lifetime."""
+"""The FastAPI application: routers, guards, error handlers, response accounting and the engine's lifetime."""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
 
 from statelm.api.chat import ChatService
+from statelm.api.limits import GenerationLimits
 from statelm.api.sessions import SessionService
 from statelm.engine.async_engine import AsyncEngine
 from statelm.metrics import ServingMetrics
+from statelm.server.auth import AuthMiddleware, KeyRing
+from statelm.server.drain import DrainGate, DrainMiddleware
 from statelm.server.errors import install_error_handlers
+from statelm.server.limits import RequestLimitMiddleware
+from statelm.server.openapi import install_openapi
 from statelm.server.routes import health, metrics, openai, sessions
+
+HEALTH_PATH = "/health"
+METRICS_PATH = "/metrics"
+
+
+@dataclass
+class Guards:
+    """What stands before the routes: API keys, request limits, and the gate that drains at shutdown."""
+
+    keys: KeyRing | None  # None: no keys, one local user owns everything
+    public_metrics: bool
+    max_body_bytes: int
+    generation_limits: GenerationLimits
+    drain: DrainGate
+
+    def public_paths(self) -> frozenset[str]:
+        """Routes answered without a key."""
+        return frozenset({HEALTH_PATH, METRICS_PATH} if self.public_metrics else {HEALTH_PATH})
 
 
 def create_app(
-    engine: AsyncEngine, chat: ChatService, session_service: SessionService, serving_metrics: ServingMetrics
+    engine: AsyncEngine,
+    chat: ChatService,
+    session_service: SessionService,
+    serving_metrics: ServingMetrics,
+    guards: Guards,
 ) -> FastAPI:
     """An app serving chat and sessions on the given engine; sessions are saved and the engine stopped at exit."""
     manager = session_service.manager
@@ -35,11 +63,18 @@ def create_app(
     app.state.chat = chat
     app.state.sessions = session_service
     app.state.metrics = serving_metrics
+    app.state.drain = guards.drain
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(openai.router)
     app.include_router(sessions.router)
+    install_openapi(app, keyed=guards.keys is not None, public_paths=guards.public_paths())
+
+    # Middleware added last runs first: responses are counted, then drain, keys and limits are checked.
+    app.add_middleware(RequestLimitMiddleware, max_body_bytes=guards.max_body_bytes, limits=guards.generation_limits)
+    app.add_middleware(AuthMiddleware, keys=guards.keys, public_paths=guards.public_paths())
+    app.add_middleware(DrainMiddleware, gate=guards.drain, exempt_paths=frozenset({HEALTH_PATH}))
 
     @app.middleware("http")
     async def count_responses(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:

@@ -10,6 +10,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 
 from statelm.api.errors import APIError
 from statelm.api.sessions import session_api_error
@@ -21,9 +22,9 @@ _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "
 _HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
-def error_response(error: APIError) -> JSONResponse:
+def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
     """JSON response for an APIError."""
-    return JSONResponse(error.to_dict(), status_code=error.status)
+    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
@@ -49,6 +50,15 @@ def _is_type_tag(part: object) -> bool:
     return isinstance(part, str) and ("[" in part or part in _UNION_MEMBER_TAGS)
 
 
+def allowed_methods(request: Request) -> str:
+    """The methods of every route on the request's path (Starlette names only those of the first route)."""
+    methods: set[str] = set()
+    for route in request.app.router.routes:
+        if route.matches(request.scope)[0] is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return ", ".join(sorted(methods))
+
+
 def install_error_handlers(app: FastAPI) -> None:
     """Register the handlers that keep every error in OpenAI's shape."""
 
@@ -65,9 +75,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(validation_error(exc.errors()))
 
     @app.exception_handler(HTTPException)
-    async def _http_error(_: Request, exc: HTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
-        return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind))
+        headers = {"Allow": allowed_methods(request)} if exc.status_code == 405 else exc.headers
+        return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind), headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -1,26 +1,28 @@
-"""Starts the engine and serves the app with uvicorn."""
+"""Starts the engine and serves the app with uvicorn, draining on SIGTERM."""
 
 from __future__ import annotations
 
+import ipaddress
 import logging
-import signal
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import uvicorn
 
 from statelm.api.chat import ChatService, ServedModel
+from statelm.api.limits import GenerationLimits
 from statelm.api.sessions import SessionService
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
 from statelm.metrics import ServingMetrics
 from statelm.models.loader import ModelLoadError
-from statelm.server.app import create_app
-from statelm.sessions.manager import SessionManager
+from statelm.server.app import Guards, create_app
+from statelm.server.auth import KeyRing
+from statelm.server.drain import DrainGate, DrainingServer
+from statelm.sessions.manager import SessionLimits, SessionManager
 
 log = logging.getLogger("statelm")
+SHUTDOWN_GRACE_S = 5  # after a drain, what uvicorn gives the requests still running before cancelling them
 
 
 class LaunchError(RuntimeError):
@@ -28,7 +30,11 @@ class LaunchError(RuntimeError):
 
 
 def build_services(
-    built: BuiltEngine, engine_config: EngineConfig, server_config: ServerConfig, metrics: ServingMetrics
+    built: BuiltEngine,
+    engine_config: EngineConfig,
+    server_config: ServerConfig,
+    metrics: ServingMetrics,
+    limits: GenerationLimits,
 ) -> tuple[ChatService, SessionService]:
     """Chat and session services over a built engine, answering to the served name and the `--model` value."""
     name = server_config.served_model_name or built.loaded.name
@@ -44,9 +50,44 @@ def build_services(
         built.loaded.fingerprint,
         server_config.state_dir,
         server_config.persist_sessions,
+        SessionLimits(server_config.max_sessions_per_key, server_config.snapshot_quota),
     )
-    chat = ChatService(built.engine, built.loaded.tokenizer, model, metrics, manager)
+    chat = ChatService(built.engine, built.loaded.tokenizer, model, metrics, manager, limits=limits)
     return chat, SessionService(manager)
+
+
+def generation_limits(server_config: ServerConfig, context_length: int) -> GenerationLimits:
+    """The caps on one generation request that the server was started with, for a model of that context."""
+    return GenerationLimits(
+        max_messages=server_config.max_messages,
+        max_prompt_tokens=server_config.max_prompt_tokens,
+        max_completion_tokens=server_config.max_completion_tokens,
+        context_length=context_length,
+    )
+
+
+def key_ring(server_config: ServerConfig) -> KeyRing | None:
+    """The API keys the server requires, or None when none are configured (one local user, no checks)."""
+    users = [key.strip() for key in server_config.api_keys]
+    admins = [key.strip() for key in server_config.admin_keys]
+    if not all(users + admins):
+        raise LaunchError("an API key is empty")
+    key_file = server_config.api_key_file
+    if not users and not admins and key_file is None:
+        return None
+    if key_file is not None and not key_file.is_file():
+        raise LaunchError(f"the API key file {key_file} does not exist")
+    return KeyRing(users, admins, key_file)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether host names only this machine (`localhost`, 127.0.0.0/8, ::1)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def configure_logging(level: str) -> None:
@@ -58,31 +99,37 @@ def configure_logging(level: str) -> None:
 
 
 def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Load the model, then serve until interrupted."""
+    """Load the model, then serve until a signal; the first SIGTERM or SIGINT drains, then the process exits 0."""
     configure_logging(server_config.log_level)
+    keys = key_ring(server_config)
+    if keys is None and not is_loopback(server_config.host):
+        log.warning(
+            "binding %s without API keys: anyone who can reach this address can read and delete every session "
+            "and snapshot; pass --api-key or --api-key-file",
+            server_config.host,
+        )
     started = time.perf_counter()
     try:
         built = build_engine(engine_config)
     except (ModelLoadError, EngineConfigError) as exc:
         raise LaunchError(str(exc)) from None
     metrics = ServingMetrics(built.engine.engine)
-    chat, session_service = build_services(built, engine_config, server_config, metrics)
-    app = create_app(built.engine, chat, session_service, metrics)
+    limits = generation_limits(server_config, built.engine.engine.max_model_len)
+    chat, session_service = build_services(built, engine_config, server_config, metrics, limits)
+    guards = Guards(
+        keys=keys,
+        public_metrics=not server_config.metrics_require_key,
+        max_body_bytes=server_config.max_request_bytes,
+        generation_limits=limits,
+        drain=DrainGate(server_config.drain_timeout),
+    )
+    app = create_app(built.engine, chat, session_service, metrics, guards)
     log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
-    with _graceful_signals_exit_zero():
-        uvicorn.run(app, host=server_config.host, port=server_config.port, log_level=server_config.log_level)
-
-
-@contextmanager
-def _graceful_signals_exit_zero() -> Iterator[None]:
-    """Make SIGTERM/SIGINT end the process with status 0 once uvicorn has shut down gracefully.
-
-    uvicorn handles the signal (drains, runs the lifespan shutdown that saves sessions), then raises it
-    again against the handlers it found at start; with these no-op handlers that re-raise is a no-op.
-    """
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    config = uvicorn.Config(
+        app,
+        host=server_config.host,
+        port=server_config.port,
+        log_level=server_config.log_level,
+        timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+    )
+    DrainingServer(config, guards.drain).run()

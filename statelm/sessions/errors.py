@@ -54,6 +54,18 @@ class FingerprintMismatchError(SessionError):
     code = "fingerprint_mismatch"
 
 
+class SessionLimitError(SessionError):
+    """The caller already has as many sessions as one key may have."""
+
+    code = "session_limit_reached"
+
+
+class SnapshotQuotaError(SessionError):
+    """A new snapshot would take the caller's snapshots past their byte quota."""
+
+    code = "snapshot_quota_exceeded"
+
+
 class PoolTooSmallError(SessionError):
     """A session's KV does not fit the pool even after spilling every idle session."""
 

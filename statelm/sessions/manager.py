@@ -24,8 +24,10 @@ from statelm.sessions.errors import (
     NotFoundError,
     SessionBusyError,
     SessionError,
+    SessionLimitError,
     check_id,
 )
+from statelm.sessions.ownership import current_principal, recorded_owner
 from statelm.sessions.session import Session, SessionSettings, SessionState
 from statelm.sessions.snapshot_format import (
     SnapshotContent,
@@ -37,6 +39,14 @@ from statelm.sessions.snapshot_format import (
 from statelm.sessions.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SessionLimits:
+    """What one key may hold: sessions, and bytes of snapshots on disk (None: no limit)."""
+
+    max_sessions_per_key: int | None = None
+    snapshot_quota: int | None = None
 
 
 @dataclass
@@ -54,12 +64,23 @@ def new_session_id() -> str:
 
 
 class SessionManager:
-    """All sessions of the server, and the snapshot store."""
+    """All sessions of the server, and the snapshot store.
+
+    Every operation acts for the current principal (statelm.sessions.ownership): a session another key owns
+    is reported as missing, new sessions record the caller as their owner, and the caller's limits apply.
+    """
 
     def __init__(
-        self, engine: AsyncEngine, model_name: str, fingerprint: ModelFingerprint, state_dir: Path, persist: bool
+        self,
+        engine: AsyncEngine,
+        model_name: str,
+        fingerprint: ModelFingerprint,
+        state_dir: Path,
+        persist: bool,
+        limits: SessionLimits | None = None,
     ) -> None:
         self.engine = engine
+        self.limits = limits or SessionLimits()
         self.model_name = model_name
         self.fingerprint = fingerprint
         self.persist = persist
@@ -68,6 +89,7 @@ class SessionManager:
         self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint)
         self._kv = engine.engine.sessions
         self._disk_locks: dict[str, asyncio.Lock] = {}
+        self._quota_locks: dict[str, asyncio.Lock] = {}
         self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
@@ -100,21 +122,31 @@ class SessionManager:
     # --- session CRUD -------------------------------------------------------------------------------
 
     def create(self, session_id: str | None, settings: SessionSettings) -> Session:
-        """A new, empty session (with the system message, if given)."""
+        """A new, empty session (with the system message, if given) owned by the caller."""
         session_id = check_id(session_id, "session_id") if session_id is not None else new_session_id()
         if session_id in self.sessions:
             raise AlreadyExistsError(f"session {session_id!r} already exists", param="session_id")
+        owner = current_principal().owner
+        limit = self.limits.max_sessions_per_key
+        if limit is not None and sum(session.owner == owner for session in self.sessions.values()) >= limit:
+            raise SessionLimitError(f"this key already has {limit} sessions, the most it may have; delete some first")
         transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
-        session = Session(session_id, settings, transcript)
+        session = Session(session_id, settings, transcript, owner=owner)
         self.sessions[session_id] = session
         return session
 
     def get(self, session_id: str) -> Session:
-        """The session with that id."""
+        """The session with that id, if the caller may see it."""
         session = self.sessions.get(check_id(session_id, "session_id"))
-        if session is None:
+        if session is None or not current_principal().may_access(session.owner):
             raise NotFoundError(f"session {session_id!r} does not exist", param="session_id")
         return session
+
+    def visible(self) -> list[Session]:
+        """The sessions the caller may see, least recently used first."""
+        principal = current_principal()
+        sessions = [session for session in self.sessions.values() if principal.may_access(session.owner)]
+        return sorted(sessions, key=lambda session: session.last_used)
 
     async def view(self, sessions: list[Session]) -> list[SessionView]:
         """Token counts and states of sessions, as the engine holds them now."""
@@ -192,7 +224,7 @@ class SessionManager:
     # --- snapshots ----------------------------------------------------------------------------------
 
     async def snapshot(self, session_id: str, metadata: dict[str, Any]) -> dict[str, Any]:
-        """Write a snapshot of the session as it is now; returns the snapshot's manifest."""
+        """Write a snapshot of the session as it is now, owned by the caller; returns the snapshot's manifest."""
         session = self._idle(session_id)
         session.busy = True
         try:
@@ -201,13 +233,21 @@ class SessionManager:
         finally:
             session.busy = False
         content = SnapshotContent(transcript, data)
-        return await asyncio.to_thread(self.snapshots.create, content, session.manifest_fields(), metadata)
+        owner, quota = current_principal().owner, self.limits.snapshot_quota
+        async with self._quota_locks.setdefault(owner, asyncio.Lock()):
+            room = None if quota is None else quota - await asyncio.to_thread(self.snapshots.usage, owner)
+            return await asyncio.to_thread(
+                self.snapshots.create, content, session.manifest_fields(), metadata, owner, room
+            )
 
     async def load_snapshot(self, snapshot_id: str, session_id: str | None, overwrite: bool) -> Session:
         """A session made from a snapshot, its KV placed in the pool (or held spilled if the pool is full)."""
-        manifest, content = await asyncio.to_thread(self.snapshots.read, snapshot_id)
+        manifest, content = await asyncio.to_thread(self.snapshots.read, snapshot_id, current_principal())
         target = check_id(session_id, "session_id") if session_id is not None else new_session_id()
-        if target in self.sessions:
+        existing = self.sessions.get(target)
+        if existing is not None:
+            if not current_principal().may_access(existing.owner):
+                raise AlreadyExistsError(f"session {target!r} already exists", param="session_id")
             if not overwrite:
                 raise AlreadyExistsError(
                     f"session {target!r} already exists; pass overwrite=true to replace it", param="session_id"
@@ -320,6 +360,7 @@ class SessionManager:
                 transcript,
                 created=fields.get("created", manifest.get("created", 0.0)),
                 last_used=fields.get("last_used", manifest.get("created", 0.0)),
+                owner=recorded_owner(fields),
                 stored_tokens=int(manifest.get("num_tokens", 0)),
                 on_disk=True,
             )

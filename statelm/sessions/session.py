@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statelm.engine.session_kv import SessionKVData
+from statelm.sessions.ownership import LOCAL_OWNER
 
 
 class SessionState(enum.StrEnum):
@@ -43,6 +44,7 @@ class Session:
     id: str
     settings: SessionSettings
     transcript: list[dict[str, Any]] = field(default_factory=list)
+    owner: str = LOCAL_OWNER  # hash of the API key that created it
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     busy: bool = False
@@ -68,6 +70,7 @@ class Session:
                 "id": self.id,
                 "created": self.created,
                 "last_used": self.last_used,
+                "owner": self.owner,
                 **self.settings.to_dict(),
             }
         }

@@ -30,7 +30,7 @@ from safetensors.torch import save as save_tensors
 
 from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
-from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError
+from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError, SnapshotQuotaError
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "statelm-snapshot"
@@ -50,8 +50,13 @@ class SnapshotContent:
     kv: SessionKVData
 
 
-def write_snapshot(target: Path, manifest: dict[str, Any], content: SnapshotContent) -> dict[str, Any]:
-    """Write content and manifest (completed with counts and checksums) atomically as directory target."""
+def write_snapshot(
+    target: Path, manifest: dict[str, Any], content: SnapshotContent, max_bytes: int | None = None
+) -> dict[str, Any]:
+    """Write content and manifest (completed with counts and checksums) atomically as directory target.
+
+    With max_bytes, a snapshot whose files would take more raises SnapshotQuotaError before anything is written.
+    """
     kv = content.kv
     tensors = {f"k.{layer}": key for layer, key in enumerate(kv.keys)}
     tensors.update({f"v.{layer}": value for layer, value in enumerate(kv.values)})
@@ -69,6 +74,12 @@ def write_snapshot(target: Path, manifest: dict[str, Any], content: SnapshotCont
         "files": {name: _file_entry(blob) for name, blob in files.items()},
     }
     files[MANIFEST] = json.dumps(manifest, indent=2, ensure_ascii=False).encode()
+    size = sum(len(data) for data in files.values())
+    if max_bytes is not None and size > max_bytes:
+        raise SnapshotQuotaError(
+            f"the snapshot needs {size} bytes but only {max(max_bytes, 0)} bytes of this key's snapshot quota "
+            "are left; delete snapshots to make room"
+        )
     temporary = target.parent / f"{TEMP_PREFIX}{target.name}-{uuid.uuid4().hex}"
     temporary.mkdir(parents=True)
     try:

@@ -1,43 +1,116 @@
-"""Sampler: greedy, top-k, top-p, per-sequence seeded generators."""
+"""Sampler: greedy, top-k, top-p, min-p, the logit processors, logprobs, seeds and per-row failures."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from statelm.engine.sampler import make_generator, sample
 from statelm.engine.sequence import SamplingParams, Sequence
 
+EOS = 3
 
-def seq_with(params: SamplingParams, seed: int | None = None) -> Sequence:
+
+def seq_with(params: SamplingParams, seed: int | None = None, output: tuple[int, ...] = ()) -> Sequence:
     generator = None if params.greedy else make_generator(seed, torch.device("cpu"))
-    return Sequence("r", [1], params, frozenset(), 100, generator=generator)
+    seq = Sequence("r", [1], params, frozenset({EOS}), 100, generator=generator)
+    seq.tokens.extend(output)
+    return seq
+
+
+def tokens(logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    outcomes = sample(logits, seqs)
+    assert all(outcome.error is None for outcome in outcomes)
+    return [outcome.token_id for outcome in outcomes]
 
 
 def test_greedy_takes_the_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
     seqs = [seq_with(SamplingParams(temperature=0.0)), seq_with(SamplingParams(top_k=1))]
-    assert sample(logits, seqs) == [1, 0]
+    assert tokens(logits, seqs) == [1, 0]
 
 
-def test_top_k_and_top_p_restrict_the_candidates() -> None:
+def test_top_k_top_p_and_min_p_restrict_the_candidates() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
-    top_k = [sample(logits, [seq_with(SamplingParams(top_k=2), seed)])[0] for seed in range(200)]
-    assert set(top_k) == {0, 1}
-    top_p = [sample(logits, [seq_with(SamplingParams(top_p=0.7), seed)])[0] for seed in range(200)]
-    assert set(top_p) == {0, 1}
-    free = [sample(logits, [seq_with(SamplingParams(), seed)])[0] for seed in range(400)]
-    assert set(free) == {0, 1, 2, 3}
+
+    def draws(params: SamplingParams, count: int = 200) -> set[int]:
+        return {tokens(logits, [seq_with(params, seed)])[0] for seed in range(count)}
+
+    assert draws(SamplingParams(top_k=2)) == {0, 1}
+    assert draws(SamplingParams(top_p=0.7)) == {0, 1}
+    assert draws(SamplingParams(min_p=0.5)) == {0, 1}  # 0.15 < 0.5 * 0.5
+    assert draws(SamplingParams(), 400) == {0, 1, 2, 3}
+
+
+def test_a_nucleus_wider_than_the_candidates_is_whole() -> None:
+    logits = -torch.arange(3000, dtype=torch.float32).unsqueeze(0) * 1e-4  # nearly flat, most likely first
+    probs = torch.softmax(logits[0], dim=-1)
+    nucleus = int((torch.cumsum(probs, dim=0) - probs < 0.9).sum())
+    assert nucleus > 2 * 1024
+    draws = [tokens(logits, [seq_with(SamplingParams(top_p=0.9), seed)])[0] for seed in range(200)]
+    assert max(draws) < nucleus and max(draws) >= 1024
+
+
+def test_logit_bias_forces_a_token_and_min_tokens_masks_eos() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 9.0]])
+    assert tokens(logits, [seq_with(SamplingParams(temperature=0.0))]) == [EOS]
+    assert tokens(logits, [seq_with(SamplingParams(temperature=0.0, logit_bias={0: 100.0}))]) == [0]
+    assert tokens(logits, [seq_with(SamplingParams(temperature=0.0, min_tokens=1))]) == [2]
+    stop_token = SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=frozenset({2}))
+    assert tokens(logits, [seq_with(stop_token, output=(1,))]) == [1]
+    assert tokens(logits, [seq_with(stop_token, output=(1, 1))]) == [EOS]  # min_tokens reached
+
+
+def test_penalties_steer_away_from_seen_tokens() -> None:
+    logits = torch.tensor([[2.0, -5.0, 1.9, 0.0]])
+    greedy = SamplingParams(temperature=0.0)
+    assert tokens(logits, [seq_with(greedy, output=(0,))]) == [0]
+    for penalized in (
+        SamplingParams(temperature=0.0, presence_penalty=0.5),
+        SamplingParams(temperature=0.0, frequency_penalty=0.5),
+        SamplingParams(temperature=0.0, repetition_penalty=1.2),
+    ):
+        assert tokens(logits, [seq_with(penalized, output=(0,))]) == [2]
+    outside_window = SamplingParams(temperature=0.0, repetition_penalty=1.2, repetition_penalty_range=1)
+    assert tokens(logits, [seq_with(outside_window, output=(0, 1))]) == [0]  # token 0 is out of the last 1
+
+
+def test_logprobs_of_the_processed_distribution() -> None:
+    logits = torch.tensor([[1.0, 2.0, 3.0, 0.5]])
+    params = SamplingParams(temperature=0.7, seed=1, logprobs=2, logit_bias={0: 5.0})
+    (outcome,) = sample(logits, [seq_with(params, 1)])
+    assert outcome.logprob is not None
+    reference = torch.log_softmax(torch.tensor([6.0, 2.0, 3.0, 0.5]), dim=-1)  # bias applied, no temperature
+    assert outcome.logprob.token_id == outcome.token_id
+    assert math.isclose(outcome.logprob.logprob, reference[outcome.token_id].item(), rel_tol=1e-5)
+    assert [token for token, _ in outcome.logprob.top] == [0, 2]
+    assert sample(logits, [seq_with(SamplingParams(temperature=0.0))])[0].logprob is None
+    zero = sample(logits, [seq_with(SamplingParams(temperature=0.0, logprobs=0))])[0].logprob
+    assert zero is not None and zero.top == ()
+
+
+def test_a_failing_row_fails_alone() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 0.5], [0.0, 1.0, 2.0, 0.5]])
+    good = seq_with(SamplingParams(temperature=0.0, logit_bias={1: 10.0}))
+    bad = seq_with(SamplingParams(temperature=0.0, logit_bias={99: 1.0}))
+    outcomes = sample(logits, [good, bad])
+    assert outcomes[0].error is None and outcomes[0].token_id == 1
+    assert outcomes[1].error is not None and "outside the vocabulary" in outcomes[1].error
+    nan = seq_with(SamplingParams(temperature=1.0), 0)
+    outcomes = sample(torch.tensor([[0.0, 1.0, 2.0, 0.5], [float("nan")] * 4]), [good, nan])
+    assert outcomes[0].token_id == 1 and outcomes[1].error is not None
 
 
 def test_same_seed_same_tokens_regardless_of_neighbours() -> None:
     torch.manual_seed(0)
     logits = torch.randn(1, 50)
-    params = SamplingParams(temperature=1.5)
-    alone = seq_with(params, 42)
+    params = SamplingParams(temperature=1.5, min_p=0.01, presence_penalty=0.3, logprobs=3)
+    alone = seq_with(params, 42, output=(5, 6))
     draws_alone = [sample(logits, [alone])[0] for _ in range(8)]
-    batched, neighbour = seq_with(params, 42), seq_with(params, 7)
+    batched, neighbour = seq_with(params, 42, output=(5, 6)), seq_with(SamplingParams(repetition_penalty=1.5), 7)
     batch = torch.cat([torch.randn(1, 50), logits])
     draws_batched = [sample(batch, [neighbour, batched])[1] for _ in range(8)]
     assert draws_batched == draws_alone
-    other = seq_with(params, 43)
-    assert [sample(logits, [other])[0] for _ in range(8)] != draws_alone
+    other = seq_with(params, 43, output=(5, 6))
+    assert [sample(logits, [other])[0].token_id for _ in range(8)] != [draw.token_id for draw in draws_alone]

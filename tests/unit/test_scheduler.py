@@ -71,6 +71,20 @@ def test_abort_frees_blocks_and_marks_the_sequence() -> None:
     scheduler.add(seq)
     run_step(scheduler)
     assert pool.num_free_blocks == 6
-    assert scheduler.abort("a") is seq
+    assert scheduler.abort("a") == [seq]
     assert pool.num_free_blocks == 8 and seq.finish_reason is FinishReason.ABORT
-    assert not scheduler.has_work() and scheduler.abort("a") is None
+    assert not scheduler.has_work() and scheduler.abort("a") == []
+
+
+def test_abort_of_one_choice_keeps_the_others() -> None:
+    pool = BlockPool(8, 16)
+    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    first, second = make_seq("a", 4), make_seq("a", 4)
+    second.index = 1
+    scheduler.add(first)
+    run_step(scheduler)
+    scheduler.add_forks([second])
+    assert scheduler.waiting[0] is second
+    assert scheduler.abort("a", index=1) == [second]
+    assert scheduler.running == [first] and not scheduler.waiting
+    assert scheduler.abort("a") == [first] and pool.num_free_blocks == 8

@@ -2,12 +2,24 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter
+from typing import Literal
+
+from fastapi import APIRouter, Request, Response
+from pydantic import BaseModel
 
 router = APIRouter(tags=["ops"])
 
 
-@router.get("/health")
-async def health() -> dict[str, str]:
-    """The server is up and its event loop is free."""
-    return {"status": "ok"}
+class HealthStatus(BaseModel):
+    """Body of GET /health."""
+
+    status: Literal["ok", "draining"]
+
+
+@router.get("/health", responses={503: {"model": HealthStatus, "description": "Draining before shutdown"}})
+async def health(request: Request, response: Response) -> HealthStatus:
+    """The server is up and its event loop is free; 503 while it drains before shutting down."""
+    if request.app.state.drain.draining:
+        response.status_code = 503
+        return HealthStatus(status="draining")
+    return HealthStatus(status="ok")

@@ -1,4 +1,4 @@
-"""OpenAI-compatible routes: chat completions and models."""
+"""The model's routes: OpenAI's chat and text completions and models, and the token tools /tokenize, /detokenize."""
 
 from __future__ import annotations
 
@@ -9,22 +9,28 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import TypeVar
 
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 from sse_starlette import EventSourceResponse
 
 from statelm.api.chat import ChatService
+from statelm.api.completions import CompletionService
+from statelm.api.completions_protocol import CompletionRequest, CompletionResponse
 from statelm.api.errors import APIError
-from statelm.api.protocol import (
-    ChatCompletionChunk,
-    ChatCompletionRequest,
-    ChatCompletionResponse,
-    ModelCard,
-    ModelList,
+from statelm.api.protocol import ChatCompletionRequest, ChatCompletionResponse, ModelCard, ModelList
+from statelm.api.serving import ServingContext
+from statelm.api.tokenize import (
+    DetokenizeRequest,
+    DetokenizeResponse,
+    TokenizeRequest,
+    TokenizeResponse,
+    detokenize,
+    tokenize,
 )
 from statelm.engine.async_engine import EngineError
 
-router = APIRouter(prefix="/v1", tags=["openai"])
+router = APIRouter()  # OpenAI's routes live under /v1, the token tools at the root, as in vLLM
 T = TypeVar("T")
-KEEP_ALIVE_SECONDS = 10
+KEEP_ALIVE_SECONDS = 10  # an SSE comment this often while nothing else is sent, e.g. during a long prefill
 
 
 def chat_service(request: Request) -> ChatService:
@@ -32,14 +38,19 @@ def chat_service(request: Request) -> ChatService:
     return request.app.state.chat
 
 
-@router.get("/models")
+def serving_context(request: Request) -> ServingContext:
+    """What the running app's endpoints serve from."""
+    return chat_service(request).context
+
+
+@router.get("/v1/models", tags=["openai"])
 async def list_models(request: Request) -> ModelList:
     """The one model this server serves."""
-    model = chat_service(request).model
+    model = serving_context(request).model
     return ModelList(data=[ModelCard(id=model.name, created=model.created, max_model_len=model.max_model_len)])
 
 
-@router.post("/chat/completions", response_model=None)
+@router.post("/v1/chat/completions", response_model=None, tags=["openai"])
 async def chat_completions(
     body: ChatCompletionRequest, request: Request
 ) -> ChatCompletionResponse | EventSourceResponse:
@@ -52,6 +63,31 @@ async def chat_completions(
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
     return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)
+
+
+@router.post("/v1/completions", response_model=None, tags=["openai"])
+async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | EventSourceResponse:
+    """Create a text completion of one or more prompts, streamed as server-sent events when `stream` is true."""
+    service = CompletionService(serving_context(request))
+    try:
+        if not body.stream:
+            return await cancel_on_disconnect(request, service.complete(body))
+        chunks = service.stream(body)
+    except EngineError as exc:
+        raise APIError(str(exc), status=500, type="server_error") from exc
+    return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)
+
+
+@router.post("/tokenize", tags=["tokens"])
+async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
+    """Token ids of a text, or of a conversation as the chat template renders it."""
+    return tokenize(serving_context(request), body)
+
+
+@router.post("/detokenize", tags=["tokens"])
+async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
+    """The text of token ids."""
+    return detokenize(serving_context(request), body)
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -78,7 +114,7 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
     raise APIError("the client disconnected", status=499, code="client_disconnected")
 
 
-async def _sse(chunks: AsyncIterator[ChatCompletionChunk]) -> AsyncIterator[dict[str, str]]:
+async def _sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[dict[str, str]]:
     """Server-sent events of a stream, an error event if it fails midway, and the closing [DONE]."""
     try:
         async for chunk in chunks:

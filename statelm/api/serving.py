@@ -1,0 +1,233 @@
+"""What every generation endpoint shares: the served model, admission, sampling parameters, rendering, accounting."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from statelm.api.errors import APIError
+from statelm.api.generation import GenerationStats, TextDelta, generate_text
+from statelm.api.limits import GenerationLimits
+from statelm.api.logprobs import TokenStrings
+from statelm.api.protocol import GenerationRequest, PromptTokensDetails, SamplerSettings, Timings, Usage
+from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.sequence import SamplingParams
+from statelm.engine.session_kv import SessionKVData
+from statelm.metrics import ServingMetrics
+from statelm.tokenizer import ChatTemplateError, Tokenizer
+
+log = logging.getLogger(__name__)
+
+# What an unset sampling field means when neither the request nor the server's defaults set it
+BUILTIN_SAMPLING = SamplerSettings(
+    temperature=1.0,
+    top_p=1.0,
+    top_k=0,
+    min_p=0.0,
+    presence_penalty=0.0,
+    frequency_penalty=0.0,
+    repetition_penalty=1.0,
+    repetition_penalty_range=-1,
+)
+
+
+@dataclass
+class ServedModel:
+    """The model this server answers for, as the API sees it."""
+
+    name: str
+    aliases: frozenset[str]
+    max_model_len: int
+    created: int
+
+    def check(self, requested: str) -> None:
+        """404 unless the request names this model."""
+        if requested != self.name and requested not in self.aliases:
+            raise APIError(
+                f"The model `{requested}` does not exist; this server serves `{self.name}`.",
+                status=404,
+                param="model",
+                code="model_not_found",
+            )
+
+
+def sampling_defaults(values: Mapping[str, Any]) -> SamplerSettings:
+    """A model's sampling defaults, checked like request fields; a value that fails is dropped with a warning."""
+    kept = {}
+    for name, value in values.items():
+        try:
+            SamplerSettings.model_validate({name: value})
+        except ValidationError as exc:
+            log.warning("ignoring the sampling default %s=%r: %s", name, value, exc.errors()[0]["msg"])
+        else:
+            kept[name] = value
+    return SamplerSettings.model_validate(kept)
+
+
+def usage_of(stats: GenerationStats) -> Usage:
+    """Usage block from the final counts of a generation."""
+    return Usage(
+        prompt_tokens=stats.prompt_tokens,
+        completion_tokens=stats.completion_tokens,
+        total_tokens=stats.prompt_tokens + stats.completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=stats.cached_tokens),
+    )
+
+
+def timings_of(stats: GenerationStats) -> Timings:
+    """llama.cpp-style timings: prefill from the first scheduled chunk to the first token, decode from there on."""
+    prompt_n = stats.prompt_tokens - stats.cached_tokens
+    prompt_ms = (stats.prefilled_at - stats.started_at) * 1000
+    predicted_ms = (stats.ended_at - stats.prefilled_at) * 1000
+    return Timings(
+        cache_n=stats.cached_tokens,
+        prompt_n=prompt_n,
+        prompt_ms=prompt_ms,
+        prompt_per_token_ms=prompt_ms / prompt_n if prompt_n else 0.0,
+        prompt_per_second=prompt_n * 1000 / prompt_ms if prompt_ms > 0 else 0.0,
+        predicted_n=stats.completion_tokens,
+        predicted_ms=predicted_ms,
+        predicted_per_token_ms=predicted_ms / stats.completion_tokens if stats.completion_tokens else 0.0,
+        predicted_per_second=stats.completion_tokens * 1000 / predicted_ms if predicted_ms > 0 else 0.0,
+    )
+
+
+@dataclass
+class StreamEvent:
+    """One chunk of a stream: a choice's new text, a choice's finish, or (delta None) the usage at the end."""
+
+    delta: TextDelta | None
+    finish: bool = False
+    usage: Usage | None = None
+    timings: Timings | None = None  # on the last chunk before [DONE]
+
+
+async def stream_events(deltas: AsyncIterator[TextDelta], include_usage: bool) -> AsyncIterator[StreamEvent]:
+    """The chunks a generation streams as, in OpenAI's order: text, finish per choice, then usage if asked for."""
+    async for delta in deltas:
+        stats = delta.stats
+        if delta.text or delta.tokens:
+            yield StreamEvent(delta)
+        if delta.finish_reason is not None:
+            yield StreamEvent(delta, finish=True, timings=None if stats is None or include_usage else timings_of(stats))
+        if stats is not None and include_usage:
+            yield StreamEvent(None, usage=usage_of(stats), timings=timings_of(stats))
+
+
+@dataclass
+class ServingContext:
+    """The engine, tokenizer, served model, metrics, limits and sampling defaults that the endpoints work with."""
+
+    engine: AsyncEngine
+    tokenizer: Tokenizer
+    model: ServedModel
+    metrics: ServingMetrics
+    limits: GenerationLimits | None = None  # None: only the context length bounds a request
+    defaults: SamplerSettings = field(default_factory=SamplerSettings)
+    strings: TokenStrings = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.strings = TokenStrings(self.tokenizer)
+
+    def admit(self, requested_model: str) -> None:
+        """404 for another model, 429 when the queue is full."""
+        self.model.check(requested_model)
+        if self.engine.queue_is_full():
+            raise APIError(
+                f"The server is at capacity ({self.engine.max_queue} requests waiting); retry shortly.",
+                status=429,
+                type="rate_limit_error",
+                code="queue_full",
+            )
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        template_kwargs: Mapping[str, Any],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> list[int]:
+        """Token ids of a conversation rendered by the chat template, by default ready for the assistant's reply."""
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        except ChatTemplateError as exc:
+            raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def check_token_ids(self, token_ids: list[int], param: str) -> None:
+        """400 naming param if a token id is outside the vocabulary."""
+        vocab = self.tokenizer.vocab_size
+        outside = [token_id for token_id in token_ids if not 0 <= token_id < vocab]
+        if outside:
+            raise APIError(f"token id {outside[0]} in {param} is outside the vocabulary (0..{vocab - 1})", param=param)
+
+    def sampling_params(
+        self, request: GenerationRequest, prompt_len: int, context: int, prompt_param: str
+    ) -> SamplingParams:
+        """Engine parameters: the request's fields, else the model's defaults, else the built-in ones; checked."""
+        room = context - prompt_len
+        requested = request.requested_max_tokens()
+        if room <= 0 or (requested is not None and requested > room):
+            wanted = f" plus max_tokens {requested}" if requested is not None else ""
+            raise APIError(
+                f"This model's maximum context length is {context} tokens; the prompt has "
+                f"{prompt_len} tokens{wanted}, which does not fit.",
+                param=prompt_param if room <= 0 else "max_tokens",
+                code="context_length_exceeded",
+            )
+        if self.limits is not None:
+            self.limits.check_prompt(prompt_len)
+        max_tokens = self.limits.completion_budget(requested, room) if self.limits is not None else requested or room
+        if request.min_tokens > max_tokens:
+            raise APIError(
+                f"min_tokens ({request.min_tokens}) is more than the completion may have ({max_tokens})",
+                param="min_tokens",
+            )
+        self.check_token_ids(list(request.logit_bias or {}), "logit_bias")
+        self.check_token_ids(request.stop_token_ids, "stop_token_ids")
+
+        def pick(name: str) -> Any:
+            for source in (request, self.defaults, BUILTIN_SAMPLING):
+                value = getattr(source, name)
+                if value is not None:
+                    return value
+            raise AssertionError(name)
+
+        return SamplingParams(
+            temperature=pick("temperature"),
+            top_p=pick("top_p"),
+            top_k=max(pick("top_k"), 0),
+            min_p=pick("min_p"),
+            presence_penalty=pick("presence_penalty"),
+            frequency_penalty=pick("frequency_penalty"),
+            repetition_penalty=pick("repetition_penalty"),
+            repetition_penalty_range=pick("repetition_penalty_range"),
+            logit_bias=dict(request.logit_bias) if request.logit_bias else None,
+            seed=request.seed,
+            n=request.n,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            stop_token_ids=frozenset(request.stop_token_ids),
+            ignore_eos=request.ignore_eos,
+            logprobs=request.top_logprobs_count(),
+        )
+
+    def generate(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        stop_strings: list[str],
+        session_id: str | None = None,
+        restore: SessionKVData | None = None,
+    ) -> AsyncIterator[TextDelta]:
+        """The request's text deltas (not started until iterated)."""
+        return generate_text(
+            self.engine, self.tokenizer, request_id, prompt_ids, params, stop_strings, self.metrics, session_id, restore
+        )

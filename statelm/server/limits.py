@@ -1,0 +1,83 @@
+"""Request limits enforced before a route runs: body size (413) and the caps a generation body states (400)."""
+
+from __future__ import annotations
+
+import json
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from statelm.api.errors import APIError
+from statelm.api.limits import GenerationLimits
+from statelm.server.errors import error_response
+
+CAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize"})  # bodies with messages or max_tokens
+
+
+class RequestLimitMiddleware:
+    """Reads each request body up to max_body_bytes (413 past it) and checks capped routes' bodies against limits."""
+
+    def __init__(self, app: ASGIApp, max_body_bytes: int, limits: GenerationLimits) -> None:
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """Pass the request on with its body buffered, or answer with the limit it breaks."""
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        try:
+            body = await self._read_body(scope, receive)
+            if scope["method"] == "POST" and scope["path"] in CAPPED_PATHS:
+                self._check_generation(body)
+        except APIError as error:
+            await error_response(error)(scope, receive, send)
+            return
+        await self.app(scope, _replay(body, receive), send)
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        declared = dict(scope["headers"]).get(b"content-length", b"")
+        if declared.isdigit() and int(declared) > self.max_body_bytes:
+            raise self._too_large()
+        chunks, size, more = [], 0, True
+        while more:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                raise self._too_large()
+            chunks.append(chunk)
+            more = message.get("more_body", False)
+        return b"".join(chunks)
+
+    def _too_large(self) -> APIError:
+        return APIError(
+            f"The request body is larger than this server's limit of {self.max_body_bytes} bytes.",
+            status=413,
+            code="request_too_large",
+        )
+
+    def _check_generation(self, body: bytes) -> None:
+        """Caps on the body as sent; a body that is not a JSON object is left for the route to reject."""
+        try:
+            parsed = json.loads(body)
+        except (ValueError, RecursionError):
+            return
+        if isinstance(parsed, dict):
+            self.limits.check_body(parsed)
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive that gives the buffered body once, then waits on the client as before (for disconnects)."""
+    pending = True
+
+    async def replayed() -> Message:
+        nonlocal pending
+        if pending:
+            pending = False
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replayed
