@@ -24,6 +24,11 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def server_environment() -> dict[str, str]:
+    """This process's environment without the API-key variables a developer may have set for the CLI."""
+    return {name: value for name, value in os.environ.items() if name not in ("STATELM_API_KEY", "STATELM_ADMIN_KEY")}
+
+
 def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
     """Start `statelm serve` with args and wait until /health answers."""
     port = free_port()
@@ -34,7 +39,7 @@ def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen[byte
         [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        env={**server_environment(), "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
