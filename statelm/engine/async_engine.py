@@ -15,6 +15,7 @@ from statelm.engine.sequence import FinishReason, SamplingParams
 from statelm.engine.session_kv import SessionKVData
 
 T = TypeVar("T")
+DEGRADED_AFTER_FAILED_STEPS = 3
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +107,10 @@ class AsyncEngine:
 
         self._commands.put(command)
         return await future
+
+    def is_degraded(self) -> bool:
+        """True when the engine cannot serve: its thread died, or its last forward passes all failed."""
+        return not self._thread.is_alive() or self.engine.failed_steps_in_a_row >= DEGRADED_AFTER_FAILED_STEPS
 
     def queue_is_full(self) -> bool:
         """True when max_queue requests already wait for a slot in the running batch."""

@@ -54,6 +54,7 @@ class Engine:
         self.max_model_len = max_model_len
         self.sampling_defaults = dict(sampling_defaults or {})  # request fields' defaults for this model, by name
         self.sessions = SessionKVStore(pool, runner.kv_cache)
+        self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens, self.sessions)
 
     def add_request(
@@ -126,7 +127,9 @@ class Engine:
             result = self.runner.execute(chunks)
         except Exception as exc:  # a failing step must not take the engine down
             log.exception("engine step failed")
+            self.failed_steps_in_a_row += 1
             return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]
+        self.failed_steps_in_a_row = 0
         for chunk in chunks:
             seq = chunk.seq
             if seq.first_scheduled_at is None:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from statelm.config import EngineConfig
+from statelm.engine.async_engine import DEGRADED_AFTER_FAILED_STEPS, AsyncEngine
 from statelm.engine.builder import create_engine
 from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
@@ -116,6 +118,41 @@ def test_a_failing_step_fails_only_its_requests_and_the_engine_goes_on(
     assert engine.pool.num_used_blocks == 0 and not engine.has_work()
     monkeypatch.setattr(engine.runner, "execute", original)
     assert generate(engine, {"r1": work["r1"]}, GREEDY) == generate(engine_for(loaded), {"r1": work["r1"]}, GREEDY)
+
+
+def test_a_request_whose_sampling_fails_fails_alone_among_concurrent_ones(loaded: LoadedModel) -> None:
+    engine = engine_for(loaded)
+    work = prompts(loaded, 3)
+    broken = replace(GREEDY, logit_bias={10**9: 1.0})  # a token id no vocabulary has: this request's sampling raises
+    for request_id in ("r0", "r2"):
+        engine.add_request(request_id, work[request_id], GREEDY)
+    engine.add_request("r1", work["r1"], broken)
+    outputs: dict[str, list[int]] = {"r0": [], "r2": []}
+    errors: list[str] = []
+    while engine.has_work():
+        for step in engine.step():
+            if step.error is not None:
+                errors.append(step.request_id)
+            else:
+                outputs[step.request_id].extend(step.new_token_ids)
+    assert errors == ["r1"]
+    alone = generate(engine_for(loaded), {"r0": work["r0"], "r2": work["r2"]}, GREEDY)
+    assert outputs == alone
+    assert engine.pool.num_used_blocks == 0 and engine.failed_steps_in_a_row == 0
+
+
+def test_an_engine_whose_forward_keeps_failing_is_degraded(loaded: LoadedModel) -> None:
+    engine = engine_for(loaded)
+    async_engine = AsyncEngine(engine, max_queue=8)
+    try:
+        assert not async_engine.is_degraded()
+        engine.failed_steps_in_a_row = DEGRADED_AFTER_FAILED_STEPS
+        assert async_engine.is_degraded()
+        engine.failed_steps_in_a_row = 0
+        assert not async_engine.is_degraded()
+    finally:
+        async_engine.shutdown()
+    assert async_engine.is_degraded()  # the engine thread is gone
 
 
 @pytest.mark.gpu
