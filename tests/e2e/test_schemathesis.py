@@ -19,7 +19,7 @@ KEY = "fuzz-key-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
 SERVE_ARGS = ["--model", "default", "--kv-cache-memory", "512MiB", "--max-model-len", "128"]
 SERVE_ARGS += ["--max-completion-tokens", "16", "--api-key", KEY]
-RUN_ARGS = ["--max-examples", "25", "--seed", "20261122", "--phases", "examples,coverage,fuzzing", "--workers", "1"]
+RUN_ARGS = ["--max-examples", "10", "--seed", "20261122", "--phases", "examples,coverage,fuzzing", "--workers", "1"]
 RUN_ARGS += ["--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-response-time", "120"]
 RUN_ARGS += ["--request-timeout", "120", "--no-shrink", "--header", f"Authorization: Bearer {KEY}"]
 
