@@ -60,12 +60,12 @@ def history(api: httpx.Client, session_id: str) -> list[dict[str, Any]]:
     return api.get(f"/v1/sessions/{session_id}/history").json()["messages"]
 
 
-def wait_idle(api: httpx.Client, session_id: str) -> dict[str, Any]:
-    """The session once no turn runs on it."""
+def wait_busy(api: httpx.Client, session_id: str, busy: bool) -> dict[str, Any]:
+    """The session once a turn runs on it (busy) or none does (not busy)."""
     deadline = time.monotonic() + 10
-    while (session := api.get(f"/v1/sessions/{session_id}").json())["state"] == "busy":
-        assert time.monotonic() < deadline, "session stayed busy"
-        time.sleep(0.05)
+    while ((session := api.get(f"/v1/sessions/{session_id}").json())["state"] == "busy") != busy:
+        assert time.monotonic() < deadline, f"session never became {'busy' if busy else 'idle'}"
+        time.sleep(0.02)
     return session
 
 
@@ -140,7 +140,7 @@ def test_cancelled_stream_leaves_the_session_unchanged(
         lines = response.iter_lines()
         for _ in range(6):
             next(lines)
-    session = wait_idle(api, "cancel")
+    session = wait_busy(api, "cancel", busy=False)
     assert history(api, "cancel") == before
     assert session["num_tokens"] == tokens_before
     reply = turn(client, model_name, "cancel", QUESTIONS[1])
@@ -163,10 +163,7 @@ def test_second_concurrent_turn_gets_409(
     first = threading.Thread(target=lambda: httpx.post(f"{server_url}/v1/chat/completions", json=body, timeout=120))
     first.start()
     try:
-        wait_until = time.monotonic() + 10
-        while api.get("/v1/sessions/busy").json()["state"] != "busy":
-            assert time.monotonic() < wait_until
-            time.sleep(0.02)
+        wait_busy(api, "busy", busy=True)
         with pytest.raises(openai.ConflictError) as error:
             turn(client, model_name, "busy", "Hello?")
         assert error.value.body["code"] == "session_busy"
