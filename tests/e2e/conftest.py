@@ -29,8 +29,10 @@ def server_environment() -> dict[str, str]:
     return {name: value for name, value in os.environ.items() if name not in ("STATELM_API_KEY", "STATELM_ADMIN_KEY")}
 
 
-def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `statelm serve` with args and wait until /health answers."""
+def start_server(
+    args: list[str], log_path: Path, extra_environment: dict[str, str] | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """Start `statelm serve` with args (and extra environment variables) and wait until /health answers."""
     port = free_port()
     log = log_path.open("wb")
     if "--state-dir" not in args:
@@ -39,7 +41,7 @@ def start_server(args: list[str], log_path: Path) -> tuple[subprocess.Popen[byte
         [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
         stdout=log,
         stderr=subprocess.STDOUT,
-        env={**server_environment(), "PYTHONUNBUFFERED": "1"},
+        env={**server_environment(), **(extra_environment or {}), "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S

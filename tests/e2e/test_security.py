@@ -27,9 +27,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Path]
     args = ["--model", "default", "--kv-cache-memory", "512MiB", "--max-model-len", "512"]
     args += ["--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN_KEY, "--api-key-file", str(key_file)]
     args += ["--metrics-require-key"]
-    with pytest.MonkeyPatch.context() as env:
-        env.setenv("STATELM_API_KEY", ENV_KEY)
-        process, url = start_server(args, root / "server.log")
+    process, url = start_server(args, root / "server.log", {"STATELM_API_KEY": ENV_KEY})
     yield url, key_file
     stop_server(process)
 
