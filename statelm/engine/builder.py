@@ -95,6 +95,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         max_num_seqs=config.max_num_seqs,
         max_num_batched_tokens=config.max_num_batched_tokens,
         sampling_defaults=sampling_defaults(loaded, config),
+        vocab_size=loaded.tokenizer.vocab_size,
     )
 
 

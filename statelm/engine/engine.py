@@ -33,6 +33,8 @@ class StepOutput:
     scheduled_at: float | None = None  # time.perf_counter() when the request's first chunk ran
     produced_at: float = 0.0  # time.perf_counter() when this step's tokens were sampled
     error: str | None = None
+    ended_by_token: bool = False  # the last new token ended the choice and is not output text (EOS, stop token)
+    repetition_detected: bool = False  # the choice ended because its output fell into a loop
 
 
 class Engine:
@@ -47,8 +49,10 @@ class Engine:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         sampling_defaults: Mapping[str, Any] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         self.runner = runner
+        self.vocab_size = vocab_size  # ids the tokenizer knows; logit columns past them (padding) are never sampled
         self.pool = pool
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
@@ -144,7 +148,8 @@ class Engine:
                 self.sessions.finish_refresh(seq)
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
-        sampled = sample(result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits, seqs)
+        logits = result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits
+        sampled = sample(logits[:, : self.vocab_size], seqs)
         return self._record(seqs, sampled, time.perf_counter())
 
     def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[StepOutput]:
@@ -209,4 +214,6 @@ class Engine:
             logprobs=logprobs,
             scheduled_at=seq.first_scheduled_at,
             produced_at=produced_at,
+            ended_by_token=seq.ended_by_token,
+            repetition_detected=seq.repetition_detected,
         )

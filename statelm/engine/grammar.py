@@ -7,9 +7,10 @@ keywords and bad grammars reported as messages (a 400), never a crash. Its masks
 xgrammar's precomputed ones (tens of microseconds per token instead of a few), still far below a decode step.
 
 Flow: the API layer calls `GrammarBackend.compile` (GrammarError -> 400) and hands the result to the engine,
-which starts a `GrammarMatcher` per sequence. Each step: `fill_bitmask` for the batch, `apply_bitmask` to the
-logits, sample, then `accept` each sampled (or forced) token; a sequence whose `is_terminated()` is true is
-done. Compiling a huge schema can take long (llguidance releases the GIL meanwhile): call it off the event loop.
+which starts a `GrammarMatcher` per sequence (in its `OutputGuide`). Each step the sampler fills a bitmask row
+per constrained sequence, `apply_bitmask` to the logits, samples, then `accept` each sampled (or forced) token;
+a sequence whose `is_terminated()` is true is done. Compiling a huge schema can take long (llguidance releases
+the GIL meanwhile): call it off the event loop.
 """
 
 from __future__ import annotations
@@ -56,7 +57,7 @@ class GrammarMatcher:
 
     def __init__(self, grammar: CompiledGrammar, *, start_after: Sequence[int] = ()) -> None:
         self._matcher = grammar._prototype.deep_copy()
-        self._words = (grammar.vocab_size + 31) // 32
+        self.mask_words = (grammar.vocab_size + 31) // 32  # int32 words of a mask row: one bit per token
         self._trigger = tuple(start_after)
         self._recent: tuple[int, ...] = ()
         self.active = not self._trigger
@@ -64,8 +65,8 @@ class GrammarMatcher:
     def fill_mask(self, logits_row: torch.Tensor) -> None:
         """Set the logits of the tokens the grammar forbids next to -inf (one row; for a batch see fill_bitmask)."""
         if self.active:
-            row = torch.empty(self._words, dtype=torch.int32)
-            self._fill_row(row)
+            row = torch.empty(self.mask_words, dtype=torch.int32)
+            self.fill_bitmask_row(row)
             apply_bitmask(logits_row.view(1, -1), row.view(1, -1))
 
     def accept(self, token_id: int) -> bool:
@@ -85,9 +86,11 @@ class GrammarMatcher:
         """Why the matcher failed (a forbidden token was accepted), or an empty string."""
         return self._matcher.get_error()
 
-    def _fill_row(self, row: torch.Tensor) -> None:
-        """Write the allowed-token bits into a contiguous CPU int32 row of the tokenizer's width."""
-        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), row.numel() * row.element_size())
+    def fill_bitmask_row(self, row: torch.Tensor) -> None:
+        """Write the allowed-token bits into the first `mask_words` words of a contiguous CPU int32 row."""
+        if row.dtype != torch.int32 or row.is_cuda or not row.is_contiguous() or len(row) < self.mask_words:
+            raise ValueError(f"a grammar mask row must be a contiguous CPU int32 tensor of >= {self.mask_words} words")
+        self._matcher.unsafe_compute_mask_ptr(row.data_ptr(), self.mask_words * 4)
 
 
 class GrammarBackend:
@@ -134,7 +137,7 @@ class GrammarBackend:
         scratch = torch.empty((len(matchers), self._words), dtype=torch.int32)
         if len(rows) == 1:
             matcher, row = rows[0]
-            matcher._fill_row(scratch[row])
+            matcher.fill_bitmask_row(scratch[row])
         else:
             pairs = [(m._matcher, row) for m, row in rows]
             self._executor.unsafe_compute_mask_ptr(pairs, scratch.data_ptr(), self._words * 4, len(matchers))

@@ -5,9 +5,10 @@ lists, using whole-row torch ops (no Python loop over the vocabulary), and chang
 Rows never influence each other, and a row whose parameter is neutral (bias None, penalty 0 or 1, min_p 0)
 is left bit-for-bit unchanged, so results do not depend on the batch a sequence shares.
 
-Order per step, as vLLM and llama.cpp apply them: `apply_logit_bias` → `apply_repetition_penalty` →
-`apply_presence_frequency_penalties` → grammar mask → `token_logprobs` (see there) → temperature →
-`apply_min_p` / top-k / top-p → sample.
+Order per step, as vLLM and llama.cpp apply them: `apply_logit_bias` → min_tokens mask →
+`apply_repetition_penalty` → `apply_presence_frequency_penalties` → grammar mask (`grammar.apply_bitmask`) →
+forced token → `token_logprobs` (see there) → temperature → `apply_min_p` / top-k / top-p → sample. The
+sampler (`statelm.engine.sampler`) runs that pipeline.
 """
 
 from __future__ import annotations
@@ -94,10 +95,11 @@ def token_logprobs(logits: torch.Tensor, chosen_ids: torch.Tensor, num_top: int)
     """Log-softmax of `logits`: the logprob of each row's chosen token and the `num_top` most likely tokens.
 
     statelm reports logprobs of the processed distribution as vLLM's `processed_logprobs` mode describes it,
-    taken after logit bias, penalties and the grammar mask but before temperature and top-k/top-p/min-p: so
-    they are the distribution the sampler starts from, they do not change with temperature (as OpenAI's do
-    not), and greedy requests have them too. Pass the logits at that point; `num_top` is the batch's largest
-    `top_logprobs` (0-20), each row keeps its own first k. -inf (a masked token) is reported as -9999.0.
+    taken after logit bias, penalties, the grammar mask and a forced token but before temperature and
+    top-k/top-p/min-p: so they are the distribution the sampler starts from, they do not change with
+    temperature (as OpenAI's do not), and greedy requests have them too. Pass the logits at that point;
+    `num_top` is the batch's largest `top_logprobs` (0-20), each row keeps its own first k. -inf (a masked
+    token) is reported as -9999.0.
     """
     logprobs = torch.log_softmax(logits.float(), dim=-1).clamp_(min=MIN_LOGPROB)
     chosen = logprobs.gather(1, chosen_ids.view(-1, 1).to(device=logits.device, dtype=torch.int64)).squeeze(1)

@@ -3,8 +3,12 @@
 One step's pipeline, each stage on the rows that need it and never mixing rows, so a sequence samples
 the same token whatever else is in the batch:
 
-    logit bias → min_tokens mask → repetition penalty → presence/frequency penalties → (grammar mask)
-    → logprobs → greedy argmax, or temperature → min-p → top-k → top-p → draw with the sequence's generator
+    logit bias → min_tokens mask → repetition penalty → presence/frequency penalties → grammar mask
+    → forced token → logprobs → greedy argmax, or temperature → min-p → top-k → top-p → draw with the
+    sequence's generator
+
+The grammar mask and the forced token come from each sequence's `OutputGuide`; a forced token (a reasoning
+budget's end tag) leaves only that token finite in its row, so the row samples it whatever its settings.
 
 Logprobs are taken from the processed logits before temperature and truncation (see `token_logprobs`).
 A request whose parameters make a stage fail (or whose distribution cannot be drawn from) fails alone:
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from statelm.engine.grammar import apply_bitmask
 from statelm.engine.logits_processors import (
     apply_logit_bias,
     apply_min_p,
@@ -179,12 +184,39 @@ def _wants_presence_frequency(seq: Sequence) -> bool:
     return seq.params.presence_penalty != 0.0 or seq.params.frequency_penalty != 0.0
 
 
-# In order; each stage runs only when some row of the batch wants it. A grammar mask goes after the penalties.
+def _guide_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
+    """Each guided row's grammar mask, or its forced token: the only token left finite in the row."""
+    guides = [(row, seq.guide) for row, seq in enumerate(seqs) if seq.guide is not None]
+    forced = [(row, guide.forced_token) for row, guide in guides if guide.forced_token is not None]
+    matchers = [
+        (row, guide.matcher)
+        for row, guide in guides
+        if guide.forced_token is None and guide.matcher is not None and guide.matcher.active
+    ]
+    if matchers:
+        words = max((logits.shape[1] + 31) // 32, *(matcher.mask_words for _, matcher in matchers))
+        bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)  # bits past a vocabulary stay 0: banned
+        for position, (_, matcher) in enumerate(matchers):
+            matcher.fill_bitmask_row(bitmask[position])
+        _apply_to_rows(logits, [row for row, _ in matchers], lambda selected: apply_bitmask(selected, bitmask))
+    if forced:
+        rows = torch.tensor([row for row, _ in forced], device=logits.device)
+        tokens = torch.tensor([token for _, token in forced], device=logits.device)
+        logits.index_fill_(0, rows, float("-inf"))
+        logits[rows, tokens] = 0.0
+
+
+def _wants_guide_masks(seq: Sequence) -> bool:
+    return seq.guide is not None and seq.guide.constrains
+
+
+# In order; each stage runs only when some row of the batch wants it.
 _STAGES: list[tuple[Stage, Callable[[Sequence], bool]]] = [
     (_logit_bias, lambda seq: bool(seq.params.logit_bias)),
     (_min_tokens, lambda seq: not seq.may_stop()),
     (_repetition_penalty, _wants_repetition_penalty),
     (_presence_frequency, _wants_presence_frequency),
+    (_guide_masks, _wants_guide_masks),
 ]
 
 

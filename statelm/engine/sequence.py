@@ -8,6 +8,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.engine.grammar import CompiledGrammar
+from statelm.engine.guidance import GuideStop, OutputGuide, ReasoningBudget
+from statelm.engine.repetition import RepetitionConfig
+
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); negative seeds wrap around
 GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in vLLM): logits / temperature would overflow
 
@@ -32,6 +36,10 @@ class SamplingParams:
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
     logprobs: int | None = None  # report the chosen token's logprob and this many top alternatives; None = off
+    grammar: CompiledGrammar | None = None  # constrains the output token by token; the output ends when it is complete
+    grammar_start_after: tuple[int, ...] = ()  # the grammar starts once the output has produced these ids (</think>)
+    reasoning: ReasoningBudget | None = None  # caps the think block; its end tag is forced when the budget is spent
+    repetition: RepetitionConfig | None = None  # ends the sequence (STOP) when its output falls into a loop
 
     @property
     def greedy(self) -> bool:
@@ -81,9 +89,13 @@ class Sequence:
     generator: torch.Generator | None = None
     first_scheduled_at: float | None = None  # time.perf_counter() when its first chunk ran
     tokens: list[int] = field(init=False)  # prompt then output, the sequence's whole token list
+    guide: OutputGuide | None = field(init=False)  # grammar, reasoning budget and repetition stop, if any is asked for
+    ended_by_token: bool = field(init=False, default=False)  # its last token ended it and is not output text (EOS…)
+    repetition_detected: bool = field(init=False, default=False)  # it ended because its output fell into a loop
 
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
+        self.guide = None if self.prefill_only else OutputGuide.for_params(self.params)
 
     @property
     def num_output_tokens(self) -> int:
@@ -120,9 +132,21 @@ class Sequence:
         return params.stop_token_ids if params.ignore_eos else params.stop_token_ids | self.eos_token_ids
 
     def append_token(self, token_id: int) -> None:
-        """Record a sampled token and finish the sequence if it ends generation."""
+        """Record a sampled token and finish the sequence if it ends generation.
+
+        An EOS or stop token ends it as an ending token (not text); so do an EOS that completes the grammar and a
+        token the grammar rejects. A token that completes the grammar or a loop ends it as the output's last token.
+        """
         self.tokens.append(token_id)
+        stop = None if self.guide is None else self.guide.observe(token_id)
         if token_id in self.ending_token_ids():
+            self.ended_by_token = True
+            self.finish(FinishReason.STOP)
+        elif stop is not None:
+            self.ended_by_token = stop is GuideStop.GRAMMAR_REJECTED or (
+                stop is GuideStop.GRAMMAR_COMPLETE and token_id in self.eos_token_ids
+            )
+            self.repetition_detected = stop is GuideStop.REPETITION
             self.finish(FinishReason.STOP)
         elif self.num_output_tokens >= self.params.max_tokens or self.num_tokens >= self.max_total_tokens:
             self.finish(FinishReason.LENGTH)
