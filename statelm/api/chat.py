@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 import weakref
@@ -10,12 +11,13 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, chat_events, collect_choices
+from statelm.api.chat_prompt import RenderedPrompt, forces_tool_call
 from statelm.api.errors import APIError
-from statelm.api.generation import TextDelta, collect
+from statelm.api.generation import TextDelta
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import chat_logprobs
 from statelm.api.protocol import (
-    AssistantMessage,
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionRequest,
@@ -30,21 +32,22 @@ from statelm.api.serving import (
     ServedModel,
     ServingContext,
     sampling_defaults,
-    stream_events,
     timings_of,
     usage_of,
 )
+from statelm.api.structured_output import forced_tool_constraint
 from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.sequence import SamplingParams
 from statelm.metrics import ServingMetrics
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import Session
 from statelm.tokenizer import Tokenizer
 
 
-def transcript_for_template(transcript: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """A session's messages as the chat template takes them; 422 if a stored message is malformed."""
+def stored_messages(transcript: list[dict[str, Any]]) -> list[ChatMessage]:
+    """A session's messages as request messages; 422 if a stored message is malformed."""
     try:
-        return [ChatMessage.model_validate(message).for_template() for message in transcript]
+        return [ChatMessage.model_validate(message) for message in transcript]
     except ValidationError as exc:
         raise APIError(f"the session's transcript holds an invalid message: {exc}", status=422) from exc
 
@@ -52,7 +55,8 @@ def transcript_for_template(transcript: list[dict[str, Any]]) -> list[dict[str, 
 class ChatService:
     """Serves chat completions from the engine, stateless or as turns of a session.
 
-    Its `context` (engine, tokenizer, model, limits, sampling defaults) serves the other endpoints as well.
+    Its `context` (engine, tokenizer, model, limits, sampling defaults, chat format) serves the other
+    endpoints as well.
     """
 
     def __init__(
@@ -63,16 +67,27 @@ class ChatService:
         metrics: ServingMetrics,
         sessions: SessionManager | None = None,
         limits: GenerationLimits | None = None,
+        *,
+        tool_parser: str | None = None,
+        reasoning_parser: str = "auto",
     ) -> None:
         defaults = sampling_defaults(engine.engine.sampling_defaults)
-        self.context = ServingContext(engine, tokenizer, model, metrics, limits, defaults)
+        self.context = ServingContext(
+            engine,
+            tokenizer,
+            model,
+            metrics,
+            limits,
+            defaults,
+            tool_parser=tool_parser,
+            reasoning_parser=reasoning_parser,
+        )
         self.sessions = sessions
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """Generate every choice in full."""
-        request_id, deltas = await self._start(request)
-        choices, stats = await collect(deltas, request.n)
-        strings = self.context.strings
+        request_id, events = await self._start(request)
+        choices, stats = await collect_choices(events, request.n)
         return ChatCompletionResponse(
             id=request_id,
             created=int(time.time()),
@@ -80,9 +95,10 @@ class ChatService:
             choices=[
                 ChatChoice(
                     index=index,
-                    message=AssistantMessage(content=choice.text),
+                    message=choice.message(),
                     finish_reason=choice.finish_reason,
-                    logprobs=chat_logprobs(choice.tokens, strings) if request.logprobs else None,
+                    logprobs=chat_logprobs(choice.tokens, self.context.strings) if request.logprobs else None,
+                    repetition_detected=choice.repetition_detected or None,
                 )
                 for index, choice in enumerate(choices)
             ],
@@ -93,12 +109,13 @@ class ChatService:
 
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Generate the choices as chunks; validation errors are raised before the first chunk."""
-        request_id, deltas = await self._start(request)
-        return self._chunks(request, request_id, deltas)
+        request_id, events = await self._start(request)
+        return self._chunks(request, request_id, events)
 
     async def _chunks(
-        self, request: ChatCompletionRequest, request_id: str, deltas: AsyncIterator[TextDelta]
+        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator[ChoiceEvent]
     ) -> AsyncIterator[ChatCompletionChunk]:
+        """OpenAI's order: a role chunk per choice, deltas, a finish chunk per choice, then usage if asked for."""
         created = int(time.time())
 
         def chunk(
@@ -116,28 +133,44 @@ class ChatService:
 
         for index in range(request.n):
             yield chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
-        async for event in stream_events(deltas, request.include_usage()):
-            delta = event.delta
-            if delta is None:
-                yield chunk([], usage=event.usage, timings=event.timings)
-            elif event.finish:
-                finish = ChunkChoice(index=delta.index, delta=DeltaMessage(), finish_reason=delta.finish_reason)
-                yield chunk([finish], timings=event.timings)
-            else:
-                logprobs = chat_logprobs(delta.tokens, self.context.strings) if request.logprobs else None
-                yield chunk([ChunkChoice(index=delta.index, delta=DeltaMessage(content=delta.text), logprobs=logprobs)])
+        async for event in events:
+            piece = event.piece
+            if piece or event.tokens:
+                delta = DeltaMessage(
+                    content=piece.content if piece.content or not (piece.reasoning or piece.tool_calls) else None,
+                    reasoning_content=piece.reasoning or None,
+                    tool_calls=piece.tool_calls or None,
+                )
+                logprobs = chat_logprobs(event.tokens, self.context.strings) if request.logprobs else None
+                yield chunk([ChunkChoice(index=event.index, delta=delta, logprobs=logprobs)])
+            stats = event.stats
+            if event.finish_reason is not None:
+                finish = ChunkChoice(
+                    index=event.index,
+                    delta=DeltaMessage(),
+                    finish_reason=event.finish_reason,
+                    repetition_detected=event.repetition_detected or None,
+                )
+                last = stats is not None and not request.include_usage()
+                yield chunk([finish], timings=timings_of(stats) if last and stats is not None else None)
+            if stats is not None and request.include_usage():
+                yield chunk([], usage=usage_of(stats), timings=timings_of(stats))
 
-    async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[TextDelta]]:
+    async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[ChoiceEvent]]:
         """Validate and render the request; return its id and its (not yet started) generation."""
         self.context.admit(request.model)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         if request.session_id is not None:
             return request_id, await self._start_turn(request, request_id)
-        prompt_ids = self.context.render_chat([m.for_template() for m in request.messages], {})
-        params = self.context.sampling_params(request, len(prompt_ids), self.context.model.max_model_len, "messages")
-        return request_id, self.context.generate(request_id, prompt_ids, params, request.stop_strings())
+        prompter = self.context.prompter
+        prompt = prompter.render(request.messages, request.tools, prompter.template_kwargs(request, {}))
+        params = await self._params(request, prompt, self.context.model.max_model_len)
+        deltas = self.context.generate(
+            request_id, prompt.ids, params, request.stop_strings(), keep_special_tokens=prompter.keep_special_tokens
+        )
+        return request_id, self._events(request, prompt, deltas)
 
-    async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[TextDelta]:
+    async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[ChoiceEvent]:
         """Begin a session turn: the session's transcript plus this turn's messages, from the session's KV."""
         if self.sessions is None:
             raise APIError("sessions are not enabled on this server", param="session_id")
@@ -145,22 +178,49 @@ class ChatService:
             raise APIError("a session turn has one reply: n must be 1 with session_id", param="n")
         session = self.sessions.begin_turn(request.session_id or "")
         turn = SessionTurn(self.sessions, session, request_id)
+        prompter = self.context.prompter
         try:
             new_messages = [message.for_transcript() for message in request.messages]
-            prompt_ids = self.context.render_chat(
-                transcript_for_template(session.transcript + new_messages), session.settings.chat_template_kwargs
-            )
+            kwargs = prompter.template_kwargs(request, session.settings.chat_template_kwargs)
+            prompt = prompter.render(stored_messages(session.transcript) + request.messages, request.tools, kwargs)
             max_model_len = self.context.model.max_model_len
-            context = min(max_model_len, session.settings.max_tokens or max_model_len)
-            params = self.context.sampling_params(request, len(prompt_ids), context, "messages")
+            params = await self._params(
+                request, prompt, min(max_model_len, session.settings.max_tokens or max_model_len)
+            )
             restore = await self.sessions.kv_to_restore(session)
         except BaseException:
             turn.end(None)
             raise
         deltas = self.context.generate(
-            request_id, prompt_ids, params, request.stop_strings(), session_id=session.id, restore=restore
+            request_id,
+            prompt.ids,
+            params,
+            request.stop_strings(),
+            session_id=session.id,
+            restore=restore,
+            keep_special_tokens=prompter.keep_special_tokens,
         )
-        return turn.follow(deltas, new_messages)
+        return turn.follow(self._events(request, prompt, deltas), new_messages)
+
+    async def _params(self, request: ChatCompletionRequest, prompt: RenderedPrompt, context: int) -> SamplingParams:
+        """Sampling parameters with the request's constraint, forced tool call and reasoning budget."""
+        prompter = self.context.prompter
+        params = self.context.sampling_params(request, len(prompt.ids), context, "messages")
+        forced = None
+        if forces_tool_call(request):
+            tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+            choice = request.tool_choice
+            named = choice if isinstance(choice, str) else choice.model_dump() if choice is not None else "required"
+            forced = forced_tool_constraint(tools, named, request.parallel_tool_calls)
+        params = await self.context.constrained(request, params, forced, prompter.reasoning_end_ids(prompt))
+        budget = prompter.reasoning_budget(request, prompt)
+        return params if budget is None else dataclasses.replace(params, reasoning=budget)
+
+    def _events(
+        self, request: ChatCompletionRequest, prompt: RenderedPrompt, deltas: AsyncIterator[TextDelta]
+    ) -> AsyncIterator[ChoiceEvent]:
+        parsers = [self.context.prompter.output_parser(request, prompt) for _ in range(request.n)]
+        return chat_events(deltas, parsers)
 
 
 class SessionTurn:
@@ -178,17 +238,24 @@ class SessionTurn:
             self.ended = True
             self.sessions.end_turn(self.session, self.request_id, messages)
 
-    def follow(self, deltas: AsyncIterator[TextDelta], new_messages: list[dict[str, Any]]) -> AsyncIterator[TextDelta]:
-        """deltas, committing the turn at the final one; a generation dropped before that drops the turn."""
+    def follow(
+        self, events: AsyncIterator[ChoiceEvent], new_messages: list[dict[str, Any]]
+    ) -> AsyncIterator[ChoiceEvent]:
+        """events, committing the turn (the reply with its reasoning and tool calls) at the final one.
 
-        async def committed() -> AsyncIterator[TextDelta]:
-            text: list[str] = []
+        A generation dropped before that drops the turn. The template decides whether later prompts show
+        the reasoning; the session's cache follows whatever it renders (longest common prefix).
+        """
+
+        async def committed() -> AsyncIterator[ChoiceEvent]:
+            reply = ChoiceMessage()
             try:
-                async for delta in deltas:
-                    text.append(delta.text)
-                    if delta.finish_reason is not None:
-                        self.end([*new_messages, {"role": "assistant", "content": "".join(text)}])
-                    yield delta
+                async for event in events:
+                    reply.add(event)
+                    if event.finish_reason is not None:
+                        message = reply.message().model_dump(exclude_none=True)
+                        self.end([*new_messages, message])
+                    yield event
             finally:
                 self.end(None)
 

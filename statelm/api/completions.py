@@ -28,7 +28,7 @@ class CompletionService:
 
     async def complete(self, request: CompletionRequest) -> CompletionResponse:
         """Generate every choice in full."""
-        request_id, echoes, deltas = self._start(request)
+        request_id, echoes, deltas = await self._start(request)
         choices, stats = await collect(deltas, len(echoes))
         return CompletionResponse(
             id=request_id,
@@ -47,9 +47,9 @@ class CompletionService:
             timings=timings_of(stats),
         )
 
-    def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
+    async def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
         """Generate the choices as chunks; validation errors are raised before the first chunk."""
-        request_id, echoes, deltas = self._start(request)
+        request_id, echoes, deltas = await self._start(request)
         return self._chunks(request, request_id, echoes, deltas)
 
     async def _chunks(
@@ -78,7 +78,7 @@ class CompletionService:
                 logprobs = self._logprobs(request, delta.tokens)
                 yield chunk([CompletionChoice(index=delta.index, text=delta.text, logprobs=logprobs)])
 
-    def _start(self, request: CompletionRequest) -> tuple[str, list[str], AsyncIterator[TextDelta]]:
+    async def _start(self, request: CompletionRequest) -> tuple[str, list[str], AsyncIterator[TextDelta]]:
         """Check and tokenize the prompts; return the id, each choice's echoed prompt and the (unstarted) deltas."""
         context = self.context
         context.admit(request.model)
@@ -89,6 +89,7 @@ class CompletionService:
         for position, prompt in enumerate(prompts):
             prompt_ids = self._token_ids(prompt)
             params = context.sampling_params(request, len(prompt_ids), context.model.max_model_len, "prompt")
+            params = await context.constrained(request, params)
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{position}"
             streams.append(context.generate(engine_id, prompt_ids, params, request.stop_strings()))
             echo = (prompt if isinstance(prompt, str) else context.tokenizer.decode(prompt)) if request.echo else ""

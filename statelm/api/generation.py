@@ -59,6 +59,7 @@ class TextDelta:
     text: str
     tokens: list[ReleasedToken] = field(default_factory=list)  # with logprobs on: the tokens whose text starts here
     finish_reason: str | None = None
+    repetition_detected: bool = False  # with the finish reason: a loop in the output ended it
     stats: GenerationStats | None = None
 
 
@@ -66,11 +67,14 @@ class ChoiceText:
     """One choice's tokens as text: nothing past a stop string, and the logprobs of exactly the tokens given out.
 
     Stop strings are looked for in the text after the first `min_tokens` tokens. The token that ends a
-    choice (EOS or a stop token) is not part of its text, nor is a stop string.
+    choice (EOS or a stop token) is not part of its text, nor is a stop string. Special tokens are left out
+    of the text unless `keep_special_tokens` (a tool or reasoning parser reads markers that are special).
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop_strings: list[str], min_tokens: int) -> None:
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(
+        self, tokenizer: Tokenizer, stop_strings: list[str], min_tokens: int, keep_special_tokens: bool = False
+    ) -> None:
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=not keep_special_tokens)
         self.matcher = StopStringMatcher(stop_strings)
         self.min_tokens = min_tokens
         self.num_tokens = 0
@@ -78,12 +82,13 @@ class ChoiceText:
         self.released = 0  # characters given out
         self.pending: deque[ReleasedToken] = deque()
         self.finish_reason: str | None = None
+        self.repetition_detected = False
 
     def add(self, output: StepOutput) -> TextDelta:
         """The text (and tokens) one engine output adds to this choice."""
         text: list[str] = []
         last = len(output.new_token_ids) - 1
-        ended_by_token = output.finished and output.finish_reason is FinishReason.STOP
+        ended_by_token = output.finished and output.ended_by_token
         for position, token_id in enumerate(output.new_token_ids):
             self.num_tokens += 1
             if ended_by_token and position == last:
@@ -98,9 +103,10 @@ class ChoiceText:
             self.finish_reason = FinishReason.STOP.value
         elif output.finished:
             self.finish_reason = (output.finish_reason or FinishReason.STOP).value
+            self.repetition_detected = output.repetition_detected
         joined = "".join(text)
         self.released += len(joined)
-        return TextDelta(output.index, joined, self._release(), self.finish_reason)
+        return TextDelta(output.index, joined, self._release(), self.finish_reason, self.repetition_detected)
 
     def _text(self, piece: str) -> str:
         """Text that may be given out now, once the stop strings have seen it."""
@@ -154,13 +160,14 @@ async def generate_text(
     metrics: ServingMetrics,
     session_id: str | None = None,
     restore: SessionKVData | None = None,
+    keep_special_tokens: bool = False,
 ) -> AsyncIterator[TextDelta]:
     """Yield each choice's text as it becomes final; the very last delta carries the generation's stats.
 
     A choice that meets a stop string is stopped in the engine at once. A session turn (session_id) starts
     from the session's KV, restored from `restore` if it was spilled.
     """
-    choices = [ChoiceText(tokenizer, stop_strings, params.min_tokens) for _ in range(params.n)]
+    choices = [ChoiceText(tokenizer, stop_strings, params.min_tokens, keep_special_tokens) for _ in range(params.n)]
     first_token_at: dict[int, float] = {}
     arrived_at = time.perf_counter()
     last_arrival: dict[int, float] = {}  # per choice

@@ -4,18 +4,44 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from statelm.engine.logits_processors import LOGIT_BIAS_LIMIT
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
+MAX_REPETITION_PERIOD = 512
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch generators accept
 
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Field(ge=0)]
 TokenIdKey = Annotated[int, Field(ge=0), Strict(False)]  # JSON object keys are strings
+FunctionName = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
+JSONObject = dict[str, Any]
+# Template variables statelm sets itself (or the template environment's own globals)
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "raise_exception", "strftime_now"}
+)
+
+
+def _check_template_kwargs(kwargs: JSONObject) -> JSONObject:
+    refused = sorted(name for name in kwargs if name in RESERVED_TEMPLATE_KWARGS or not name.isidentifier())
+    if refused:
+        raise ValueError(f"chat_template_kwargs may not set {', '.join(map(repr, refused))}")
+    return kwargs
+
+
+TemplateKwargs = Annotated[JSONObject, AfterValidator(_check_template_kwargs)]
 
 
 class StrictModel(BaseModel):
@@ -49,6 +75,78 @@ class StreamOptions(TypedModel):
     include_usage: bool = False
 
 
+class JSONSchemaSpec(TypedModel):
+    """`response_format.json_schema`: a named schema the output must follow (`strict` is always the behaviour)."""
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    name: FunctionName
+    description: str | None = None
+    json_schema: JSONObject | None = Field(default=None, alias="schema")  # absent: any JSON object
+    strict: bool | None = None
+
+
+class TextResponseFormat(TypedModel):
+    """`response_format` {"type": "text"}: no constraint."""
+
+    type: Literal["text"]
+
+
+class JSONObjectResponseFormat(TypedModel):
+    """`response_format` {"type": "json_object"}: the output is one JSON object."""
+
+    type: Literal["json_object"]
+
+
+class JSONSchemaResponseFormat(TypedModel):
+    """`response_format` {"type": "json_schema", ...}: the output is JSON valid under the schema."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONSchemaSpec
+
+
+ResponseFormat = Annotated[
+    TextResponseFormat | JSONObjectResponseFormat | JSONSchemaResponseFormat, Field(discriminator="type")
+]
+
+
+class StructuredOutputs(TypedModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a grammar (GBNF/Lark) or choices."""
+
+    json_schema: JSONObject | str | None = Field(default=None, alias="json")
+    regex: Annotated[str, Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None
+    choice: Annotated[list[str], Field(min_length=1)] | None = None
+
+    model_config = ConfigDict(populate_by_name=True)
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputs:
+        given = [name for name in ("json_schema", "regex", "grammar", "choice") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, regex, grammar, choice")
+        return self
+
+
+class RepetitionDetection(TypedModel):
+    """statelm's loop stop: end the output once a block of min..max_period tokens repeats min_repeats times.
+
+    A loop must also span `min_tokens` tokens, so short harmless repeats ("ha ha ha") are not cut.
+    """
+
+    enabled: bool = True
+    min_period: Annotated[int, Field(ge=1, le=MAX_REPETITION_PERIOD)] = 1
+    max_period: Annotated[int, Field(ge=1, le=MAX_REPETITION_PERIOD)] = 64
+    min_repeats: Annotated[int, Field(ge=2, le=1000)] = 3
+    min_tokens: Annotated[int, Field(ge=0, le=100_000)] = 32
+
+    @model_validator(mode="after")
+    def _periods_in_order(self) -> RepetitionDetection:
+        if self.min_period > self.max_period:
+            raise ValueError(f"min_period ({self.min_period}) is more than max_period ({self.max_period})")
+        return self
+
+
 class GenerationRequest(SamplerSettings):
     """The fields chat and text completions share; each one is honoured (an explicit null counts as unset)."""
 
@@ -63,6 +161,15 @@ class GenerationRequest(SamplerSettings):
     n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None  # vLLM
+    guided_json: JSONObject | str | None = None  # vLLM's earlier names of structured_outputs' fields
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None  # llama.cpp: a GBNF grammar
+    json_schema: JSONObject | None = None  # llama.cpp: a JSON schema
+    repetition_detection: RepetitionDetection | None = None
 
     @model_validator(mode="before")
     @classmethod
@@ -112,12 +219,38 @@ class TextContentPart(TypedModel):
     text: str
 
 
-class ChatMessage(TypedModel):
-    """One message of a conversation."""
+class FunctionCall(TypedModel):
+    """The function a tool call names, with its arguments as a JSON text."""
 
-    role: Literal["system", "developer", "user", "assistant"]
+    name: str
+    arguments: str
+
+
+class ToolCallMessage(TypedModel):
+    """A tool call of an assistant message."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(TypedModel):
+    """One message of a conversation: a system, user, assistant (with tool calls, reasoning) or tool message."""
+
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallMessage] | None = None  # assistant
+    reasoning_content: str | None = None  # assistant: its reasoning, for templates that show it
+    tool_call_id: str | None = None  # tool: the call this message answers
+
+    @model_validator(mode="after")
+    def _fields_fit_the_role(self) -> ChatMessage:
+        if self.role != "assistant" and (self.tool_calls is not None or self.reasoning_content is not None):
+            raise ValueError(f"tool_calls and reasoning_content belong to assistant messages, not {self.role}")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("a tool message needs tool_call_id, and only a tool message has one")
+        return self
 
     def text(self) -> str:
         """The content as one string (text parts joined)."""
@@ -129,12 +262,34 @@ class ChatMessage(TypedModel):
         """The message as a session's transcript keeps it: as sent, without unset fields."""
         return self.model_dump(exclude_none=True)
 
-    def for_template(self) -> dict[str, str]:
-        """The message as a chat template expects it; `developer` is the newer name of `system`."""
-        message = {"role": "system" if self.role == "developer" else self.role, "content": self.text()}
-        if self.name is not None:
-            message["name"] = self.name
-        return message
+
+class FunctionDefinition(TypedModel):
+    """A function the model may call: its name, what it does, and a JSON schema of its parameters."""
+
+    name: FunctionName
+    description: str | None = None
+    parameters: JSONObject | None = None
+    strict: bool | None = None
+
+
+class ToolDefinition(TypedModel):
+    """One entry of `tools`."""
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionChoice(TypedModel):
+    """The function a named `tool_choice` forces."""
+
+    name: FunctionName
+
+
+class NamedToolChoice(TypedModel):
+    """`tool_choice` naming the one function the model must call."""
+
+    type: Literal["function"]
+    function: FunctionChoice
 
 
 class ChatCompletionRequest(GenerationRequest):
@@ -145,6 +300,37 @@ class ChatCompletionRequest(GenerationRequest):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     session_id: str | None = None  # statelm: `messages` are this turn's messages, appended to the session
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
+    chat_template_kwargs: TemplateKwargs | None = None
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # statelm/vLLM; `thinking_budget` too
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
+
+    @field_validator("thinking_budget")
+    @classmethod
+    def _one_reasoning_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_reasoning_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"max_reasoning_tokens ({other}) and thinking_budget ({value}) differ; send one of them")
+        return value
+
+    @model_validator(mode="after")
+    def _tool_choice_fits_the_tools(self) -> ChatCompletionRequest:
+        names = {tool.function.name for tool in self.tools or ()}
+        if len(names) < len(self.tools or ()):
+            raise ValueError("tools holds two functions of the same name")
+        choice = self.tool_choice
+        if choice in ("auto", "required") and not self.tools:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
+        return self
+
+    def reasoning_budget(self) -> int | None:
+        """The reasoning token budget under either of its names."""
+        return self.max_reasoning_tokens if self.max_reasoning_tokens is not None else self.thinking_budget
 
     @field_validator("max_completion_tokens")
     @classmethod
@@ -225,19 +411,22 @@ class ChoiceLogprobs(BaseModel):
 
 
 class AssistantMessage(BaseModel):
-    """The generated message."""
+    """The generated message: the answer, the reasoning before it and the tool calls it makes."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[ToolCallMessage] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatChoice(BaseModel):
-    """One generated choice."""
+    """One generated choice; `repetition_detected` (statelm) is present when a loop ended it."""
 
     index: int
     message: AssistantMessage
     finish_reason: str | None
     logprobs: ChoiceLogprobs | None = None
+    repetition_detected: bool | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionResponse(BaseModel):
@@ -253,11 +442,29 @@ class ChatCompletionResponse(BaseModel):
     session_id: str | None = Field(default=None, exclude_if=_omit_none)
 
 
+class DeltaFunctionCall(BaseModel):
+    """The function of a streamed tool call: the name in its first delta, then pieces of the arguments."""
+
+    name: str | None = Field(default=None, exclude_if=_omit_none)
+    arguments: str = ""
+
+
+class DeltaToolCall(BaseModel):
+    """A piece of a streamed tool call; its first piece carries the id, type and name."""
+
+    index: int
+    id: str | None = Field(default=None, exclude_if=_omit_none)
+    type: Literal["function"] | None = Field(default=None, exclude_if=_omit_none)
+    function: DeltaFunctionCall
+
+
 class DeltaMessage(BaseModel):
     """The new part of the message in one stream chunk."""
 
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(default=None, exclude_if=_omit_none)
+    tool_calls: list[DeltaToolCall] | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChunkChoice(BaseModel):
@@ -267,6 +474,7 @@ class ChunkChoice(BaseModel):
     delta: DeltaMessage
     finish_reason: str | None = None
     logprobs: ChoiceLogprobs | None = None
+    repetition_detected: bool | None = Field(default=None, exclude_if=_omit_none)
 
 
 class ChatCompletionChunk(BaseModel):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -9,16 +10,19 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from statelm.api.chat_prompt import ChatPrompter
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats, TextDelta, generate_text
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import TokenStrings
 from statelm.api.protocol import GenerationRequest, PromptTokensDetails, SamplerSettings, Timings, Usage
+from statelm.api.structured_output import ConstraintCompiler, OutputConstraint, requested_constraint
 from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.repetition import RepetitionConfig
 from statelm.engine.sequence import SamplingParams
 from statelm.engine.session_kv import SessionKVData
 from statelm.metrics import ServingMetrics
-from statelm.tokenizer import ChatTemplateError, Tokenizer
+from statelm.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -128,10 +132,18 @@ class ServingContext:
     metrics: ServingMetrics
     limits: GenerationLimits | None = None  # None: only the context length bounds a request
     defaults: SamplerSettings = field(default_factory=SamplerSettings)
+    tool_parser: str | None = None  # --tool-parser; None: from the chat template
+    reasoning_parser: str = "auto"  # --reasoning-parser
     strings: TokenStrings = field(init=False)
+    constraints: ConstraintCompiler = field(init=False)
+    prompter: ChatPrompter = field(init=False)
 
     def __post_init__(self) -> None:
         self.strings = TokenStrings(self.tokenizer)
+        self.constraints = ConstraintCompiler(self.tokenizer)
+        self.prompter = ChatPrompter(
+            self.tokenizer, tool_parser=self.tool_parser, reasoning_parser=self.reasoning_parser
+        )
 
     def admit(self, requested_model: str) -> None:
         """404 for another model, 429 when the queue is full."""
@@ -143,22 +155,6 @@ class ServingContext:
                 type="rate_limit_error",
                 code="queue_full",
             )
-
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        template_kwargs: Mapping[str, Any],
-        add_generation_prompt: bool = True,
-        add_special_tokens: bool = False,
-    ) -> list[int]:
-        """Token ids of a conversation rendered by the chat template, by default ready for the assistant's reply."""
-        try:
-            prompt = self.tokenizer.apply_chat_template(
-                messages, add_generation_prompt=add_generation_prompt, **template_kwargs
-            )
-        except ChatTemplateError as exc:
-            raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
-        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
         """400 naming param if a token id is outside the vocabulary."""
@@ -199,6 +195,12 @@ class ServingContext:
                     return value
             raise AssertionError(name)
 
+        detection = request.repetition_detection
+        repetition = None
+        if detection is not None and detection.enabled:
+            repetition = RepetitionConfig(
+                detection.min_period, detection.max_period, detection.min_repeats, detection.min_tokens
+            )
         return SamplingParams(
             temperature=pick("temperature"),
             top_p=pick("top_p"),
@@ -216,7 +218,31 @@ class ServingContext:
             stop_token_ids=frozenset(request.stop_token_ids),
             ignore_eos=request.ignore_eos,
             logprobs=request.top_logprobs_count(),
+            repetition=repetition,
         )
+
+    async def constrained(
+        self,
+        request: GenerationRequest,
+        params: SamplingParams,
+        forced: OutputConstraint | None = None,
+        start_after: tuple[int, ...] = (),
+    ) -> SamplingParams:
+        """params with the output constraint the request asks for (or `forced`, which excludes any other).
+
+        The constraint begins once the output has produced `start_after` (the end of a think block).
+        """
+        constraint = requested_constraint(request)
+        if forced is not None and constraint is not None:
+            raise APIError(
+                f"tool_choice forces a tool call, which {constraint.param} cannot constrain as well",
+                param=constraint.param,
+            )
+        constraint = forced or constraint
+        if constraint is None:
+            return params
+        grammar = await self.constraints.compile(constraint)
+        return dataclasses.replace(params, grammar=grammar, grammar_start_after=start_after)
 
     def generate(
         self,
@@ -226,8 +252,18 @@ class ServingContext:
         stop_strings: list[str],
         session_id: str | None = None,
         restore: SessionKVData | None = None,
+        keep_special_tokens: bool = False,
     ) -> AsyncIterator[TextDelta]:
         """The request's text deltas (not started until iterated)."""
         return generate_text(
-            self.engine, self.tokenizer, request_id, prompt_ids, params, stop_strings, self.metrics, session_id, restore
+            self.engine,
+            self.tokenizer,
+            request_id,
+            prompt_ids,
+            params,
+            stop_strings,
+            self.metrics,
+            session_id,
+            restore,
+            keep_special_tokens,
         )

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, field_validator
+from pydantic import BaseModel, Field
 
-from statelm.api.protocol import TypedModel
+from statelm.api.protocol import TemplateKwargs, TypedModel
 from statelm.sessions.errors import ID_PATTERN
 
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "add_generation_prompt", "tools", "bos_token", "eos_token"})
 # Documented in the schema; checked by the sessions layer, whose error names the id (code `invalid_id`).
 Identifier = Annotated[str, Field(json_schema_extra={"pattern": ID_PATTERN.pattern})]
 Title = Annotated[str, Field(max_length=200)]
@@ -23,15 +22,7 @@ class CreateSessionRequest(TypedModel):
     session_id: Identifier | None = None
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     system: str | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _no_reserved_names(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(value or {}))
-        if reserved:
-            raise ValueError(f"{', '.join(reserved)} cannot be set through chat_template_kwargs")
-        return value
+    chat_template_kwargs: TemplateKwargs | None = None
 
 
 class RollbackRequest(TypedModel):

@@ -53,13 +53,13 @@ def tokenize(context: ServingContext, request: TokenizeRequest) -> TokenizeRespo
     if request.messages is None and request.add_generation_prompt is not None:
         raise APIError("add_generation_prompt applies to messages only", param="add_generation_prompt")
     if request.messages is not None:
-        messages = [message.for_template() for message in request.messages]
-        tokens = context.render_chat(
-            messages,
+        tokens = context.prompter.render(
+            request.messages,
+            None,
             {},
             add_generation_prompt=request.add_generation_prompt is not False,
             add_special_tokens=bool(request.add_special_tokens),
-        )
+        ).ids
     else:
         tokens = context.tokenizer.encode(
             request.prompt or "", add_special_tokens=request.add_special_tokens is not False

@@ -125,6 +125,16 @@ def serve(
     drain_timeout: Annotated[
         float, typer.Option(help="Seconds that running requests get to finish after SIGTERM.")
     ] = 30.0,
+    tool_parser: Annotated[
+        str | None,
+        typer.Option(
+            help="Tool-call format: hermes | qwen3_coder | llama3_json | mistral (default: from the template)."
+        ),
+    ] = None,
+    reasoning_parser: Annotated[
+        str,
+        typer.Option(help="Think tags: auto (from the template) | none | deepseek_r1 | qwen3 | seed_oss | mistral."),
+    ] = "auto",
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -165,6 +175,8 @@ def serve(
         max_sessions_per_key=max_sessions_per_key or None,
         snapshot_quota=parse_size(snapshot_quota) or None,
         drain_timeout=drain_timeout,
+        tool_parser=tool_parser,
+        reasoning_parser=reasoning_parser,
     )
     from statelm.server.launch import LaunchError, run_server
 

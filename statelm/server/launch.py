@@ -52,7 +52,19 @@ def build_services(
         server_config.persist_sessions,
         SessionLimits(server_config.max_sessions_per_key, server_config.snapshot_quota),
     )
-    chat = ChatService(built.engine, built.loaded.tokenizer, model, metrics, manager, limits=limits)
+    try:
+        chat = ChatService(
+            built.engine,
+            built.loaded.tokenizer,
+            model,
+            metrics,
+            manager,
+            limits=limits,
+            tool_parser=server_config.tool_parser,
+            reasoning_parser=server_config.reasoning_parser,
+        )
+    except ValueError as exc:  # an unknown --tool-parser or --reasoning-parser
+        raise LaunchError(str(exc)) from None
     return chat, SessionService(manager)
 
 

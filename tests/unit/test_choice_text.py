@@ -37,7 +37,8 @@ def run(
         last = position == len(ids) - 1
         reason = (FinishReason.STOP if ending else FinishReason.LENGTH) if last else None
         logprob = TokenLogprob(token_id, -0.5, ())
-        deltas.append(choice.add(StepOutput("r", [token_id], last, reason, 3, 0, logprobs=[logprob])))
+        output = StepOutput("r", [token_id], last, reason, 3, 0, logprobs=[logprob], ended_by_token=last and ending)
+        deltas.append(choice.add(output))
         if choice.finish_reason is not None:
             break
     return deltas

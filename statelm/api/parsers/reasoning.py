@@ -28,6 +28,30 @@ KNOWN_REASONING_TAGS = (
 )
 
 
+# --reasoning-parser names (vLLM's where they exist) and the tags each one reads
+REASONING_PARSERS = {
+    "deepseek_r1": THINK_TAGS,
+    "qwen3": THINK_TAGS,
+    "think": THINK_TAGS,
+    "seed_oss": KNOWN_REASONING_TAGS[0],
+    "mistral": KNOWN_REASONING_TAGS[2],
+    "command_a": KNOWN_REASONING_TAGS[3],
+}
+
+
+def reasoning_tags_for(parser: str, template: str | None) -> ReasoningTags | None:
+    """The tags a `--reasoning-parser` value stands for: `auto` reads them off the template, `none` turns it off."""
+    if parser == "auto":
+        return detect_reasoning_tags(template)
+    if parser == "none":
+        return None
+    if parser not in REASONING_PARSERS:
+        raise ValueError(
+            f"unknown reasoning parser {parser!r}; choose auto, none or one of {', '.join(REASONING_PARSERS)}"
+        )
+    return REASONING_PARSERS[parser]
+
+
 class ReasoningDelta(NamedTuple):
     """New reasoning text and new answer text from one chunk of output."""
 

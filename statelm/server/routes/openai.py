@@ -72,7 +72,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
     try:
         if not body.stream:
             return await cancel_on_disconnect(request, service.complete(body))
-        chunks = service.stream(body)
+        chunks = await service.stream(body)
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
     return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)

@@ -1,0 +1,129 @@
+"""Reasoning on a real server: a tiny random Qwen3 whose own template opens a think block (`enable_thinking`).
+
+The weights are random, so the text is noise; what is checked is where it goes (reasoning_content or
+content), that the budget closes the block after exactly that many tokens, that a constraint starts after
+it, that streaming agrees, and that a session keeps the reasoning.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from openai.types.chat import ChatCompletion
+
+from tests.e2e.conftest import start_server, stop_server
+from tests.models.tiny_model_dir import make_tiny_thinking_model_dir
+
+QUESTION = [{"role": "user", "content": "The quick brown fox?"}]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
+
+
+@pytest.fixture(scope="module")
+def thinking_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A server on the tiny thinking model."""
+    root = tmp_path_factory.mktemp("thinking")
+    model_dir = make_tiny_thinking_model_dir(root / "model")
+    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--kv-cache-memory", "64MiB"]
+    process, url = start_server(args, root / "server.log")
+    yield url
+    stop_server(process)
+
+
+@pytest.fixture(scope="module")
+def thinker(thinking_url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{thinking_url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def think(client: openai.OpenAI, messages: list[Any] = QUESTION, **kwargs: Any) -> ChatCompletion:
+    kwargs.setdefault("temperature", 0)
+    return client.chat.completions.create(model="tiny", messages=messages, **kwargs)
+
+
+def test_the_budget_closes_the_block_the_template_opened(thinker: openai.OpenAI) -> None:
+    budget = 4
+    reply = think(
+        thinker, max_tokens=12, logprobs=True, extra_body={"max_reasoning_tokens": budget, "ignore_eos": True}
+    )
+    message = reply.choices[0].message
+    entries = reply.choices[0].logprobs.content or []  # type: ignore[union-attr]
+    tokens = [entry.token for entry in entries]
+    assert "</think>" not in tokens[:budget] and tokens[budget] == "</think>"
+    assert entries[budget].logprob == 0.0  # forced
+
+    def text(part: list[Any]) -> str:  # what the tokens decode to, special tokens (<|...|>) left out
+        kept = b"".join(bytes(entry.bytes) for entry in part if not entry.token.startswith("<|"))
+        return kept.decode("utf-8", errors="replace").strip()
+
+    reasoning = message.model_dump()["reasoning_content"]
+    assert reasoning == text(entries[:budget])
+    assert message.content == text(entries[budget + 1 :])
+    assert "</think>" not in (message.content or "") and "<think>" not in reasoning
+
+
+def test_streamed_reasoning_and_content_equal_the_whole_reply(thinker: openai.OpenAI) -> None:
+    extra = {"thinking_budget": 6, "ignore_eos": True}
+    whole = think(thinker, max_tokens=16, extra_body=extra).choices[0].message.model_dump()
+    chunks = list(
+        thinker.chat.completions.create(
+            model="tiny", messages=QUESTION, temperature=0, max_tokens=16, stream=True, extra_body=extra
+        )
+    )
+    deltas = [chunk.choices[0].delta.model_dump() for chunk in chunks if chunk.choices]
+    assert "".join(delta.get("reasoning_content") or "" for delta in deltas) == whole["reasoning_content"]
+    assert "".join(delta.get("content") or "" for delta in deltas) == whole["content"]
+
+
+def test_a_json_schema_constrains_the_answer_after_the_reasoning(thinker: openai.OpenAI) -> None:
+    response_format = {"type": "json_schema", "json_schema": {"name": "n", "schema": SCHEMA}}
+    reply = think(
+        thinker,
+        temperature=1.0,
+        seed=5,
+        n=4,
+        max_tokens=60,
+        response_format=response_format,
+        extra_body={"max_reasoning_tokens": 5},
+    )
+    for choice in reply.choices:
+        jsonschema.validate(json.loads(choice.message.content or ""), SCHEMA)
+        assert choice.message.model_dump().get("reasoning_content")
+
+
+def test_thinking_off_through_template_kwargs_or_effort(thinker: openai.OpenAI) -> None:
+    default = think(thinker, max_tokens=4)
+    off = think(thinker, max_tokens=4, extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    none = think(thinker, max_tokens=4, reasoning_effort="none")  # type: ignore[arg-type]
+    high = think(thinker, max_tokens=4, reasoning_effort="high")  # type: ignore[arg-type]
+    assert off.usage and none.usage and default.usage and high.usage
+    assert off.usage.prompt_tokens == none.usage.prompt_tokens > default.usage.prompt_tokens
+    assert high.usage.prompt_tokens == default.usage.prompt_tokens
+    assert off.choices[0].message.model_dump().get("reasoning_content") is None
+
+
+def test_a_session_keeps_the_reasoning_and_equals_stateless(thinker: openai.OpenAI, thinking_url: str) -> None:
+    session = httpx.post(f"{thinking_url}/v1/sessions", json={}).json()["id"]
+    extra = {"max_reasoning_tokens": 3, "ignore_eos": True}
+    first = think(thinker, max_tokens=8, extra_body={**extra, "session_id": session})
+    history = httpx.get(f"{thinking_url}/v1/sessions/{session}/history").json()["messages"]
+    assert history[1]["reasoning_content"] == first.choices[0].message.model_dump()["reasoning_content"]
+    follow = [{"role": "user", "content": "And the lazy dog?"}]
+    second = think(thinker, follow, max_tokens=8, extra_body={**extra, "session_id": session})
+    stateless = think(thinker, [*QUESTION, history[1], *follow], max_tokens=8, extra_body=extra)
+    assert second.choices[0].message.model_dump() == stateless.choices[0].message.model_dump()
+    assert second.usage and second.usage.prompt_tokens_details
+    assert second.usage.prompt_tokens_details.cached_tokens > 0
+    httpx.delete(f"{thinking_url}/v1/sessions/{session}")
+
+
+def test_a_model_without_think_tags_refuses_reasoning_controls(server_url: str, model_name: str) -> None:
+    base = {"model": model_name, "messages": QUESTION, "max_tokens": 4}
+    for field, value in (("reasoning_effort", "low"), ("max_reasoning_tokens", 10), ("thinking_budget", 10)):
+        response = httpx.post(f"{server_url}/v1/chat/completions", json={**base, field: value}, timeout=60)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == field
