@@ -51,5 +51,6 @@ class ServerConfig:
     max_sessions_per_key: int | None = 256  # more get 429
     snapshot_quota: int | None = 20 * 2**30  # bytes of snapshots per key; past it 507
     drain_timeout: float = 30.0  # seconds running requests may take to finish after SIGTERM
+    sse_keepalive: float = 10.0  # seconds between SSE comments on a stream (kept open through a long prefill)
     tool_parser: str | None = None  # tool-call output format; None: read off the chat template
     reasoning_parser: str = "auto"  # think tags: auto (from the template), none, or a parser name

@@ -125,6 +125,10 @@ def serve(
     drain_timeout: Annotated[
         float, typer.Option(help="Seconds that running requests get to finish after SIGTERM.")
     ] = 30.0,
+    sse_keepalive: Annotated[
+        float,
+        typer.Option(min=0.01, help="Seconds between keep-alive comments on a stream (e.g. during a long prefill)."),
+    ] = 10.0,
     tool_parser: Annotated[
         str | None,
         typer.Option(
@@ -175,6 +179,7 @@ def serve(
         max_sessions_per_key=max_sessions_per_key or None,
         snapshot_quota=parse_size(snapshot_quota) or None,
         drain_timeout=drain_timeout,
+        sse_keepalive=sse_keepalive,
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
     )

@@ -45,8 +45,12 @@ def create_app(
     session_service: SessionService,
     serving_metrics: ServingMetrics,
     guards: Guards,
+    sse_keepalive: float = 10.0,
 ) -> FastAPI:
-    """An app serving chat and sessions on the given engine; sessions are saved and the engine stopped at exit."""
+    """An app serving chat and sessions on the given engine; sessions are saved and the engine stopped at exit.
+
+    Streams get an SSE comment every `sse_keepalive` seconds (so that proxies keep a long prefill open).
+    """
     manager = session_service.manager
 
     @asynccontextmanager
@@ -64,6 +68,7 @@ def create_app(
     app.state.sessions = session_service
     app.state.metrics = serving_metrics
     app.state.drain = guards.drain
+    app.state.sse_keepalive = sse_keepalive
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)

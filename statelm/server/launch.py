@@ -135,7 +135,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         generation_limits=limits,
         drain=DrainGate(server_config.drain_timeout),
     )
-    app = create_app(built.engine, chat, session_service, metrics, guards)
+    app = create_app(built.engine, chat, session_service, metrics, guards, server_config.sse_keepalive)
     log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
     config = uvicorn.Config(
         app,

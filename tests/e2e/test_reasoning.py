@@ -30,6 +30,7 @@ def thinking_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     root = tmp_path_factory.mktemp("thinking")
     model_dir = make_tiny_thinking_model_dir(root / "model")
     args = ["--model", str(model_dir), "--served-model-name", "tiny", "--kv-cache-memory", "64MiB"]
+    args += ["--sse-keepalive", "0.01"]  # a keep-alive comment between almost every pair of chunks
     process, url = start_server(args, root / "server.log")
     yield url
     stop_server(process)
@@ -77,6 +78,15 @@ def test_streamed_reasoning_and_content_equal_the_whole_reply(thinker: openai.Op
     deltas = [chunk.choices[0].delta.model_dump() for chunk in chunks if chunk.choices]
     assert "".join(delta.get("reasoning_content") or "" for delta in deltas) == whole["reasoning_content"]
     assert "".join(delta.get("content") or "" for delta in deltas) == whole["content"]
+
+
+def test_streams_carry_keep_alive_comments_between_events(thinking_url: str) -> None:
+    body = {"model": "tiny", "messages": QUESTION, "max_tokens": 40, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{thinking_url}/v1/chat/completions", json=body, timeout=60) as response:
+        lines = [line for line in response.iter_lines() if line]
+    assert any(line.startswith(": ping") for line in lines)
+    data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
+    assert data[-1] == "[DONE]" and all(json.loads(event)["object"] == "chat.completion.chunk" for event in data[:-1])
 
 
 def test_a_json_schema_constrains_the_answer_after_the_reasoning(thinker: openai.OpenAI) -> None:

@@ -30,7 +30,6 @@ from statelm.engine.async_engine import EngineError
 
 router = APIRouter()  # OpenAI's routes live under /v1, the token tools at the root, as in vLLM
 T = TypeVar("T")
-KEEP_ALIVE_SECONDS = 10  # an SSE comment this often while nothing else is sent, e.g. during a long prefill
 
 
 def chat_service(request: Request) -> ChatService:
@@ -62,7 +61,7 @@ async def chat_completions(
         chunks = await service.stream(body)
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
-    return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)
+    return EventSourceResponse(_sse(chunks), ping=request.app.state.sse_keepalive)
 
 
 @router.post("/v1/completions", response_model=None, tags=["openai"])
@@ -75,7 +74,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
         chunks = await service.stream(body)
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
-    return EventSourceResponse(_sse(chunks), ping=KEEP_ALIVE_SECONDS)
+    return EventSourceResponse(_sse(chunks), ping=request.app.state.sse_keepalive)
 
 
 @router.post("/tokenize", tags=["tokens"])
