@@ -44,12 +44,12 @@ class GenerationLimits:
                     code="max_tokens_exceeded",
                 )
 
-    def check_prompt(self, prompt_tokens: int) -> None:
-        """400 if a rendered prompt has more tokens than the prompt cap."""
+    def check_prompt(self, prompt_tokens: int, param: str) -> None:
+        """400 naming param (the prompt's field) if a prompt has more tokens than the prompt cap."""
         if self.max_prompt_tokens is not None and prompt_tokens > self.max_prompt_tokens:
             raise APIError(
                 f"The prompt has {prompt_tokens} tokens; this server takes at most {self.max_prompt_tokens}.",
-                param="messages",
+                param=param,
                 code="prompt_too_long",
             )
 

@@ -178,7 +178,7 @@ class ServingContext:
                 code="context_length_exceeded",
             )
         if self.limits is not None:
-            self.limits.check_prompt(prompt_len)
+            self.limits.check_prompt(prompt_len, prompt_param)
         max_tokens = self.limits.completion_budget(requested, room) if self.limits is not None else requested or room
         if request.min_tokens > max_tokens:
             raise APIError(

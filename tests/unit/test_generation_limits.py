@@ -30,8 +30,11 @@ def test_bodies_over_the_caps_get_400_naming_the_field() -> None:
     assert error_code(lambda: LIMITS.check_body({"messages": [{}, {}, {}]})) == "too_many_messages"
     assert error_code(lambda: LIMITS.check_body({"max_tokens": 51})) == "max_tokens_exceeded"
     assert error_code(lambda: LIMITS.check_body({"max_completion_tokens": 50.5})) == "max_tokens_exceeded"
-    assert error_code(lambda: LIMITS.check_prompt(101)) == "prompt_too_long"
-    LIMITS.check_prompt(100)
+    assert error_code(lambda: LIMITS.check_prompt(101, "prompt")) == "prompt_too_long"
+    with pytest.raises(APIError) as raised:
+        LIMITS.check_prompt(101, "prompt")
+    assert raised.value.param == "prompt"  # the completions endpoint's field, not chat's `messages`
+    LIMITS.check_prompt(100, "messages")
 
 
 def test_the_cap_is_the_default_completion_length() -> None:
