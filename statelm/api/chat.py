@@ -11,10 +11,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, chat_events, collect_choices
+from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, ChoiceOutputParser, chat_events, collect_choices
 from statelm.api.chat_prompt import RenderedPrompt, forces_tool_call
 from statelm.api.errors import APIError
-from statelm.api.generation import TextDelta
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import chat_logprobs
 from statelm.api.protocol import (
@@ -165,10 +164,11 @@ class ChatService:
         prompter = self.context.prompter
         prompt = prompter.render(request.messages, request.tools, prompter.template_kwargs(request, {}))
         params = await self._params(request, prompt, self.context.model.max_model_len)
+        parsers = self._parsers(request, prompt)
         deltas = self.context.generate(
             request_id, prompt.ids, params, request.stop_strings(), keep_special_tokens=prompter.keep_special_tokens
         )
-        return request_id, self._events(request, prompt, deltas)
+        return request_id, chat_events(deltas, parsers)
 
     async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[ChoiceEvent]:
         """Begin a session turn: the session's transcript plus this turn's messages, from the session's KV."""
@@ -187,6 +187,7 @@ class ChatService:
             params = await self._params(
                 request, prompt, min(max_model_len, session.settings.max_tokens or max_model_len)
             )
+            parsers = self._parsers(request, prompt)
             restore = await self.sessions.kv_to_restore(session)
         except BaseException:
             turn.end(None)
@@ -200,7 +201,7 @@ class ChatService:
             restore=restore,
             keep_special_tokens=prompter.keep_special_tokens,
         )
-        return turn.follow(self._events(request, prompt, deltas), new_messages)
+        return turn.follow(chat_events(deltas, parsers), new_messages)
 
     async def _params(self, request: ChatCompletionRequest, prompt: RenderedPrompt, context: int) -> SamplingParams:
         """Sampling parameters with the request's constraint, forced tool call and reasoning budget."""
@@ -216,11 +217,9 @@ class ChatService:
         budget = prompter.reasoning_budget(request, prompt)
         return params if budget is None else dataclasses.replace(params, reasoning=budget)
 
-    def _events(
-        self, request: ChatCompletionRequest, prompt: RenderedPrompt, deltas: AsyncIterator[TextDelta]
-    ) -> AsyncIterator[ChoiceEvent]:
-        parsers = [self.context.prompter.output_parser(request, prompt) for _ in range(request.n)]
-        return chat_events(deltas, parsers)
+    def _parsers(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[ChoiceOutputParser]:
+        """One output parser per choice (400 if the request's tools cannot be read from this model's output)."""
+        return [self.context.prompter.output_parser(request, prompt) for _ in range(request.n)]
 
 
 class SessionTurn:
