@@ -52,6 +52,7 @@ def test_chat_save_quit_load_continue(cli_env: dict[str, str], terminals: list[T
     second.send("/history")
     second.wait_for(r"1 user: What is the capital of France\?\n.*Paris.*\n.*3 user: And of Germany\?")
     second.keys("C-c")
+    second.wait_for(r"Ctrl-C again, Ctrl-D or /exit to quit\)\n.*›")  # the first one reached the next prompt
     second.keys("C-c")
     second.wait_for(r"\[exited 0\]")
 
