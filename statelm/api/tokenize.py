@@ -7,7 +7,7 @@ from typing import Annotated
 from pydantic import BaseModel, Field
 
 from statelm.api.errors import APIError
-from statelm.api.protocol import ChatMessage, TokenId, TypedModel
+from statelm.api.protocol import ChatMessage, TemplateKwargs, TokenId, ToolDefinition, TypedModel
 from statelm.api.serving import ServingContext
 
 
@@ -19,6 +19,8 @@ class TokenizeRequest(TypedModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
     add_special_tokens: bool | None = None  # default: true for a prompt (BOS if the model has one), false for messages
     add_generation_prompt: bool | None = None  # messages only; default true
+    tools: list[ToolDefinition] | None = None  # messages only: rendered as a chat request's tools are
+    chat_template_kwargs: TemplateKwargs | None = None  # messages only
     return_token_strs: bool = False
 
 
@@ -50,13 +52,14 @@ def tokenize(context: ServingContext, request: TokenizeRequest) -> TokenizeRespo
         context.model.check(request.model)
     if (request.prompt is None) == (request.messages is None):
         raise APIError("send either prompt or messages", param="prompt")
-    if request.messages is None and request.add_generation_prompt is not None:
-        raise APIError("add_generation_prompt applies to messages only", param="add_generation_prompt")
+    for name in ("add_generation_prompt", "tools", "chat_template_kwargs"):
+        if request.messages is None and getattr(request, name) is not None:
+            raise APIError(f"{name} applies to messages only", param=name)
     if request.messages is not None:
         tokens = context.prompter.render(
             request.messages,
-            None,
-            {},
+            request.tools,
+            request.chat_template_kwargs or {},
             add_generation_prompt=request.add_generation_prompt is not False,
             add_special_tokens=bool(request.add_special_tokens),
         ).ids

@@ -171,6 +171,15 @@ def test_a_tool_round_trip_in_history_and_in_a_session(client: openai.OpenAI, mo
     assert httpx.delete(f"{server_url}/v1/sessions/{session}").status_code in (200, 204)
 
 
+def test_tokenize_counts_a_tool_request_as_chat_does(client: openai.OpenAI, model_name: str, server_url: str) -> None:
+    reply = ask(client, model_name, tools=TOOLS, max_tokens=1)
+    counted = httpx.post(f"{server_url}/tokenize", json={"messages": QUESTION, "tools": TOOLS}).json()["count"]
+    plain = httpx.post(f"{server_url}/tokenize", json={"messages": QUESTION}).json()["count"]
+    assert reply.usage is not None and counted == reply.usage.prompt_tokens > plain
+    response = httpx.post(f"{server_url}/tokenize", json={"prompt": "Hi", "tools": TOOLS})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tools"
+
+
 def test_tool_requests_that_cannot_be_honoured_are_400(server_url: str, model_name: str) -> None:
     base = {"model": model_name, "messages": QUESTION, "max_tokens": 4}
     cases = [
