@@ -4,7 +4,8 @@ Why llguidance rather than xgrammar: a 3 MB wheel with no Python dependencies (x
 transformers); a grammar is ready in a few milliseconds with no per-grammar precompilation, its masks are
 computed lazily; GBNF (llama.cpp/vLLM EBNF), Lark, JSON schema and regex in one engine, unsupported schema
 keywords and bad grammars reported as messages (a 400), never a crash. Its masks cost more than
-xgrammar's precomputed ones (tens of microseconds per token instead of a few), still far below a decode step.
+xgrammar's precomputed ones (about 0.4 ms per row with a 49k vocabulary, bench/structured.py), still far
+below a decode step.
 
 Flow: the API layer calls `GrammarBackend.compile` (GrammarError -> 400) and hands the result to the engine,
 which starts a `GrammarMatcher` per sequence (in its `OutputGuide`). Each step the sampler fills a bitmask row
