@@ -8,10 +8,10 @@ xgrammar's precomputed ones (about 0.4 ms per row with a 49k vocabulary, bench/s
 below a decode step.
 
 Flow: the API layer calls `GrammarBackend.compile` (GrammarError -> 400) and hands the result to the engine,
-which starts a `GrammarMatcher` per sequence (in its `OutputGuide`). Each step the sampler fills a bitmask row
-per constrained sequence, `apply_bitmask` to the logits, samples, then `accept` each sampled (or forced) token;
-a sequence whose `is_terminated()` is true is done. Compiling a huge schema can take long (llguidance releases
-the GIL meanwhile): call it off the event loop.
+which starts a `GrammarMatcher` per sequence (in its `OutputGuide`). Each step the sampler fills the bitmask
+rows of the constrained sequences (`fill_bitmask`, in parallel), applies them to the logits (`apply_bitmask`),
+samples, then `accept`s each sampled (or forced) token; a sequence whose `is_terminated()` is true is done.
+Compiling a huge schema can take long (llguidance releases the GIL meanwhile): call it off the event loop.
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ GRAMMAR_KINDS = ("json_object", "json_schema", "regex", "grammar")
 _JSON_OPTIONS: Any = {"whitespace_pattern": r"[ ]?|\n[ \t]{0,20}"}
 _LIMITS = llguidance.LLParserLimits(verbose_errors=False)  # error messages go to clients: no grammar dumps
 _MAX_ERROR_CHARS = 1000
+_EXECUTOR = llguidance.LLExecutor()  # computes the masks of a batch's rows in parallel
 
 
 class GrammarError(ValueError):
@@ -64,7 +65,7 @@ class GrammarMatcher:
         self.active = not self._trigger
 
     def fill_mask(self, logits_row: torch.Tensor) -> None:
-        """Set the logits of the tokens the grammar forbids next to -inf (one row; for a batch see fill_bitmask)."""
+        """Set the logits of the tokens the grammar forbids next to -inf (one row; for a batch see `fill_bitmask`)."""
         if self.active:
             row = torch.empty(self.mask_words, dtype=torch.int32)
             self.fill_bitmask_row(row)
@@ -104,8 +105,6 @@ class GrammarBackend:
         self._tokenizer = llguidance.LLTokenizer(
             llguidance.TokenizerWrapper(_Vocabulary(tokenizer)), eos_token=sorted(tokenizer.eos_token_ids)
         )
-        self._words = (self.vocab_size + 31) // 32
-        self._executor = llguidance.LLExecutor()
         self._compile_cached = functools.lru_cache(maxsize=cache_size)(self._compile)
 
     def compile(self, kind: str, spec: str | Mapping[str, Any] | None = None) -> CompiledGrammar:
@@ -120,31 +119,6 @@ class GrammarBackend:
         if not isinstance(spec, str) or not spec:
             raise GrammarError(f"{kind} must be a non-empty {'object' if kind == 'json_schema' else 'string'}")
         return self._compile_cached(kind, spec)
-
-    def allocate_bitmask(self, batch: int, vocab_width: int) -> torch.Tensor:
-        """A CPU int32 bitmask [batch, ceil(width / 32)] for logits `vocab_width` wide (may exceed the vocab)."""
-        return torch.full((batch, (max(vocab_width, self.vocab_size) + 31) // 32), -1, dtype=torch.int32)
-
-    def fill_bitmask(self, matchers: Sequence[GrammarMatcher | None], bitmask: torch.Tensor) -> None:
-        """Row i: the tokens `matchers[i]` allows, or all tokens where it is None or not yet active.
-
-        Rows are computed in parallel; columns past the tokenizer's vocabulary (padding in the logits) are
-        never allowed in a constrained row.
-        """
-        bitmask.fill_(-1)
-        rows = [(m, row) for row, m in enumerate(matchers) if m is not None and m.active]
-        if not rows:
-            return
-        scratch = torch.empty((len(matchers), self._words), dtype=torch.int32)
-        if len(rows) == 1:
-            matcher, row = rows[0]
-            matcher.fill_bitmask_row(scratch[row])
-        else:
-            pairs = [(m._matcher, row) for m, row in rows]
-            self._executor.unsafe_compute_mask_ptr(pairs, scratch.data_ptr(), self._words * 4, len(matchers))
-        index = torch.tensor([row for _, row in rows])
-        bitmask[index] = 0
-        bitmask[index, : self._words] = scratch[index]
 
     def _compile(self, kind: str, spec: str) -> CompiledGrammar:
         try:
@@ -166,6 +140,24 @@ class GrammarBackend:
         if prototype.is_error():
             raise GrammarError(_error_message(kind, prototype.get_error()))
         return CompiledGrammar(kind, prototype, self.vocab_size)
+
+
+def fill_bitmask(matchers: Sequence[GrammarMatcher], width: int) -> torch.Tensor:
+    """The int32 masks [len(matchers), ceil(width / 32)] of the tokens each matcher allows next.
+
+    Rows are computed in parallel by llguidance's executor; columns past the tokenizer's vocabulary (padding
+    in logits `width` wide) are never allowed.
+    """
+    words = matchers[0].mask_words  # matchers of one backend share its vocabulary
+    scratch = torch.empty((len(matchers), words), dtype=torch.int32)
+    if len(matchers) == 1:
+        matchers[0].fill_bitmask_row(scratch[0])
+    else:
+        pairs = [(matcher._matcher, row) for row, matcher in enumerate(matchers)]
+        _EXECUTOR.unsafe_compute_mask_ptr(pairs, scratch.data_ptr(), words * 4, len(matchers))
+    bitmask = torch.zeros((len(matchers), max(words, (width + 31) // 32)), dtype=torch.int32)
+    bitmask[:, :words] = scratch
+    return bitmask
 
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from statelm.engine.grammar import apply_bitmask
+from statelm.engine.grammar import apply_bitmask, fill_bitmask
 from statelm.engine.logits_processors import (
     apply_logit_bias,
     apply_min_p,
@@ -194,10 +194,7 @@ def _guide_masks(logits: torch.Tensor, seqs: list[Sequence]) -> None:
         if guide.forced_token is None and guide.matcher is not None and guide.matcher.active
     ]
     if matchers:
-        words = max((logits.shape[1] + 31) // 32, *(matcher.mask_words for _, matcher in matchers))
-        bitmask = torch.zeros((len(matchers), words), dtype=torch.int32)  # bits past a vocabulary stay 0: banned
-        for position, (_, matcher) in enumerate(matchers):
-            matcher.fill_bitmask_row(bitmask[position])
+        bitmask = fill_bitmask([matcher for _, matcher in matchers], logits.shape[1])
         _apply_to_rows(logits, [row for row, _ in matchers], lambda selected: apply_bitmask(selected, bitmask))
     if forced:
         rows = torch.tensor([row for row, _ in forced], device=logits.device)
