@@ -10,8 +10,8 @@ from statelm.api.parsers.reasoning import (
     ReasoningTags,
     detect_reasoning_tags,
     prompt_opens_reasoning,
-    template_opens_reasoning,
 )
+from statelm.tokenizer import render_chat_template
 from tests.unit.stream_chunks import chunkings
 
 # Recorded outputs (Qwen3-8B, DeepSeek-R1-Distill, Magistral), with the tags each uses.
@@ -117,12 +117,18 @@ CHATML_TEMPLATE = """{% for message in messages %}<|im_start|>{{ message['role']
 {% endif %}"""
 
 
+def generation_prompt_opens_reasoning(template: str, **template_kwargs: object) -> bool:
+    """Whether the template's generation prompt for one user message ends inside a think block."""
+    prompt = render_chat_template(template, [{"role": "user", "content": "Hi"}], **template_kwargs)
+    return prompt_opens_reasoning(prompt, THINK_TAGS)
+
+
 def test_detects_tags_and_whether_the_generation_prompt_opens_a_block() -> None:
     assert detect_reasoning_tags(QWEN3_TEMPLATE) == THINK_TAGS
-    assert not template_opens_reasoning(QWEN3_TEMPLATE, THINK_TAGS)
-    assert not template_opens_reasoning(QWEN3_TEMPLATE, THINK_TAGS, enable_thinking=False)
+    assert not generation_prompt_opens_reasoning(QWEN3_TEMPLATE)
+    assert not generation_prompt_opens_reasoning(QWEN3_TEMPLATE, enable_thinking=False)
     assert detect_reasoning_tags(R1_TEMPLATE) == THINK_TAGS
-    assert template_opens_reasoning(R1_TEMPLATE, THINK_TAGS)
+    assert generation_prompt_opens_reasoning(R1_TEMPLATE)
     assert detect_reasoning_tags(CHATML_TEMPLATE) is None
     assert detect_reasoning_tags(None) is None
     assert detect_reasoning_tags("{{ '[THINK]' }}…{{ '[/THINK]' }}") == ReasoningTags("[THINK]", "[/THINK]")
@@ -135,7 +141,3 @@ def test_prompt_check_looks_only_at_the_prompt_end() -> None:
     assert not prompt_opens_reasoning(
         "<|im_start|>user\nwhat does <think> do?<|im_end|>\n<|im_start|>assistant\n", THINK_TAGS
     )
-
-
-def test_a_template_that_fails_to_render_opens_nothing() -> None:
-    assert not template_opens_reasoning("{{ raise_exception('no') }}<think></think>", THINK_TAGS)

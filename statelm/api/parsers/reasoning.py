@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from statelm.api.parsers.partial import partial_marker_suffix
-from statelm.tokenizer import ChatTemplateError, render_chat_template
 
 
 @dataclass(frozen=True)
@@ -152,14 +151,3 @@ def detect_reasoning_tags(template: str | None) -> ReasoningTags | None:
 def prompt_opens_reasoning(prompt: str, tags: ReasoningTags) -> bool:
     """Whether a rendered prompt ends by opening a think block, so the output starts inside it."""
     return prompt.rstrip().endswith(tags.start)
-
-
-def template_opens_reasoning(template: str, tags: ReasoningTags, **template_kwargs: object) -> bool:
-    """Whether the template's generation prompt opens a think block (with these kwargs, e.g. enable_thinking)."""
-    try:
-        prompt = render_chat_template(
-            template, [{"role": "user", "content": "Hi"}], add_generation_prompt=True, **template_kwargs
-        )
-    except ChatTemplateError:
-        return False
-    return prompt_opens_reasoning(prompt, tags)
