@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, ChoiceOutputParser, chat_events, collect_choices
+from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, chat_events, collect_choices
 from statelm.api.chat_prompt import RenderedPrompt, forces_tool_call
 from statelm.api.errors import APIError
 from statelm.api.limits import GenerationLimits
@@ -24,6 +24,7 @@ from statelm.api.protocol import (
     ChatMessage,
     ChunkChoice,
     DeltaMessage,
+    NamedToolChoice,
     Timings,
     Usage,
 )
@@ -164,7 +165,7 @@ class ChatService:
         prompter = self.context.prompter
         prompt = prompter.render(request.messages, request.tools, prompter.template_kwargs(request, {}))
         params = await self._params(request, prompt, self.context.model.max_model_len)
-        parsers = self._parsers(request, prompt)
+        parsers = prompter.output_parsers(request, prompt)
         deltas = self.context.generate(
             request_id, prompt.ids, params, request.stop_strings(), keep_special_tokens=prompter.keep_special_tokens
         )
@@ -187,7 +188,7 @@ class ChatService:
             params = await self._params(
                 request, prompt, min(max_model_len, session.settings.max_tokens or max_model_len)
             )
-            parsers = self._parsers(request, prompt)
+            parsers = prompter.output_parsers(request, prompt)
             restore = await self.sessions.kv_to_restore(session)
         except BaseException:
             turn.end(None)
@@ -211,15 +212,11 @@ class ChatService:
         if forces_tool_call(request):
             tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
             choice = request.tool_choice
-            named = choice if isinstance(choice, str) else choice.model_dump() if choice is not None else "required"
+            named = choice.model_dump() if isinstance(choice, NamedToolChoice) else "required"
             forced = forced_tool_constraint(tools, named, request.parallel_tool_calls)
         params = await self.context.constrained(request, params, forced, prompter.reasoning_end_ids(prompt))
         budget = prompter.reasoning_budget(request, prompt)
         return params if budget is None else dataclasses.replace(params, reasoning=budget)
-
-    def _parsers(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[ChoiceOutputParser]:
-        """One output parser per choice (400 if the request's tools cannot be read from this model's output)."""
-        return [self.context.prompter.output_parser(request, prompt) for _ in range(request.n)]
 
 
 class SessionTurn:

@@ -25,10 +25,11 @@ _EFFORTS_WITHOUT_THINKING = frozenset({"none", "minimal"})
 
 @dataclass(frozen=True)
 class RenderedPrompt:
-    """A conversation rendered by the template, as text and as token ids."""
+    """A conversation rendered by the template, as text and token ids, and whether it ends inside a think block."""
 
     text: str
     ids: list[int]
+    opens_reasoning: bool = False  # the output starts with reasoning
 
 
 class ChatPrompter:
@@ -46,6 +47,10 @@ class ChatPrompter:
             markers += [self.reasoning_tags.start, self.reasoning_tags.end]
         self.keep_special_tokens = any(
             tokenizer.is_special(token) for marker in markers for token in tokenizer.encode(marker)
+        )
+        tags = self.reasoning_tags
+        self._tag_ids = (
+            None if tags is None else (tuple(tokenizer.encode(tags.start)), tuple(tokenizer.encode(tags.end)))
         )
 
     def template_kwargs(self, request: ChatCompletionRequest, base: Mapping[str, Any]) -> dict[str, Any]:
@@ -81,45 +86,32 @@ class ChatPrompter:
             )
         except ChatTemplateError as exc:
             raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
-        return RenderedPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def opens_reasoning(self, prompt: RenderedPrompt) -> bool:
-        """Whether the prompt ends inside a think block, so the output starts with reasoning."""
-        return self.reasoning_tags is not None and prompt_opens_reasoning(prompt.text, self.reasoning_tags)
+        opens = self.reasoning_tags is not None and prompt_opens_reasoning(text, self.reasoning_tags)
+        return RenderedPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens), opens)
 
     def reasoning_budget(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> ReasoningBudget | None:
         """The engine's budget for max_reasoning_tokens / thinking_budget; 400 for a model that does not reason."""
         budget = request.reasoning_budget()
         if budget is None:
             return None
-        tags = self.reasoning_tags
-        if tags is None:
+        if self._tag_ids is None:
             raise APIError(
                 "this model has no reasoning block to budget (no think tags in its template; see --reasoning-parser)",
                 param="max_reasoning_tokens" if request.max_reasoning_tokens is not None else "thinking_budget",
             )
-        return ReasoningBudget(
-            max_tokens=budget,
-            start_ids=tuple(self.tokenizer.encode(tags.start)),
-            end_ids=tuple(self.tokenizer.encode(tags.end)),
-            opened_by_prompt=self.opens_reasoning(prompt),
-        )
+        start_ids, end_ids = self._tag_ids
+        return ReasoningBudget(budget, start_ids, end_ids, opened_by_prompt=prompt.opens_reasoning)
 
     def reasoning_end_ids(self, prompt: RenderedPrompt) -> tuple[int, ...]:
         """Where an output constraint starts: after the think block the prompt opened, else at once (empty)."""
-        if self.reasoning_tags is None or not self.opens_reasoning(prompt):
-            return ()
-        return tuple(self.tokenizer.encode(self.reasoning_tags.end))
+        return self._tag_ids[1] if self._tag_ids is not None and prompt.opens_reasoning else ()
 
-    def output_parser(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> ChoiceOutputParser:
-        """A parser for one choice's output: reasoning if the model reasons, tool calls as tool_choice asks."""
-        reasoning = None
-        if self.reasoning_tags is not None:
-            reasoning = ReasoningParser(self.reasoning_tags, in_reasoning=self.opens_reasoning(prompt))
-        tools: ToolParser | None = None
+    def output_parsers(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[ChoiceOutputParser]:
+        """One parser per choice: reasoning if the model reasons, tool calls as tool_choice asks (400 if unreadable)."""
         tool_dicts = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
+        tool_parser: type[ToolParser] | None = None
         if forces_tool_call(request):
-            tools = ForcedToolParser(tool_dicts)
+            tool_parser = ForcedToolParser
         elif request.tools and request.tool_choice != "none":
             if self.tool_parser is None:
                 raise APIError(
@@ -127,8 +119,16 @@ class ChatPrompter:
                     "with --tool-parser",
                     param="tools",
                 )
-            tools = self.tool_parser(tool_dicts)
-        return ChoiceOutputParser(reasoning, tools, single_call=not request.parallel_tool_calls)
+            tool_parser = self.tool_parser
+        tags = self.reasoning_tags
+        return [
+            ChoiceOutputParser(
+                None if tags is None else ReasoningParser(tags, in_reasoning=prompt.opens_reasoning),
+                None if tool_parser is None else tool_parser(tool_dicts),
+                single_call=not request.parallel_tool_calls,
+            )
+            for _ in range(request.n)
+        ]
 
 
 def forces_tool_call(request: ChatCompletionRequest) -> bool:
