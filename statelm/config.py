@@ -24,6 +24,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
     batch_invariant: bool = True  # fixed-size matmul row chunks: output independent of batch composition
+    compute_path: str = "auto"  # auto (the start-up self-check picks) | kernels | torch | torch-per-row
     max_queue: int = 256  # requests waiting for a slot; more get 429
     seed: int = 0
     threads: int | None = None

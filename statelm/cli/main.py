@@ -86,6 +86,12 @@ def serve(
     batch_invariant: Annotated[
         bool, typer.Option(help="Same output for a request whatever else runs (fixed-size matmul chunks).")
     ] = True,
+    compute_path: Annotated[
+        str,
+        typer.Option(
+            help="auto (a start-up self-check picks the fastest batch-invariant one) | kernels | torch | torch-per-row."
+        ),
+    ] = "auto",
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
@@ -157,6 +163,7 @@ def serve(
         enable_prefix_caching=prefix_cache,
         max_queue=max_queue,
         batch_invariant=batch_invariant,
+        compute_path=compute_path,
         seed=seed,
         threads=threads,
         default_sampling=parse_sampling_defaults(default_sampling) if default_sampling else {},

@@ -13,6 +13,7 @@ from statelm.config import EngineConfig
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.engine import Engine
+from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.models.layers import RowChunking
@@ -36,6 +37,7 @@ class BuiltEngine:
 
     loaded: LoadedModel
     engine: AsyncEngine
+    invariance: InvarianceReport | None  # None: batch invariance was not asked for
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
@@ -47,11 +49,19 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking)
     engine = create_engine(loaded, config)
-    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue))
+    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
 
 
 def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
-    """A synchronous engine over a loaded model, with a KV pool sized from the memory budget."""
+    """A synchronous engine over a loaded model, with a KV pool sized from the memory budget.
+
+    A model loaded for batch-invariant output gets its compute path from the start-up self-check first.
+    """
+    if loaded.model.batch_invariant and loaded.model.invariance is None:
+        try:
+            loaded.model.invariance = select_compute_path(loaded.model, config.compute_path)
+        except ValueError as exc:
+            raise EngineConfigError(str(exc)) from None
     model_config = loaded.config
     block_bytes = KVCache.bytes_per_block(
         model_config.num_hidden_layers,

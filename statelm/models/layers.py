@@ -15,18 +15,82 @@ from statelm.models.config import ModelConfigError
 _INITIAL_ROPE_POSITIONS = 4096
 
 
+@dataclass
+class RopeInputs:
+    """One forward's rope inputs: positions, and cos/sin rows (torch ops) or the whole table (kernels)."""
+
+    positions: torch.Tensor
+    cos: torch.Tensor | None = None  # [T, 1, head_dim]
+    sin: torch.Tensor | None = None
+    table: torch.Tensor | None = None  # [P, 2, head_dim]
+
+
+class LayerOps:
+    """The element-wise work of a decoder layer in torch ops; KernelLayerOps fuses it in statelm's kernels."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm over the last dimension in float32, cast back before the weight, as Hugging Face does."""
+        return F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype) * weight
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += delta in place, then its RMSNorm."""
+        residual.add_(delta)
+        return self.rms_norm(residual, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, for gate and up side by side in the last dimension."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
+        """What rope() needs for one forward's tokens, computed once for all layers."""
+        cos, sin = rotary.cos_sin(positions, max_position)
+        return RopeInputs(positions, cos=cos, sin=sin)
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, inputs: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k [T, heads, head_dim] rotated by their tokens' positions."""
+        cos, sin = inputs.cos, inputs.sin
+        assert cos is not None and sin is not None
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+
+class KernelLayerOps(LayerOps):
+    """LayerOps through statelm's fused float32 C++ kernels: fewer calls per layer, same math row by row."""
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """RMSNorm of each row of x (any leading shape)."""
+        return torch.ops.statelm.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+    def add_rms_norm(
+        self, residual: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """residual += delta in place, then its RMSNorm, in one pass."""
+        return torch.ops.statelm.add_rms_norm_(residual, delta, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up in one pass."""
+        return torch.ops.statelm.silu_mul(gate_up)
+
+    def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
+        """The tokens' positions and the whole table (the kernel looks rows up itself)."""
+        return RopeInputs(positions, table=rotary.table_for(positions, max_position))
+
+    def rope(self, q: torch.Tensor, k: torch.Tensor, inputs: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rotated in place."""
+        torch.ops.statelm.rope_(q, inputs.positions, inputs.table)
+        torch.ops.statelm.rope_(k, inputs.positions, inputs.table)
+        return q, k
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm computed in float32 and cast back before the weight, as Hugging Face does."""
+    """Root-mean-square norm's weight and epsilon; the model's LayerOps computes it."""
 
     def __init__(self, dim: int, eps: float, *, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.eps = eps
-        self.shape = (dim,)
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Normalise over the last dimension."""
-        return F.rms_norm(x.float(), self.shape, eps=self.eps).to(x.dtype) * self.weight
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -66,11 +130,15 @@ class RotaryEmbedding:
         self.dtype = dtype
         self.table = torch.empty(0, 2, head_dim, dtype=dtype)
 
-    def cos_sin(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sign-folded sin, each [T, 1, head_dim], for positions all below max_position."""
+    def table_for(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
+        """The [P, 2, head_dim] table of cos and sign-folded sin, grown to cover max_position."""
         if max_position > self.table.shape[0] or self.table.device != positions.device:
             self._build(max(max_position, _INITIAL_ROPE_POSITIONS), positions.device)
-        rows = self.table.index_select(0, positions)
+        return self.table
+
+    def cos_sin(self, positions: torch.Tensor, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, each [T, 1, head_dim], for positions all below max_position."""
+        rows = self.table_for(positions, max_position).index_select(0, positions)
         return rows[:, 0:1], rows[:, 1:2]
 
     def _build(self, num_positions: int, device: torch.device) -> None:
@@ -129,6 +197,20 @@ class RowChunking:
         """16 rows for generated tokens (also the fastest bf16 decode shape on AMX CPUs), 128 for prompts."""
         return cls(generated=16, prompt=128)
 
+    @classmethod
+    def per_row(cls) -> RowChunking:
+        """Every row in a call of its own: invariant whatever the kernels do, and slow."""
+        return cls(generated=1, prompt=1)
+
+    @property
+    def enabled(self) -> bool:
+        """Whether rows are chunked at all (batch invariance asked for)."""
+        return self.generated > 0 or self.prompt > 0
+
+    def resize(self, sizes: RowChunking) -> None:
+        """Take the chunk sizes of another RowChunking (the model's linears share this object)."""
+        self.generated, self.prompt = sizes.generated, sizes.prompt
+
     def set_rows(self, is_prompt: torch.Tensor | None) -> None:
         """Record which rows of the coming forward hold prompt tokens (None: all generated)."""
         self.prompt_rows = self.generated_rows = None
@@ -176,7 +258,6 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = RowChunkedLinear(hidden, 2 * intermediate, **linear)
         self.down_proj = RowChunkedLinear(intermediate, hidden, **linear)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """Apply the feed-forward block to [T, hidden]."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))

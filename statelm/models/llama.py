@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -10,18 +12,34 @@ from torch import nn
 from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.engine.attention.reference import TorchAttentionBackend
 from statelm.engine.kv_cache import KVCache
-from statelm.models.config import ModelConfig, ModelConfigError
+from statelm.kernels.build import kernels_available
+from statelm.models.config import ModelConfig
 from statelm.models.layers import (
     GatedMLP,
+    KernelLayerOps,
+    LayerOps,
     RMSNorm,
+    RopeInputs,
     RotaryEmbedding,
     RowChunkedLinear,
     RowChunking,
-    apply_rope,
     chunked_linear,
 )
 
+if TYPE_CHECKING:
+    from statelm.engine.invariance import InvarianceReport
+
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+@dataclass
+class ForwardStep:
+    """What every layer of one forward shares: rope inputs, the attention layout and backend, the layer ops."""
+
+    rope: RopeInputs
+    meta: AttentionMetadata
+    backend: AttentionBackend
+    ops: LayerOps
 
 
 class LlamaAttention(nn.Module):
@@ -49,13 +67,7 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(
-        self,
-        x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
+        self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ForwardStep
     ) -> torch.Tensor:
         """Project [T, hidden], write K/V to the cache, attend, and project back."""
         tokens = x.shape[0]
@@ -64,9 +76,10 @@ class LlamaAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, self.scale)
+            q = step.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
+            k = step.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+        q, k = step.ops.rope(q, k, step.rope)
+        out = step.backend.forward(q, k, v, k_cache, v_cache, step.meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -86,15 +99,24 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        rope: tuple[torch.Tensor, torch.Tensor],
+        residual: torch.Tensor | None,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        backend: AttentionBackend,
-    ) -> torch.Tensor:
-        """Run the block on the flat batch [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, k_cache, v_cache, meta, backend)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        step: ForwardStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the block on the flat batch [T, hidden]: x is the previous block's output, not yet added to residual.
+
+        Returns this block's output and the residual stream, whose sum is the block's result.
+        """
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, step.ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h = step.ops.add_rms_norm(residual, x, norm.weight, norm.eps)
+        attention = self.self_attn(h, k_cache, v_cache, step)
+        norm = self.post_attention_layernorm
+        h = step.ops.add_rms_norm(residual, attention, norm.weight, norm.eps)
+        return self.mlp(h, step.ops), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -106,21 +128,17 @@ class LlamaForCausalLM(nn.Module):
         *,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
-        backend: AttentionBackend | None = None,
         chunking: RowChunking | None = None,
     ) -> None:
         super().__init__()
         chunking = chunking or RowChunking()
         self.chunking = chunking
-        if backend is None:
-            backend = TorchAttentionBackend(sliding_window=config.sliding_window)
-        elif config.sliding_window and getattr(backend, "sliding_window", None) != config.sliding_window:
-            raise ModelConfigError(
-                f"model uses a sliding window of {config.sliding_window} tokens but the attention backend "
-                "does not apply it"
-            )
+        self.batch_invariant = chunking.enabled
         self.config = config
-        self.backend = backend
+        self.backend: AttentionBackend = TorchAttentionBackend(sliding_window=config.sliding_window)
+        self.compute_path = "torch"
+        self.ops = LayerOps()
+        self.invariance: InvarianceReport | None = None  # set by the start-up self-check
         self.dtype = dtype
         meta = torch.device("meta")
         # an explicit empty weight skips nn.Embedding's random init, whose first call on meta costs seconds
@@ -155,11 +173,44 @@ class LlamaForCausalLM(nn.Module):
         is_prompt ([T] bool) marks prompt-token rows for the row chunking; None means all rows are generated.
         """
         self.chunking.set_rows(is_prompt)
-        rope = self.rotary.cos_sin(positions, max(meta.seq_lens))
-        x = self.embed_tokens(input_ids)
+        step = ForwardStep(
+            rope=self.ops.prepare_rope(positions, max(meta.seq_lens), self.rotary),
+            meta=meta,
+            backend=self.backend,
+            ops=self.ops,
+        )
+        x, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, kv_cache.k[i], kv_cache.v[i], meta, self.backend)
-        return self.norm(x)
+            x, residual = layer(x, residual, kv_cache.k[i], kv_cache.v[i], step)
+        assert residual is not None
+        return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
+
+    def compute_paths(self) -> list[str]:
+        """The compute paths this model can run, fastest first (the start-up self-check picks one).
+
+        `kernels`: statelm's C++ kernels (float32 on the CPU); `torch`: torch's kernels in fixed row chunks;
+        `torch-per-row`: every row its own call, invariant on any CPU but slow for prompts.
+        """
+        paths = ["torch", "torch-per-row"]
+        on_cpu = self.embed_tokens.weight.device.type == "cpu"
+        if on_cpu and self.dtype == torch.float32 and kernels_available():
+            paths.insert(0, "kernels")
+        return paths
+
+    def use_compute_path(self, path: str) -> None:
+        """Run the model's attention (and, once chosen, its linears) through one of compute_paths()."""
+        window = self.config.sliding_window
+        if path == "kernels":
+            from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
+
+            self.backend = CpuKernelAttentionBackend(sliding_window=window)
+            self.ops = KernelLayerOps()
+        else:
+            self.ops = LayerOps()
+            self.backend = TorchAttentionBackend(sliding_window=window, per_row=path == "torch-per-row")
+        if self.batch_invariant:
+            self.chunking.resize(RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant())
+        self.compute_path = path
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample."""

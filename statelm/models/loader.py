@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from statelm.cpu import native_bf16
 from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.gguf import GGUFError, load_gguf
 from statelm.models.layers import RowChunking
@@ -102,9 +103,12 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` is bfloat16 on every device: AMX/AVX512-BF16 on CPU and tensor cores on GPU both run it fast."""
+    """`auto` is bfloat16 on GPUs and on CPUs that compute it natively (AMX, AVX512-BF16), float32 elsewhere.
+
+    Without native support torch emulates bfloat16 matmuls, several times slower than float32.
+    """
     if dtype == "auto":
-        return torch.bfloat16
+        return torch.bfloat16 if device.type == "cuda" or native_bf16() else torch.float32
     try:
         return DTYPES[dtype]
     except KeyError:

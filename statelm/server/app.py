@@ -12,6 +12,7 @@ from statelm.api.chat import ChatService
 from statelm.api.limits import GenerationLimits
 from statelm.api.sessions import SessionService
 from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.invariance import InvarianceReport
 from statelm.metrics import ServingMetrics
 from statelm.server.auth import AuthMiddleware, KeyRing
 from statelm.server.drain import DrainGate, DrainMiddleware
@@ -46,6 +47,7 @@ def create_app(
     serving_metrics: ServingMetrics,
     guards: Guards,
     sse_keepalive: float = 10.0,
+    invariance: InvarianceReport | None = None,
 ) -> FastAPI:
     """An app serving chat and sessions on the given engine; sessions are saved and the engine stopped at exit.
 
@@ -69,6 +71,7 @@ def create_app(
     app.state.metrics = serving_metrics
     app.state.drain = guards.drain
     app.state.sse_keepalive = sse_keepalive
+    app.state.invariance = invariance
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)

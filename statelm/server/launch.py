@@ -8,6 +8,7 @@ import sys
 import time
 
 import uvicorn
+from fastapi import FastAPI
 
 from statelm.api.chat import ChatService, ServedModel
 from statelm.api.limits import GenerationLimits
@@ -110,17 +111,9 @@ def configure_logging(level: str) -> None:
     logging.Formatter.converter = time.gmtime
 
 
-def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
-    """Load the model, then serve until a signal; the first SIGTERM or SIGINT drains, then the process exits 0."""
-    configure_logging(server_config.log_level)
+def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[FastAPI, DrainGate]:
+    """Load the model and build the application (and the gate its server drains through), without serving it."""
     keys = key_ring(server_config)
-    if keys is None and not is_loopback(server_config.host):
-        log.warning(
-            "binding %s without API keys: anyone who can reach this address can read and delete every session "
-            "and snapshot; pass --api-key or --api-key-file",
-            server_config.host,
-        )
-    started = time.perf_counter()
     try:
         built = build_engine(engine_config)
     except (ModelLoadError, EngineConfigError) as exc:
@@ -135,8 +128,25 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         generation_limits=limits,
         drain=DrainGate(server_config.drain_timeout),
     )
-    app = create_app(built.engine, chat, session_service, metrics, guards, server_config.sse_keepalive)
-    log.info("model %s loaded in %.1fs", built.loaded.name, time.perf_counter() - started)
+    app = create_app(
+        built.engine, chat, session_service, metrics, guards, server_config.sse_keepalive, built.invariance
+    )
+    app.state.model_name = built.loaded.name
+    return app, guards.drain
+
+
+def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    """Load the model, then serve until a signal; the first SIGTERM or SIGINT drains, then the process exits 0."""
+    configure_logging(server_config.log_level)
+    if key_ring(server_config) is None and not is_loopback(server_config.host):
+        log.warning(
+            "binding %s without API keys: anyone who can reach this address can read and delete every session "
+            "and snapshot; pass --api-key or --api-key-file",
+            server_config.host,
+        )
+    started = time.perf_counter()
+    app, drain = build_app(engine_config, server_config)
+    log.info("model %s loaded in %.1fs", app.state.model_name, time.perf_counter() - started)
     config = uvicorn.Config(
         app,
         host=server_config.host,
@@ -144,4 +154,4 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         log_level=server_config.log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    DrainingServer(config, guards.drain).run()
+    DrainingServer(config, drain).run()

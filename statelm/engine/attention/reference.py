@@ -7,7 +7,10 @@ KEY_PAD with an explicit mask; padded keys contribute exactly zero, so the resul
 only on its own visible keys. The kernel's path also depends on the query layout and on a single
 query row versus several: queries are always passed in one contiguous layout, and single-row calls
 (decodes, or a prompt whose prefix but one token came from the cache) send their row twice and drop the
-copy. A row's result is then the same whatever the number of query rows in its call.
+copy. A row's result is then the same whatever the number of query rows in its call, on CPUs whose SDPA
+kernel keeps that promise (AMX ones do; AVX2 ones do not). `per_row` makes every query row a call of its
+own (as a decode at its position): slow for prefills, but invariant on any CPU; the start-up self-check
+(statelm.engine.invariance) falls back to it when nothing faster passes.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ class _Call:
 class TorchAttentionBackend:
     """Paged attention on any torch device: all decodes in one call, one call per prefilling sequence."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, per_row: bool = False) -> None:
         self.sliding_window = sliding_window
+        self.per_row = per_row
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[_Call] = []
 
@@ -72,16 +76,25 @@ class TorchAttentionBackend:
         return self._plan
 
     def _build_plan(self, meta: AttentionMetadata, block_size: int) -> list[_Call]:
+        if self.per_row:
+            return [
+                self._call(meta, [i], block_size, context=meta.seq_lens[i] - meta.query_lens[i] + j + 1)
+                for i, n in enumerate(meta.query_lens)
+                for j in range(n)
+            ]
         decodes = [i for i, n in enumerate(meta.query_lens) if n == 1]
         calls = [self._call(meta, decodes, block_size)] if decodes else []
         calls += [self._call(meta, [i], block_size) for i, n in enumerate(meta.query_lens) if n > 1]
         return calls
 
-    def _call(self, meta: AttentionMetadata, seqs: list[int], block_size: int) -> _Call:
-        """One call for seqs, which all have the same query length (1 for a decode group)."""
+    def _call(self, meta: AttentionMetadata, seqs: list[int], block_size: int, context: int | None = None) -> _Call:
+        """One call for seqs, which all have the same query length (1 for a decode group).
+
+        context: attend only the query row at this context length (per-row mode; seqs is then one sequence).
+        """
         device = meta.block_tables.device
-        seq_lens = torch.tensor([meta.seq_lens[i] for i in seqs], device=device)
-        query_len = meta.query_lens[seqs[0]]
+        seq_lens = torch.tensor([context or meta.seq_lens[i] for i in seqs], device=device)
+        query_len = 1 if context else meta.query_lens[seqs[0]]
         num_keys = -(-int(seq_lens.max()) // KEY_PAD) * KEY_PAD
         blocks_per_seq = -(-num_keys // block_size)
         tables = meta.block_tables[torch.tensor(seqs, device=device)]
@@ -94,8 +107,11 @@ class TorchAttentionBackend:
         mask = key_pos <= query_pos
         if self.sliding_window is not None:
             mask &= key_pos > query_pos - self.sliding_window
-        if len(seqs) == len(meta.query_lens):
-            rows: torch.Tensor | slice = slice(None)
+        if context:
+            row = meta.query_start[seqs[0]] + context - (meta.seq_lens[seqs[0]] - meta.query_lens[seqs[0]]) - 1
+            rows: torch.Tensor | slice = torch.tensor([row], device=device)
+        elif len(seqs) == len(meta.query_lens):
+            rows = slice(None)
         elif query_len == 1:
             rows = torch.tensor([meta.query_start[i] for i in seqs], device=device)
         else:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 router = APIRouter(tags=["ops"])
 
@@ -14,6 +14,9 @@ class HealthStatus(BaseModel):
     """Body of GET /health."""
 
     status: Literal["ok", "draining", "degraded"]
+    batch_invariance: dict[str, Any] | None = Field(
+        None, description="The compute path the start-up self-check chose, whether it passed, and what it rejected"
+    )
 
 
 @router.get(
@@ -22,10 +25,12 @@ class HealthStatus(BaseModel):
 )
 async def health(request: Request, response: Response) -> HealthStatus:
     """The server is up and its event loop is free; 503 while it drains or when the engine cannot recover."""
+    invariance = request.app.state.invariance
+    details = invariance.as_dict() if invariance is not None else None
     if request.app.state.drain.draining:
         response.status_code = 503
-        return HealthStatus(status="draining")
+        return HealthStatus(status="draining", batch_invariance=details)
     if request.app.state.engine.is_degraded():
         response.status_code = 503
-        return HealthStatus(status="degraded")
-    return HealthStatus(status="ok")
+        return HealthStatus(status="degraded", batch_invariance=details)
+    return HealthStatus(status="ok", batch_invariance=details)

@@ -1,0 +1,107 @@
+"""Compile the C++ kernels in csrc/ with the system compiler once per machine and load them as torch ops.
+
+The build is cached under the user cache directory, keyed by the sources, the torch version and the CPU's
+instruction-set flags (it is compiled with -march=native, so a cache never crosses CPU classes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import threading
+from pathlib import Path
+
+import platformdirs
+import torch
+
+from statelm.paths import APP_NAME
+
+log = logging.getLogger(__name__)
+
+SOURCES_DIR = Path(__file__).parent / "csrc"
+_lock = threading.Lock()
+_loaded: bool | None = None
+_error: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernels could not be compiled or loaded."""
+
+
+def cpu_flags() -> list[str]:
+    """The CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return sorted(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return []
+
+
+def _build_key() -> str:
+    digest = hashlib.sha256()
+    for source in sorted(SOURCES_DIR.glob("*")):
+        digest.update(source.name.encode() + b"\0" + source.read_bytes())
+    digest.update(torch.__version__.encode())
+    digest.update(" ".join(cpu_flags()).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir() -> Path:
+    """Where this machine's build of the current sources lives."""
+    return Path(platformdirs.user_cache_dir(APP_NAME)) / "kernels" / _build_key()
+
+
+def load_kernels(verbose: bool = False) -> None:
+    """Build (first time) and load the kernels; raises KernelBuildError with the reason when that fails."""
+    global _loaded, _error
+    with _lock:
+        if _loaded:
+            return
+        if _loaded is False:
+            raise KernelBuildError(_error or "unknown error")
+        try:
+            _build_and_load(verbose)
+        except Exception as exc:  # compiler missing, compile error, load error: all mean "no kernels"
+            _loaded, _error = False, f"{type(exc).__name__}: {exc}"
+            raise KernelBuildError(_error) from exc
+        _loaded = True
+
+
+def kernels_available() -> bool:
+    """Whether the kernels are loaded (building them on first call); logs the reason once when not."""
+    try:
+        load_kernels()
+    except KernelBuildError as exc:
+        log.warning("statelm C++ kernels unavailable, using the torch reference path: %s", exc)
+        return False
+    return True
+
+
+def _build_and_load(verbose: bool) -> None:
+    from torch.utils import cpp_extension
+
+    compiler = os.environ.get("CXX", "c++")
+    if shutil.which(compiler) is None:
+        raise KernelBuildError(f"no C++ compiler found ({compiler!r} is not on PATH); install g++ to build them")
+    target = build_dir()
+    target.mkdir(parents=True, exist_ok=True)
+    sources = sorted(str(path) for path in SOURCES_DIR.glob("*.cpp"))
+    if not (target / "statelm_kernels.so").exists():
+        log.info("building statelm's C++ kernels into %s (once per machine)", target)
+    cpp_extension.load(
+        name="statelm_kernels",
+        sources=sources,
+        extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"],
+        build_directory=str(target),
+        is_python_module=False,
+        verbose=verbose,
+    )
+
+
+if __name__ == "__main__":
+    load_kernels(verbose=True)
+    print(f"statelm kernels loaded from {build_dir()}")

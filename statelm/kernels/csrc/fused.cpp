@@ -1,0 +1,124 @@
+// Fused element-wise ops of a Llama-family decoder layer, in float32: RMSNorm (optionally adding the
+// residual first), SiLU-and-multiply, and rotary embedding applied in place.
+//
+// Every row is computed by the same scalar loop whatever the number of rows or threads (threads split
+// rows only), so a row's result never depends on its batch. The rows are short (hidden sizes of a few
+// thousand), so the call overhead these ops save matters more than vectorising them.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+
+namespace {
+
+constexpr int64_t kRowGrain = 4;
+
+void check_rows(const at::Tensor& x, const char* name) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, " must be a 2-D float32 tensor");
+  TORCH_CHECK(x.stride(1) == 1, name, " must have contiguous rows");
+}
+
+inline void normalise_row(const float* in, const float* weight, float* out, int64_t n, double eps) {
+  float sum = 0.0f;
+  for (int64_t i = 0; i < n; ++i) sum += in[i] * in[i];
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(sum) / n + eps));
+  for (int64_t i = 0; i < n; ++i) out[i] = (in[i] * scale) * weight[i];
+}
+
+// x [T, H] -> RMSNorm(x) * weight.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "x");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.numel() == x.size(1));
+  auto out = at::empty_like(x, x.options().memory_format(at::MemoryFormat::Contiguous));
+  const int64_t n = x.size(1);
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      normalise_row(x.data_ptr<float>() + t * x.stride(0), w, out.data_ptr<float>() + t * n, n, eps);
+    }
+  });
+  return out;
+}
+
+// residual += delta (in place), then RMSNorm(residual) * weight.
+at::Tensor add_rms_norm_(at::Tensor& residual, const at::Tensor& delta, const at::Tensor& weight, double eps) {
+  check_rows(residual, "residual");
+  check_rows(delta, "delta");
+  TORCH_CHECK(residual.sizes() == delta.sizes(), "residual and delta must have the same shape");
+  TORCH_CHECK(weight.is_contiguous() && weight.scalar_type() == at::kFloat && weight.numel() == residual.size(1));
+  auto out = at::empty({residual.size(0), residual.size(1)}, residual.options());
+  const int64_t n = residual.size(1);
+  const float* w = weight.data_ptr<float>();
+  at::parallel_for(0, residual.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* r = residual.data_ptr<float>() + t * residual.stride(0);
+      const float* d = delta.data_ptr<float>() + t * delta.stride(0);
+      for (int64_t i = 0; i < n; ++i) r[i] += d[i];
+      normalise_row(r, w, out.data_ptr<float>() + t * n, n, eps);
+    }
+  });
+  return out;
+}
+
+// gate_up [T, 2I] (gate first) -> silu(gate) * up [T, I].
+at::Tensor silu_mul(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gate_up");
+  TORCH_CHECK(gate_up.size(1) % 2 == 0, "gate_up must have an even number of columns");
+  const int64_t half = gate_up.size(1) / 2;
+  auto out = at::empty({gate_up.size(0), half}, gate_up.options());
+  at::parallel_for(0, gate_up.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* g = gate_up.data_ptr<float>() + t * gate_up.stride(0);
+      const float* u = g + half;
+      float* o = out.data_ptr<float>() + t * half;
+      for (int64_t i = 0; i < half; ++i) o[i] = (g[i] / (1.0f + std::exp(-g[i]))) * u[i];
+    }
+  });
+  return out;
+}
+
+// x [T, heads, D] (rows may be strided, heads and D contiguous) rotated in place by each token's position,
+// in the rotate-half layout: table [P, 2, D] holds cos and the sign-folded sin per position.
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table) {
+  TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "x must be a 3-D float32 tensor");
+  TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "x must have contiguous heads");
+  TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat && table.size(2) == x.size(2));
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == x.size(0));
+  const int64_t heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t) {
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < table.size(0), "position ", pos[t], " outside the rope table");
+  }
+  at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const float* cos = table.data_ptr<float>() + pos[t] * 2 * dim;
+      const float* sin = cos + dim;
+      for (int64_t h = 0; h < heads; ++h) {
+        float* row = x.data_ptr<float>() + t * x.stride(0) + h * dim;
+        for (int64_t i = 0; i < half; ++i) {
+          const float a = row[i], b = row[i + half];
+          row[i] = a * cos[i] + b * sin[i];
+          row[i + half] = b * cos[i + half] + a * sin[i + half];
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(statelm, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
+  m.def("silu_mul(Tensor gate_up) -> Tensor");
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(statelm, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm_", &add_rms_norm_);
+  m.impl("silu_mul", &silu_mul);
+  m.impl("rope_", &rope_);
+}

@@ -1,0 +1,81 @@
+"""The fused C++ layer ops agree with the torch ops and give each row the same bits in any batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.models.layers import KernelLayerOps, LayerOps, RotaryEmbedding
+
+try:
+    load_kernels()
+except KernelBuildError as exc:
+    pytest.skip(f"statelm kernels unavailable: {exc}", allow_module_level=True)
+
+TORCH, KERNELS = LayerOps(), KernelLayerOps()
+
+
+def rows(count: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randn(count, width, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+@pytest.mark.parametrize("width", [64, 576, 1000])
+def test_rms_norm_and_its_residual_form_match_torch(width: int) -> None:
+    x, delta, weight = rows(9, width, 0), rows(9, width, 1), rows(1, width, 2)[0]
+    torch.testing.assert_close(KERNELS.rms_norm(x, weight, 1e-5), TORCH.rms_norm(x, weight, 1e-5))
+    residual_k, residual_t = x.clone(), x.clone()
+    normed_k = KERNELS.add_rms_norm(residual_k, delta, weight, 1e-6)
+    normed_t = TORCH.add_rms_norm(residual_t, delta, weight, 1e-6)
+    assert torch.equal(residual_k, residual_t)
+    torch.testing.assert_close(normed_k, normed_t)
+
+
+def test_rms_norm_of_head_rows_keeps_the_shape() -> None:
+    x, weight = rows(12, 64, 3).view(4, 3, 64), rows(1, 64, 4)[0]
+    torch.testing.assert_close(KERNELS.rms_norm(x, weight, 1e-6), TORCH.rms_norm(x, weight, 1e-6))
+
+
+def test_silu_mul_matches_torch() -> None:
+    gate_up = rows(7, 2 * 96, 5)
+    torch.testing.assert_close(KERNELS.silu_mul(gate_up), TORCH.silu_mul(gate_up))
+
+
+def test_rope_matches_torch_on_strided_views() -> None:
+    heads, kv_heads, dim = 4, 2, 32
+    qkv = rows(10, (heads + 2 * kv_heads) * dim, 6)
+    positions = torch.tensor([0, 1, 2, 3, 50, 51, 52, 1000, 4095, 7])
+    rotary = RotaryEmbedding(dim, 10000.0, None, torch.float32)
+    q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
+    q, k = q.view(10, heads, dim), k.view(10, kv_heads, dim)
+    expected = TORCH.rope(q, k, TORCH.prepare_rope(positions, 4096, rotary))
+    rotated = KERNELS.rope(q.clone(), k.clone(), KERNELS.prepare_rope(positions, 4096, rotary))
+    torch.testing.assert_close(rotated[0], expected[0])
+    torch.testing.assert_close(rotated[1], expected[1])
+
+
+def test_rope_rejects_a_position_outside_the_table() -> None:
+    rotary = RotaryEmbedding(8, 10000.0, None, torch.float32)
+    inputs = KERNELS.prepare_rope(torch.tensor([3]), 8, rotary)
+    inputs.positions = torch.tensor([1 << 20])
+    with pytest.raises(RuntimeError, match="outside the rope table"):
+        KERNELS.rope(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), inputs)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_each_row_gets_the_same_bits_alone_and_in_any_batch(threads: int) -> None:
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        x, delta, weight = rows(65, 576, 7), rows(65, 576, 8), rows(1, 576, 9)[0]
+        for count in (1, 2, 7, 16, 65):
+            assert torch.equal(KERNELS.rms_norm(x[:count], weight, 1e-5)[0], KERNELS.rms_norm(x[:1], weight, 1e-5)[0])
+            assert torch.equal(KERNELS.silu_mul(x[:count])[-1], KERNELS.silu_mul(x[count - 1 : count])[0])
+            residual = x[:count].clone()
+            alone = x[count - 1 : count].clone()
+            assert torch.equal(
+                KERNELS.add_rms_norm(residual, delta[:count], weight, 1e-5)[-1],
+                KERNELS.add_rms_norm(alone, delta[count - 1 : count], weight, 1e-5)[0],
+            )
+    finally:
+        torch.set_num_threads(previous)
