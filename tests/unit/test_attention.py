@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from statelm.cpu import describe, native_bf16
 from statelm.engine.attention.base import AttentionMetadata
 from statelm.engine.attention.reference import TorchAttentionBackend
 
@@ -37,6 +38,7 @@ def run_case(
     block_size: int = 5,
     window: int | None = None,
     dtype: torch.dtype = torch.float32,
+    per_row: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(backend output, naive output) for one flat batch; cached prefixes hold random K/V."""
     gen = torch.Generator().manual_seed(sum(seq_lens) + len(query_lens))
@@ -75,7 +77,7 @@ def run_case(
         query_start=[sum(query_lens[:i]) for i in range(len(query_lens) + 1)],
     )
     k_flat, v_flat = torch.cat(new_k), torch.cat(new_v)
-    out = TorchAttentionBackend(window).forward(queries, k_flat, v_flat, k_cache, v_cache, meta, 0.25)
+    out = TorchAttentionBackend(window, per_row).forward(queries, k_flat, v_flat, k_cache, v_cache, meta, 0.25)
     assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping], k_flat)
     assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping], v_flat)
     return out, torch.cat(expected)
@@ -93,14 +95,16 @@ CASES = {
 
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize(("heads", "kv_heads"), [(6, 2), (4, 4), (4, 1)])
-def test_matches_naive_attention(case: str, heads: int, kv_heads: int) -> None:
-    out, expected = run_case(*CASES[case], heads=heads, kv_heads=kv_heads)
+@pytest.mark.parametrize("per_row", [False, True], ids=["sdpa-rows", "per-row"])
+def test_matches_naive_attention(case: str, heads: int, kv_heads: int, per_row: bool) -> None:
+    out, expected = run_case(*CASES[case], heads=heads, kv_heads=kv_heads, per_row=per_row)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_sliding_window_matches_naive_attention(case: str) -> None:
-    out, expected = run_case(*CASES[case], window=4)
+@pytest.mark.parametrize("per_row", [False, True], ids=["sdpa-rows", "per-row"])
+def test_sliding_window_matches_naive_attention(case: str, per_row: bool) -> None:
+    out, expected = run_case(*CASES[case], window=4, per_row=per_row)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
@@ -122,7 +126,14 @@ def test_plan_is_rebuilt_for_a_new_step() -> None:
     torch.testing.assert_close(out, kv)
 
 
-def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_call() -> None:
+@pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "sdpa-rows"])
+def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_call(per_row: bool) -> None:
+    """Per-row mode holds on every CPU; several rows per SDPA call hold only where the CPU computes bf16 natively.
+
+    On other CPUs the start-up self-check (tests/models/test_invariance.py) rejects the SDPA-rows path.
+    """
+    if not per_row and not native_bf16():
+        pytest.skip(f"torch's bf16 SDPA blocks by row count on {describe()}; the self-check rejects it there")
     heads, kv_heads, head_dim, block_size, length = 9, 3, 64, 16, 150
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(length, kv_heads, head_dim, generator=gen).bfloat16()
@@ -138,7 +149,7 @@ def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_ca
         k_cache.view(-1, kv_heads, head_dim)[:first] = keys[:first]
         v_cache.view(-1, kv_heads, head_dim)[:first] = values[:first]
         meta = AttentionMetadata(torch.arange(first, last), table, [last - first], [last], [0, last - first])
-        backend = TorchAttentionBackend()
+        backend = TorchAttentionBackend(per_row=per_row)
         return backend.forward(queries[first:last], keys[first:last], values[first:last], k_cache, v_cache, meta, 0.125)
 
     prefill = attend(0, length)
