@@ -97,7 +97,7 @@ def probe_model(model: LlamaForCausalLM) -> list[str]:
         "gate_up_proj": (layer.mlp.gate_up_proj, layer.mlp.gate_up_proj.in_features),
         "down_proj": (layer.mlp.down_proj, layer.mlp.down_proj.in_features),
     }
-    device = model.embed_tokens.weight.device
+    device = model.device
     with torch.inference_mode():
         for kind in ("generated", "prompt"):
             for name, (linear, in_features) in linears.items():

@@ -25,9 +25,11 @@ from statelm.models.layers import (
     RowChunking,
     chunked_linear,
 )
+from statelm.models.packed import PackedEmbedding, PackedLinear
 
 if TYPE_CHECKING:
     from statelm.engine.invariance import InvarianceReport
+    from statelm.kernels.quant import PackedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -135,6 +137,7 @@ class LlamaForCausalLM(nn.Module):
         self.chunking = chunking
         self.batch_invariant = chunking.enabled
         self.config = config
+        self.device = torch.device(device)
         self.backend: AttentionBackend = TorchAttentionBackend(sliding_window=config.sliding_window)
         self.compute_path = "torch"
         self.ops = LayerOps()
@@ -153,6 +156,7 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=meta)
         self.lm_head: nn.Parameter | None = None
+        self.packed_head: PackedLinear | None = None  # the LM head when its weight is packed (tied or not)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta))
         self.to_empty(device=device)
@@ -192,7 +196,7 @@ class LlamaForCausalLM(nn.Module):
         `torch-per-row`: every row its own call, invariant on any CPU but slow for prompts.
         """
         paths = ["torch", "torch-per-row"]
-        on_cpu = self.embed_tokens.weight.device.type == "cpu"
+        on_cpu = self.device.type == "cpu"
         if on_cpu and self.dtype == torch.float32 and kernels_available():
             paths.insert(0, "kernels")
         return paths
@@ -208,19 +212,29 @@ class LlamaForCausalLM(nn.Module):
         else:
             self.ops = LayerOps()
             self.backend = TorchAttentionBackend(sliding_window=window, per_row=path == "torch-per-row")
+        for module in self.modules():
+            if isinstance(module, PackedLinear):
+                module.use(kernel=path == "kernels")
         if self.batch_invariant:
             self.chunking.resize(RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant())
         self.compute_path = path
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
+        head = self.packed_head
+        if head is not None and head.use_kernel:
+            return head.weight.matmul(hidden)
+        if head is not None:
+            weight = head.dense(hidden.dtype)
+        else:
+            weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return chunked_linear(hidden, weight, None, self.chunking.generated).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters, one at a time."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
+        """Copy Hugging Face-named tensors into the (fused) parameters; packed weights replace their layers."""
         pending = set(self._targets)
         unknown: list[str] = []
+        packed: dict[str, PackedWeight] = {}
         for name, tensor in weights:
             if name.endswith(_IGNORED_SUFFIXES) or (name == "lm_head.weight" and self.lm_head is None):
                 continue
@@ -229,15 +243,56 @@ class LlamaForCausalLM(nn.Module):
                 continue
             param, start, end = self._targets[name]
             target = param.data[start:end]
-            if target.shape != tensor.shape:
-                raise ValueError(f"weight {name} has shape {tuple(tensor.shape)}, expected {tuple(target.shape)}")
-            target.copy_(tensor)
+            is_packed = not isinstance(tensor, torch.Tensor)
+            shape = (tensor.out_features, tensor.in_features) if is_packed else tensor.shape
+            if target.shape != shape:
+                raise ValueError(f"weight {name} has shape {tuple(shape)}, expected {tuple(target.shape)}")
+            if is_packed:
+                packed[name] = tensor
+            else:
+                target.copy_(tensor)
             pending.discard(name)
         if unknown or pending:
             raise ValueError(
                 f"checkpoint does not match {self.config.architecture}: "
                 f"unknown weights {sorted(unknown)}, missing weights {sorted(pending)}"
             )
+        if packed:
+            self._install_packed(packed)
+
+    def _install_packed(self, packed: dict[str, PackedWeight]) -> None:
+        """Swap in packed layers; a fused group with a float member is dequantized whole instead."""
+        for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            groups = {
+                "qkv_proj": (attn, ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]),
+                "o_proj": (attn, ["self_attn.o_proj"]),
+                "gate_up_proj": (mlp, ["mlp.gate_proj", "mlp.up_proj"]),
+                "down_proj": (mlp, ["mlp.down_proj"]),
+            }
+            for attribute, (owner, parts) in groups.items():
+                names = [f"{prefix}{part}.weight" for part in parts]
+                members = [packed.get(name) for name in names]
+                if all(member is not None for member in members):
+                    fused = type(members[0]).concat(members) if len(members) > 1 else members[0]
+                    linear = getattr(owner, attribute)
+                    setattr(owner, attribute, PackedLinear(fused, linear.bias, self.chunking))
+                else:
+                    self._dequantize_into(packed, names)
+        embed = packed.get("model.embed_tokens.weight")
+        if embed is not None:
+            self.embed_tokens = PackedEmbedding(embed)
+        head = packed.get("lm_head.weight", embed if self.lm_head is None else None)
+        if head is not None:
+            self.packed_head = PackedLinear(head, None, self.chunking)
+            self.lm_head = None
+
+    def _dequantize_into(self, packed: dict[str, PackedWeight], names: list[str]) -> None:
+        for name in names:
+            if name in packed:
+                param, start, end = self._targets[name]
+                param.data[start:end].copy_(packed[name].dequantize())
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks and tests: normal(0, 0.02) matrices, zero biases, unit norms."""
