@@ -72,6 +72,13 @@ def serve(
     port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
     device: Annotated[str, typer.Option(help="auto | cpu | cuda")] = "auto",
     dtype: Annotated[str, typer.Option(help="auto | float32 | bfloat16 | float16")] = "auto",
+    quantization: Annotated[
+        str,
+        typer.Option(
+            help="auto (a GGUF's quantized weights stay packed) | none (dequantize) | int8 | int4 (quantize float "
+            "weights at load)"
+        ),
+    ] = "auto",
     load_format: Annotated[str, typer.Option(help="auto | dummy (random weights, for benchmarks)")] = "auto",
     max_model_len: Annotated[int | None, typer.Option(help="Context length cap (default: the model's).")] = None,
     kv_cache_memory: Annotated[
@@ -155,6 +162,7 @@ def serve(
         load_format=load_format,
         device=device,
         dtype=dtype,
+        quantization=quantization,
         max_model_len=max_model_len,
         block_size=block_size,
         kv_cache_memory=parse_size(kv_cache_memory) if kv_cache_memory else None,

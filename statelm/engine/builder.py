@@ -17,7 +17,7 @@ from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.models.layers import RowChunking
-from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype
+from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -46,8 +46,12 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
     chunking = RowChunking.batch_invariant() if config.batch_invariant else None
-    dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking)
+    packed = config.quantization != "none" and device.type == "cpu"
+    if config.dtype == "auto" and packed and (resolve_source(config.model).is_gguf or config.quantization != "auto"):
+        dtype = torch.float32  # packed weights run in statelm's float32 kernels on every CPU
+    else:
+        dtype = resolve_dtype(config.dtype, device)
+    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
     engine = create_engine(loaded, config)
     return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
 
@@ -62,6 +66,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
             loaded.model.invariance = select_compute_path(loaded.model, config.compute_path)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
+        loaded.fingerprint.parts["compute_path"] = loaded.model.compute_path  # KV rounding depends on it
     model_config = loaded.config
     block_bytes = KVCache.bytes_per_block(
         model_config.num_hidden_layers,

@@ -9,7 +9,7 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -20,12 +20,16 @@ from tqdm import tqdm
 from statelm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from statelm.tokenizer import Tokenizer, TokenizerError
 
+if TYPE_CHECKING:
+    from statelm.kernels.quant import PackedWeight
+
 Q = GGMLQuantizationType
 SUPPORTED_QUANT_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 # llama.cpp's converter interleaves the rows of Q/K for these architectures (rotary layout); see unpermute_qk.
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
+FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Tensors the loader reads into the config instead of yielding as weights.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
 
@@ -84,22 +88,42 @@ class GGUFModel:
     metadata_digest: str
     dtype: torch.dtype
     reader: GGUFReader
+    fields: dict[str, Any]  # the decoded key/value metadata
 
-    def tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield `(hf_name, tensor)` pairs dequantized to `dtype`, with a progress bar on stderr."""
+    def tensors(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        """Yield `(hf_name, tensor)` pairs with a progress bar on stderr.
+
+        Tensors are dequantized to `dtype`; with `packed`, quantized matrices stay in a packed layout instead
+        (see statelm.kernels.quant.pack_gguf for what each GGUF type becomes).
+        """
         weights = [t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS]
         for tensor in tqdm(weights, desc="converting GGUF", unit="tensor", file=sys.stderr):
-            yield hf_tensor_name(tensor.name), self._convert(tensor)
+            if packed and tensor.tensor_type not in FLOAT_TYPES and len(tensor.shape) == 2:
+                yield hf_tensor_name(tensor.name), self._pack(tensor)
+            else:
+                yield hf_tensor_name(tensor.name), self._convert(tensor)
 
     def _convert(self, tensor: ReaderTensor) -> torch.Tensor:
         value = torch.from_numpy(_dequantize(tensor)).to(self.dtype)
-        part = _BLOCK_TENSOR.match(tensor.name)
-        if self.config.architecture in PERMUTED_QK_ARCHITECTURES and part and part.group(2) in ("attn_q", "attn_k"):
-            heads = self.config.num_attention_heads
-            if part.group(2) == "attn_k":
-                heads = self.config.num_key_value_heads
-            value = unpermute_qk(value, heads)
-        return value
+        heads = self._permuted_heads(tensor.name)
+        return value if heads is None else unpermute_qk(value, heads)
+
+    def _pack(self, tensor: ReaderTensor) -> PackedWeight:
+        from statelm.kernels.quant import pack_gguf
+
+        out_features, in_features = (int(d) for d in reversed(tensor.shape.tolist()))
+        weight = pack_gguf(tensor.tensor_type, tensor.data, (out_features, in_features))
+        heads = self._permuted_heads(tensor.name)
+        return weight if heads is None else weight.select_rows(unpermute_qk(torch.arange(out_features), heads))
+
+    def _permuted_heads(self, name: str) -> int | None:
+        """The head count llama.cpp permuted this tensor's rows by, or None when it did not."""
+        part = _BLOCK_TENSOR.match(name)
+        if self.config.architecture not in PERMUTED_QK_ARCHITECTURES or not part:
+            return None
+        if part.group(2) == "attn_q":
+            return self.config.num_attention_heads
+        return self.config.num_key_value_heads if part.group(2) == "attn_k" else None
 
 
 def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
@@ -122,6 +146,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
         metadata_digest=metadata_digest(reader),
         dtype=dtype,
         reader=reader,
+        fields=fields,
     )
 
 

@@ -159,8 +159,7 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: PackedLinear | None = None  # the LM head when its weight is packed (tied or not)
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta))
-        self.to_empty(device=device)
-        self.requires_grad_(False)
+        _materialize(self, torch.device(device))
         self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype)
         self._targets = self._hf_targets()
 
@@ -318,6 +317,14 @@ class LlamaForCausalLM(nn.Module):
             prefix = f"model.layers.{i}."
             targets.update({prefix + name: target for name, target in _layer_targets(layer).items()})
         return targets
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Give every meta parameter uninitialised storage on device (what to_empty does, without its slow path)."""
+    for module in model.modules():
+        for name, param in module.named_parameters(recurse=False):
+            storage = torch.empty(param.shape, dtype=param.dtype, device=device)
+            module._parameters[name] = nn.Parameter(storage, requires_grad=False)
 
 
 def _whole(param: nn.Parameter) -> tuple[nn.Parameter, int, int]:

