@@ -42,6 +42,13 @@ class BuiltEngine:
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
     """Load the model, allocate the KV pool and start the engine thread."""
+    loaded = load_engine_model(config)
+    engine = create_engine(loaded, config)
+    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
+
+
+def load_engine_model(config: EngineConfig) -> LoadedModel:
+    """The model as the server runs it: device, dtype, packing and batch-invariant row chunking from config."""
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
@@ -51,9 +58,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
         dtype = torch.float32  # packed weights run in statelm's float32 kernels on every CPU
     else:
         dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
-    engine = create_engine(loaded, config)
-    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
+    return load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
 
 
 def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:

@@ -1,7 +1,8 @@
 """Compile the C++ kernels in csrc/ with the system compiler once per machine and load them as torch ops.
 
-The build is cached under the user cache directory, keyed by the sources, the torch version and the CPU's
-instruction-set flags (it is compiled with -march=native, so a cache never crosses CPU classes).
+The build is cached under the user cache directory, keyed by the sources, the torch version, the CPU's
+instruction-set flags and the target (-march=native unless ATEN_CPU_CAPABILITY caps it), so a build never
+crosses CPU classes.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import platformdirs
 import torch
 
+from statelm.cpu import cpu_flags
 from statelm.paths import APP_NAME
 
 log = logging.getLogger(__name__)
@@ -30,15 +32,14 @@ class KernelBuildError(RuntimeError):
     """The C++ kernels could not be compiled or loaded."""
 
 
-def cpu_flags() -> list[str]:
-    """The CPU's instruction-set flags as /proc/cpuinfo lists them (empty where it cannot be read)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return sorted(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return []
+# ATEN_CPU_CAPABILITY caps torch's own vector kernels; the same variable caps statelm's, so that one setting
+# shows on an AVX-512 or AMX machine what an AVX2-only or a pre-AVX CPU computes.
+MARCH_BY_CAPABILITY = {"default": "x86-64-v2", "avx2": "haswell"}
+
+
+def target_march() -> str:
+    """The -march the kernels are built for: the host CPU, or the class ATEN_CPU_CAPABILITY caps them at."""
+    return MARCH_BY_CAPABILITY.get(os.environ.get("ATEN_CPU_CAPABILITY", "").lower(), "native")
 
 
 def _build_key() -> str:
@@ -46,7 +47,8 @@ def _build_key() -> str:
     for source in sorted(SOURCES_DIR.glob("*")):
         digest.update(source.name.encode() + b"\0" + source.read_bytes())
     digest.update(torch.__version__.encode())
-    digest.update(" ".join(cpu_flags()).encode())
+    digest.update(" ".join(sorted(cpu_flags())).encode())
+    digest.update(target_march().encode())
     return digest.hexdigest()[:16]
 
 
@@ -91,11 +93,11 @@ def _build_and_load(verbose: bool) -> None:
     target.mkdir(parents=True, exist_ok=True)
     sources = sorted(str(path) for path in SOURCES_DIR.glob("*.cpp"))
     if not (target / "statelm_kernels.so").exists():
-        log.info("building statelm's C++ kernels into %s (once per machine)", target)
+        log.info("building statelm's C++ kernels for -march=%s into %s (once per machine)", target_march(), target)
     cpp_extension.load(
         name="statelm_kernels",
         sources=sources,
-        extra_cflags=["-O3", "-march=native", "-fno-math-errno", "-ffp-contract=off"],
+        extra_cflags=["-O3", f"-march={target_march()}", "-fno-math-errno", "-ffp-contract=off"],
         build_directory=str(target),
         is_python_module=False,
         verbose=verbose,

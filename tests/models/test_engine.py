@@ -82,6 +82,7 @@ def test_tiny_pool_preempts_and_still_gives_the_same_outputs(loaded: LoadedModel
     assert tight.pool.num_used_blocks == 0
 
 
+@pytest.mark.invariance
 def test_batched_equals_alone_for_greedy_and_seeded(loaded: LoadedModel) -> None:
     work = prompts(loaded, 16, words=20)
     for params in (GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)):

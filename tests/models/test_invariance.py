@@ -16,6 +16,8 @@ from statelm.models import layers
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 
+pytestmark = [pytest.mark.invariance]
+
 
 def tiny_model(qwen2_dir: Path) -> LoadedModel:
     return load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())

@@ -1,4 +1,4 @@
-"""Session KV on the default model as the server runs it (bf16, batch-invariant): exactness of reuse and restore."""
+"""The default model as the server runs it: batch invariance, and exactness of session reuse and restore."""
 
 from __future__ import annotations
 
@@ -8,18 +8,20 @@ import pytest
 import torch
 
 from statelm.config import EngineConfig
-from statelm.engine.builder import create_engine
+from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine
 from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import SamplingParams, Sequence
-from statelm.models.layers import RowChunking
-from statelm.models.loader import LoadedModel, load_model
+from statelm.models.loader import LoadedModel
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
+from tests.models.engine_run import generate
+
+pytestmark = [pytest.mark.invariance, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
 def loaded() -> LoadedModel:
-    return load_model("default", torch.device("cpu"), torch.bfloat16, chunking=RowChunking.batch_invariant())
+    return load_engine_model(EngineConfig())
 
 
 @pytest.fixture
@@ -92,3 +94,14 @@ def test_snapshot_restore_gives_identical_next_token_logits(
     original = next_token_logits(engine, "original", follow_up)
     restored = next_token_logits(engine, "restored", follow_up)
     assert torch.equal(original, restored)
+
+
+def test_sixteen_concurrent_greedy_requests_equal_each_alone(loaded: LoadedModel, engine: Engine) -> None:
+    questions = [f"Question {i}: what is {i} plus {i * 7}? " + "Think step by step. " * (i % 5) for i in range(16)]
+    prompts = {f"r{i}": chat_prompt(loaded, text) for i, text in enumerate(questions)}
+    params = SamplingParams(0.0, max_tokens=10, ignore_eos=True)
+    together = generate(engine, prompts, params)
+    for request_id, prompt in list(prompts.items())[::5]:  # a fresh engine each: no KV shared with the batch
+        fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False))
+        alone = generate(fresh, {request_id: prompt}, params)
+        assert alone[request_id] == together[request_id], request_id

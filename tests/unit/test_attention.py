@@ -126,6 +126,7 @@ def test_plan_is_rebuilt_for_a_new_step() -> None:
     torch.testing.assert_close(out, kv)
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "sdpa-rows"])
 def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_call(per_row: bool) -> None:
     """Per-row mode holds on every CPU; several rows per SDPA call hold only where the CPU computes bf16 natively.

@@ -62,6 +62,7 @@ def test_rope_rejects_a_position_outside_the_table() -> None:
         KERNELS.rope(torch.zeros(1, 1, 8), torch.zeros(1, 1, 8), inputs)
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_gets_the_same_bits_alone_and_in_any_batch(threads: int) -> None:
     previous = torch.get_num_threads()

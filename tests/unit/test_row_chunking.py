@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from statelm.models.layers import RowChunking, chunked_linear
+
+pytestmark = [pytest.mark.invariance]
 
 
 def rows_alone_and_batched(linear: object, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
