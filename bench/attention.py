@@ -1,0 +1,100 @@
+"""Attention backends head to head: the C++ paged kernel against the torch reference, on SmolLM2-135M's shapes.
+
+Usage: .venv/bin/python -m bench.attention [--dtype float32] [--threads N] [--repeats 30]
+Times one layer's backend.forward (cache write + attention) for decodes at batch 1 and 16 with 128 and 2,048
+tokens of context, and a 512-token prefill; F.scaled_dot_product_attention on contiguous float32 tensors
+(causal, no paging) is the yardstick for the prefill. Medians of --repeats calls after warm-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from bench.common import machine_report
+from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
+from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
+from statelm.engine.attention.reference import TorchAttentionBackend
+from statelm.kernels.build import cpu_flags
+
+HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M
+SCALE = HEAD_DIM**-0.5
+
+
+class Step:
+    """One layer's inputs for `batch` sequences of `context` tokens whose last `query_len` are new."""
+
+    def __init__(self, batch: int, context: int, query_len: int, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(0)
+        blocks_per_seq = -(-context // BLOCK_SIZE)
+        num_blocks = batch * blocks_per_seq + 1
+        shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
+        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, blocks_per_seq)
+        tokens = batch * query_len
+        self.q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
+        self.k = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        self.v = torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=gen).to(dtype)
+        positions = torch.arange(context - query_len, context)
+        slots = tables[:, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+        self.meta = AttentionMetadata(
+            slot_mapping=slots.reshape(-1),
+            block_tables=tables,
+            query_lens=[query_len] * batch,
+            seq_lens=[context] * batch,
+            query_start=[i * query_len for i in range(batch + 1)],
+        )
+
+    def run(self, backend: AttentionBackend) -> torch.Tensor:
+        """One forward of the backend over this step."""
+        return backend.forward(self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, SCALE)
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of fn in milliseconds, after three warm-up calls."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - started)
+    return statistics.median(times) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--repeats", type=int, default=30)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    dtype = getattr(torch, args.dtype)
+    print(machine_report())
+    print("cpu flags: " + " ".join(f for f in cpu_flags() if f.startswith(("avx", "fma", "f16c", "amx"))))
+    print(
+        f"shapes: heads {HEADS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, block size {BLOCK_SIZE}; {args.dtype}; "
+        f"{args.threads} threads; median of {args.repeats}"
+    )
+    kernel, reference = CpuKernelAttentionBackend(), TorchAttentionBackend()
+    print(f"{'case':<28}{'kernel ms':>11}{'reference ms':>14}{'speed-up':>10}")
+    cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in (1, 16) for c in (128, 2048)]
+    cases.append(("prefill 512", 1, 512, 512))
+    for name, batch, context, query_len in cases:
+        step = Step(batch, context, query_len, dtype)
+        kernel_ms = median_ms(lambda step=step: step.run(kernel), args.repeats)
+        reference_ms = median_ms(lambda step=step: step.run(reference), args.repeats)
+        print(f"{name:<28}{kernel_ms:>11.3f}{reference_ms:>14.3f}{reference_ms / kernel_ms:>9.1f}x")
+    q, k, v = (torch.randn(1, HEADS, 512, HEAD_DIM) for _ in range(3))
+    sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), args.repeats)
+    print(f"{'prefill 512, SDPA fp32':<28}{sdpa_ms:>11.3f}  (contiguous, causal, no paging: the yardstick)")
+
+
+if __name__ == "__main__":
+    main()

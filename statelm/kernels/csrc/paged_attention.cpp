@@ -1,0 +1,711 @@
+// Paged attention over the KV block pool, read in place, batch-invariant by construction.
+//
+// torch.ops.statelm.paged_attention(q [T, H, D], k_cache [blocks, block_size, KVH, D], v_cache (same),
+//     block_tables [B, W] int32/int64, seq_lens [B], query_start [B + 1], scale, sliding_window) -> [T, H, D]
+//
+// Query rows of sequence b are tokens query_start[b]..query_start[b + 1] - 1, the last positions of its
+// context of seq_lens[b] tokens; a row at position p sees keys 0..p (only keys > p - window with a window).
+// q and the output are float32, bfloat16 or float16 (the output has q's dtype); the caches are float32,
+// bfloat16 or float16 and are widened to float32 as they are read.
+//
+// Every (row, head) result comes out of one fixed sequence of float operations, whatever else is in the
+// call: keys are visited in position order in chunks of kChunk keys aligned to absolute positions, with an
+// online softmax per chunk; a score is an FMA chain over d in order, a value accumulator an FMA chain over
+// the keys in order, and the softmax denominator is kept as kChunk lane-wise partial sums added up in a fixed
+// tree at the end. Vector lanes only ever hold independent elements, so it does not matter which lanes or
+// register blocks a row's work lands in. Threads split the work over (sequence, KV head, query heads, query
+// rows) only, never over keys. Rows that see a whole chunk are processed together (one load of each K/V row
+// for all of them); a row that sees part of a chunk (the diagonal, a window's start) is processed alone,
+// over exactly its own keys.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <type_traits>
+#include <vector>
+
+namespace {
+
+constexpr int kChunk = 32;  // keys per online-softmax step, aligned to multiples of kChunk in position
+constexpr int64_t kMaxHeadDim = 256;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys a tile does not read (0 in every dtype)
+
+// ---------------------------------------------------------------------------------------------------------
+// Vector primitives. Every operation is lane-wise except the horizontal max (exact in any order) and the
+// horizontal sum (one fixed tree per build).
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kRegisters = 32;
+constexpr int kMaxRowBlock = 8;
+constexpr int kAccumulators = 24;
+using Vec = __m512;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+inline Vec vset(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline float hmax(Vec v) { return _mm512_reduce_max_ps(v); }
+inline float hsum(Vec v) {
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+inline Vec vexp(Vec x) {
+  const Vec lowest = vset(-87.0f);
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lowest, _CMP_LT_OQ);
+  x = _mm512_max_ps(x, lowest);
+  const Vec n = _mm512_roundscale_ps(_mm512_mul_ps(x, vset(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm512_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  Vec p = vset(1.0f / 5040.0f);
+  p = vfma(p, r, vset(1.0f / 720.0f));
+  p = vfma(p, r, vset(1.0f / 120.0f));
+  p = vfma(p, r, vset(1.0f / 24.0f));
+  p = vfma(p, r, vset(1.0f / 6.0f));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.0f));
+  p = vfma(p, r, vset(1.0f));
+  const __m512i bits = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_maskz_mul_ps(static_cast<__mmask16>(~underflow), p, _mm512_castsi512_ps(bits));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+constexpr int kLanes = 8;
+constexpr int kRegisters = 16;
+constexpr int kMaxRowBlock = 6;
+constexpr int kAccumulators = 12;
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+inline Vec vset(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
+inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
+inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline float hmax(Vec v) {
+  __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+}
+inline float hsum(Vec v) {
+  __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  a = _mm_add_ps(a, _mm_movehl_ps(a, a));
+  return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
+}
+// e^x for x <= 88: Cody-Waite reduction to r in [-ln2/2, ln2/2], degree-7 Taylor polynomial, exact 0 below -87.
+inline Vec vexp(Vec x) {
+  const Vec lowest = vset(-87.0f);
+  const Vec underflow = _mm256_cmp_ps(x, lowest, _CMP_LT_OQ);
+  x = _mm256_max_ps(x, lowest);
+  const Vec n = _mm256_round_ps(_mm256_mul_ps(x, vset(1.44269504088896341f)),
+                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  Vec r = _mm256_fnmadd_ps(n, vset(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, vset(-2.12194440e-4f), r);
+  Vec p = vset(1.0f / 5040.0f);
+  p = vfma(p, r, vset(1.0f / 720.0f));
+  p = vfma(p, r, vset(1.0f / 120.0f));
+  p = vfma(p, r, vset(1.0f / 24.0f));
+  p = vfma(p, r, vset(1.0f / 6.0f));
+  p = vfma(p, r, vset(0.5f));
+  p = vfma(p, r, vset(1.0f));
+  p = vfma(p, r, vset(1.0f));
+  const __m256i bits = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_andnot_ps(underflow, _mm256_mul_ps(p, _mm256_castsi256_ps(bits)));
+}
+#else
+constexpr int kLanes = 1;
+constexpr int kRegisters = 16;
+constexpr int kMaxRowBlock = 4;
+constexpr int kAccumulators = 8;
+using Vec = float;
+inline Vec vload(const float* p) { return *p; }
+inline void vstore(float* p, Vec v) { *p = v; }
+inline Vec vset(float x) { return x; }
+inline Vec vfma(Vec a, Vec b, Vec c) { return a * b + c; }
+inline Vec vmul(Vec a, Vec b) { return a * b; }
+inline Vec vadd(Vec a, Vec b) { return a + b; }
+inline Vec vsub(Vec a, Vec b) { return a - b; }
+inline Vec vdiv(Vec a, Vec b) { return a / b; }
+inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+inline float hmax(Vec v) { return v; }
+inline float hsum(Vec v) { return v; }
+inline Vec vexp(Vec x) { return std::exp(x); }
+#endif
+
+constexpr int kChunkVecs = kChunk / kLanes;
+static_assert(kChunk % kLanes == 0 && kChunk % 8 == 0, "a chunk is whole vectors and whole 8-key groups");
+
+inline float to_float(float x) { return x; }
+inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
+inline float to_float(at::Half x) { return static_cast<float>(x); }
+
+#if defined(__AVX2__)
+// Eight consecutive elements widened to float32.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+inline __m256 load8(const at::Half* p) {
+#if defined(__F16C__)
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+#else
+  alignas(32) float x[8];
+  for (int i = 0; i < 8; ++i) x[i] = to_float(p[i]);
+  return _mm256_load_ps(x);
+#endif
+}
+
+inline void transpose8(__m256 r[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+#endif
+
+// The next chunk's K/V cache lines, requested a few at a time between the current chunk's loads so that
+// the requests never pile up.
+struct Prefetcher {
+  const char* rows[2 * kChunk];
+  int num_rows = 0, row = 0;
+  int64_t lines_per_row = 0, line = 0;
+
+  void issue(int64_t n) {
+    for (; n > 0 && row < num_rows; --n) {
+      _mm_prefetch(rows[row] + line * 64, _MM_HINT_T0);
+      if (++line == lines_per_row) {
+        line = 0;
+        ++row;
+      }
+    }
+  }
+};
+
+// kt[d][j] = float(rows[j][d]) for the chunk's kChunk key rows; issues `per_block` prefetches per 8x8 block.
+template <typename T>
+void transpose_keys(const T* const* rows, int64_t dim, float* kt, Prefetcher& prefetcher, int64_t per_block) {
+  int64_t d0 = 0;
+#if defined(__AVX2__)
+  for (; d0 + 8 <= dim; d0 += 8) {
+    for (int j0 = 0; j0 < kChunk; j0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = load8(rows[j0 + i] + d0);
+      prefetcher.issue(per_block);
+      transpose8(r);
+      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kChunk + j0, r[i]);
+    }
+  }
+#endif
+  for (int64_t d = d0; d < dim; ++d) {
+    for (int j = 0; j < kChunk; ++j) kt[d * kChunk + j] = to_float(rows[j][d]);
+  }
+  prefetcher.issue(per_block * kChunk);
+}
+
+// out[0..dim) = float(row[0..dim)), zeros up to padded.
+template <typename T>
+void widen_row(const T* row, int64_t dim, int64_t padded, float* out) {
+  int64_t d = 0;
+#if defined(__AVX2__)
+  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(out + d, load8(row + d));
+#endif
+  for (; d < dim; ++d) out[d] = to_float(row[d]);
+  for (; d < padded; ++d) out[d] = 0.0f;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// C[i][j] += sum over k in order of A[i][k] * B[k][j]: one FMA chain per element, so register blocking
+// never changes a result. A is row-major (lda), B is given as one row pointer per k, C row-major (ldc).
+
+template <int MR, int NV>
+inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64_t col, int64_t depth, float* c,
+                       int64_t ldc) {
+  Vec acc[MR][NV];
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) acc[i][j] = vload(c + i * ldc + col + j * kLanes);
+  }
+  for (int64_t k = 0; k < depth; ++k) {
+    const float* bk = b[k] + col;
+    if constexpr (NV + 1 + MR * NV <= kRegisters) {  // hold the B vectors, broadcast A one row at a time
+      Vec bv[NV];
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) bv[j] = vload(bk + j * kLanes);
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) {
+        const Vec av = vset(a[i * lda + k]);
+#pragma GCC unroll 4
+        for (int j = 0; j < NV; ++j) acc[i][j] = vfma(av, bv[j], acc[i][j]);
+      }
+    } else {  // hold the A broadcasts, load B one vector at a time
+      Vec av[MR];
+#pragma GCC unroll 8
+      for (int i = 0; i < MR; ++i) av[i] = vset(a[i * lda + k]);
+#pragma GCC unroll 4
+      for (int j = 0; j < NV; ++j) {
+        const Vec bv = vload(bk + j * kLanes);
+#pragma GCC unroll 8
+        for (int i = 0; i < MR; ++i) acc[i][j] = vfma(av[i], bv, acc[i][j]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < MR; ++i) {
+#pragma GCC unroll 4
+    for (int j = 0; j < NV; ++j) vstore(c + i * ldc + col + j * kLanes, acc[i][j]);
+  }
+}
+
+template <int MR>
+void gemm_rows(const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth, float* c,
+               int64_t ldc) {
+  constexpr int kWide = std::min(4, std::max(1, kAccumulators / MR));
+  int64_t col = 0;
+  for (; col + kWide * kLanes <= cols; col += kWide * kLanes) gemm_block<MR, kWide>(a, lda, b, col, depth, c, ldc);
+  for (; col < cols; col += kLanes) gemm_block<MR, 1>(a, lda, b, col, depth, c, ldc);
+}
+
+// Dispatches a block of at most MR rows to the kernel for exactly that many rows.
+template <int MR>
+void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth,
+                   float* c, int64_t ldc) {
+  if constexpr (MR > 1) {
+    if (rows < MR) return gemm_dispatch<MR - 1>(rows, a, lda, b, cols, depth, c, ldc);
+  }
+  gemm_rows<MR>(a, lda, b, cols, depth, c, ldc);
+}
+
+// cols is a multiple of kLanes.
+void gemm(int64_t rows, const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth, float* c,
+          int64_t ldc) {
+  for (int64_t i = 0; i < rows; i += kMaxRowBlock) {
+    gemm_dispatch<kMaxRowBlock>(std::min<int64_t>(kMaxRowBlock, rows - i), a + i * lda, lda, b, cols, depth,
+                                c + i * ldc, ldc);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The attention itself.
+
+constexpr int64_t kTileQueries = 24;  // query vectors (rows x heads) a work item aims for, to share K/V loads
+constexpr int64_t kSerialCost = 16384;  // below this many head-key visits a call stays on the calling thread
+
+inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
+
+// Per-thread buffers, grown on demand and kept across calls.
+struct Scratch {
+  std::vector<float> storage;
+  float* queries = nullptr;  // [m][padded] scaled query vectors, m = row * heads + head
+  float* acc = nullptr;      // [m][padded] unnormalised outputs
+  float* scores = nullptr;   // [m][kChunk] scores, then probabilities
+  float* sums = nullptr;     // [m][kChunk] lane-wise partial softmax denominators
+  float* maxes = nullptr;    // [m] running maxima
+  float* keys = nullptr;     // [dim][kChunk] the chunk's keys, transposed
+  float* values = nullptr;   // [kChunk][padded] the chunk's values widened to float32 (when not read in place)
+
+  void reserve(int64_t m, int64_t padded, int64_t dim) {
+    const int64_t sizes[] = {m * padded, m * padded, m * kChunk, m * kChunk, m, dim * kChunk, kChunk * padded};
+    int64_t total = 16;
+    for (int64_t size : sizes) total += round_up(size, 16);
+    if (static_cast<int64_t>(storage.size()) < total) storage.assign(total, 0.0f);
+    const auto base = reinterpret_cast<std::uintptr_t>(storage.data());
+    float* p = storage.data() + (round_up(base, 64) - base) / sizeof(float);
+    float** slots[] = {&queries, &acc, &scores, &sums, &maxes, &keys, &values};
+    for (int i = 0; i < 7; ++i) {
+      *slots[i] = p;
+      p += round_up(sizes[i], 16);
+    }
+  }
+};
+
+Scratch& thread_scratch() {
+  thread_local Scratch scratch;
+  return scratch;
+}
+
+// Block table rows in either index dtype.
+struct Tables {
+  const int32_t* narrow = nullptr;
+  const int64_t* wide = nullptr;
+  int64_t width = 0;
+  int64_t at(int64_t seq, int64_t i) const { return narrow ? narrow[seq * width + i] : wide[seq * width + i]; }
+};
+
+struct Problem {
+  const char* q;  // [T, H, D] with q_row / q_head element strides
+  int64_t q_row, q_head;
+  at::ScalarType q_type;
+  char* out;  // [T, H, D] contiguous, q_type
+  const void* k_cache;
+  const void* v_cache;
+  Tables tables;
+  const int64_t* seq_lens;
+  const int64_t* query_start;
+  int64_t heads, kv_heads, group, dim, padded, block_size, window;
+  float scale;
+};
+
+// One unit of work: some query rows of one sequence, for some KV heads and some of the query heads of each.
+struct Item {
+  int64_t seq, kv_head0, kv_heads, head0, heads, row0, rows;
+  double cost;
+};
+
+// Query row of pb.q, widened and scaled, zero-padded to pb.padded.
+template <typename Q>
+void load_query(const Problem& pb, int64_t offset, float* dst) {
+  const Q* src = reinterpret_cast<const Q*>(pb.q) + offset;
+  for (int64_t d = 0; d < pb.dim; ++d) dst[d] = to_float(src[d]) * pb.scale;
+  for (int64_t d = pb.dim; d < pb.padded; ++d) dst[d] = 0.0f;
+}
+
+// out row = acc / (fixed-tree sum of the partial denominators), converted to the output dtype.
+void store_output(const Problem& pb, const float* acc, const float* sums, float* tmp, int64_t token, int64_t head) {
+  Vec total = vload(sums);
+  for (int v = 1; v < kChunkVecs; ++v) total = vadd(total, vload(sums + v * kLanes));
+  const Vec denominator = vset(hsum(total));
+  for (int64_t d = 0; d < pb.padded; d += kLanes) vstore(tmp + d, vdiv(vload(acc + d), denominator));
+  const int64_t offset = (token * pb.heads + head) * pb.dim;
+  switch (pb.q_type) {
+    case at::kBFloat16: {
+      auto* dst = reinterpret_cast<at::BFloat16*>(pb.out) + offset;
+      for (int64_t d = 0; d < pb.dim; ++d) dst[d] = at::BFloat16(tmp[d]);
+      break;
+    }
+    case at::kHalf: {
+      auto* dst = reinterpret_cast<at::Half*>(pb.out) + offset;
+      for (int64_t d = 0; d < pb.dim; ++d) dst[d] = at::Half(tmp[d]);
+      break;
+    }
+    default: std::memcpy(reinterpret_cast<float*>(pb.out) + offset, tmp, pb.dim * sizeof(float)); break;
+  }
+}
+
+// One online-softmax step of query vectors [m0, m0 + count) over the chunk's keys [lo, hi) (chunk offsets).
+void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, const float* const* value_rows,
+                  int64_t m0, int64_t count, int lo, int hi) {
+  float* scores = s.scores + m0 * kChunk;
+  std::fill(scores, scores + count * kChunk, 0.0f);
+  gemm(count, s.queries + m0 * pb.padded, pb.padded, key_rows, kChunk, pb.dim, scores, kChunk);
+  for (int64_t m = 0; m < count; ++m) {
+    float* row = scores + m * kChunk;
+    for (int j = 0; j < lo; ++j) row[j] = kNegInf;
+    for (int j = hi; j < kChunk; ++j) row[j] = kNegInf;
+    Vec top = vload(row);
+    for (int v = 1; v < kChunkVecs; ++v) top = vmax(top, vload(row + v * kLanes));
+    const float old_max = s.maxes[m0 + m];
+    const float new_max = std::max(old_max, hmax(top));
+    const bool rescale = new_max > old_max;
+    const Vec alpha = rescale ? vexp(vset(old_max - new_max)) : vset(1.0f);
+    const Vec shift = vset(new_max);
+    float* sums = s.sums + (m0 + m) * kChunk;
+    for (int v = 0; v < kChunkVecs; ++v) {
+      const Vec p = vexp(vsub(vload(row + v * kLanes), shift));
+      vstore(row + v * kLanes, p);
+      vstore(sums + v * kLanes, vfma(vload(sums + v * kLanes), alpha, p));
+    }
+    if (rescale) {
+      float* acc = s.acc + (m0 + m) * pb.padded;
+      for (int64_t d = 0; d < pb.padded; d += kLanes) vstore(acc + d, vmul(vload(acc + d), alpha));
+    }
+    s.maxes[m0 + m] = new_max;
+  }
+  gemm(count, scores + lo, kChunk, value_rows + lo, pb.padded, hi - lo, s.acc + m0 * pb.padded, pb.padded);
+}
+
+template <typename T>
+void run_item(const Problem& pb, const Item& it, Scratch& s) {
+  const int64_t heads = it.heads, per_kv = it.rows * heads, dim = pb.dim, padded = pb.padded;
+  s.reserve(it.kv_heads * per_kv, padded, dim);
+  const int64_t qlen = pb.query_start[it.seq + 1] - pb.query_start[it.seq];
+  const int64_t first_token = pb.query_start[it.seq] + it.row0;
+  const int64_t first_pos = pb.seq_lens[it.seq] - qlen + it.row0;
+  // Query vector m = (kv * rows + row) * heads + head, kv counted from it.kv_head0.
+  for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+    for (int64_t r = 0; r < it.rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t offset = (first_token + r) * pb.q_row + ((it.kv_head0 + kv) * pb.group + it.head0 + h) * pb.q_head;
+        float* dst = s.queries + ((kv * it.rows + r) * heads + h) * padded;
+        switch (pb.q_type) {
+          case at::kBFloat16: load_query<at::BFloat16>(pb, offset, dst); break;
+          case at::kHalf: load_query<at::Half>(pb, offset, dst); break;
+          default: load_query<float>(pb, offset, dst); break;
+        }
+      }
+    }
+  }
+  const int64_t count = it.kv_heads * per_kv;
+  std::fill(s.acc, s.acc + count * padded, 0.0f);
+  std::fill(s.sums, s.sums + count * kChunk, 0.0f);
+  std::fill(s.maxes, s.maxes + count, kNegInf);
+
+  const T* k_cache = static_cast<const T*>(pb.k_cache);
+  const T* v_cache = static_cast<const T*>(pb.v_cache);
+  const bool values_in_place = std::is_same_v<T, float> && dim % kLanes == 0;
+  const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
+  const T* key_src[kChunk];
+  const float* key_rows[kMaxHeadDim];
+  const float* value_rows[kChunk];
+  for (int64_t d = 0; d < dim; ++d) key_rows[d] = s.keys + d * kChunk;
+
+  const auto first_key = [&](int64_t pos) { return pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0; };
+  const int64_t tile_lo = first_key(first_pos), tile_hi = first_pos + it.rows;  // keys the tile reads
+  // Element offsets of the item's first KV head in the cache rows of keys [lo, hi), walking the block table.
+  const auto row_offsets = [&](int64_t lo, int64_t hi, int64_t* offsets) {
+    int64_t index = lo / pb.block_size, in_block = lo % pb.block_size;
+    int64_t block_start = pb.tables.at(it.seq, index) * pb.block_size;
+    for (int64_t pos = lo; pos < hi; ++pos) {
+      *offsets++ = ((block_start + in_block) * pb.kv_heads + it.kv_head0) * dim;
+      if (++in_block == pb.block_size && pos + 1 < hi) {
+        in_block = 0;
+        block_start = pb.tables.at(it.seq, ++index) * pb.block_size;
+      }
+    }
+  };
+  const int64_t row_bytes = it.kv_heads * dim * static_cast<int64_t>(sizeof(T));
+  int64_t offsets[2][kChunk];
+  int64_t c = tile_lo / kChunk * kChunk;
+  row_offsets(std::max(c, tile_lo), std::min(c + kChunk, tile_hi), offsets[0]);
+  for (int parity = 0; c < tile_hi; c += kChunk, parity ^= 1) {
+    const int64_t lo = std::max(c, tile_lo), hi = std::min(c + kChunk, tile_hi);
+    Prefetcher prefetcher;
+    if (c + kChunk < tile_hi) {  // the next chunk's rows are fetched while this one is computed
+      const int64_t next_hi = std::min(c + 2 * kChunk, tile_hi);
+      int64_t* next = offsets[parity ^ 1];
+      row_offsets(c + kChunk, next_hi, next);
+      for (int64_t j = 0; j < next_hi - c - kChunk; ++j) {
+        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(k_cache + next[j]);
+        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(v_cache + next[j]);
+      }
+      prefetcher.lines_per_row = (row_bytes + 63) / 64;
+    }
+    const int64_t blocks = it.kv_heads * (kChunk / 8) * std::max<int64_t>(1, dim / 8);
+    const int64_t per_block = (prefetcher.num_rows * prefetcher.lines_per_row + blocks - 1) / blocks;
+    const int64_t* offset = offsets[parity];
+    for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+      for (int j = 0; j < kChunk; ++j) {
+        const int64_t pos = c + j;
+        if (pos < lo || pos >= hi) {
+          key_src[j] = zero_row;
+          value_rows[j] = kZeroRow;
+          continue;
+        }
+        const int64_t row = offset[pos - lo] + kv * dim;
+        key_src[j] = k_cache + row;
+        if (values_in_place) {
+          value_rows[j] = reinterpret_cast<const float*>(v_cache + row);
+        } else {
+          widen_row(v_cache + row, dim, padded, s.values + j * padded);
+          value_rows[j] = s.values + j * padded;
+        }
+      }
+      transpose_keys(key_src, dim, s.keys, prefetcher, per_block);
+      // Rows that see the whole chunk go together; a row that sees part of it goes alone, over its own keys.
+      const int64_t base = kv * per_kv;
+      int64_t r = 0;
+      while (r < it.rows) {
+        const int64_t pos = first_pos + r;
+        const int64_t a = std::max(c, first_key(pos)), b = std::min(c + kChunk, pos + 1);
+        if (a >= b) {
+          ++r;
+        } else if (a == c && b == c + kChunk) {
+          int64_t end = r + 1;
+          while (end < it.rows && first_key(first_pos + end) <= c && first_pos + end >= c + kChunk - 1) ++end;
+          softmax_step(s, pb, key_rows, value_rows, base + r * heads, (end - r) * heads, 0, kChunk);
+          r = end;
+        } else {
+          softmax_step(s, pb, key_rows, value_rows, base + r * heads, heads, static_cast<int>(a - c),
+                       static_cast<int>(b - c));
+          ++r;
+        }
+      }
+    }
+  }
+  float* tmp = s.values;  // free again: the output staging row
+  for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+    for (int64_t r = 0; r < it.rows; ++r) {
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t m = (kv * it.rows + r) * heads + h;
+        store_output(pb, s.acc + m * padded, s.sums + m * kChunk, tmp, first_token + r,
+                     (it.kv_head0 + kv) * pb.group + it.head0 + h);
+      }
+    }
+  }
+}
+
+// Splits the call into items: query-row tiles per sequence over all its KV heads; when that leaves too few
+// items to keep the threads busy, one KV head per item, then parts of the query heads sharing a KV head.
+std::vector<Item> plan_items(const Problem& pb, int64_t num_seqs, int64_t threads) {
+  const auto tile_rows = [](int64_t heads) { return std::clamp<int64_t>(kTileQueries / heads, 1, kChunk); };
+  const auto count_items = [&](int64_t kv_heads, int64_t part) {
+    int64_t n = 0;
+    for (int64_t b = 0; b < num_seqs; ++b) {
+      const int64_t qlen = pb.query_start[b + 1] - pb.query_start[b];
+      n += (qlen + tile_rows(part) - 1) / tile_rows(part);
+    }
+    return n * (pb.kv_heads / kv_heads) * ((pb.group + part - 1) / part);
+  };
+  const int64_t wanted = threads > 1 ? 2 * threads : 1;
+  int64_t kv_heads = pb.kv_heads, part = pb.group;
+  if (count_items(kv_heads, part) < wanted) kv_heads = 1;
+  while (part > 1 && count_items(kv_heads, part) < wanted) part = (part + 1) / 2;
+  std::vector<Item> items;
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t qlen = pb.query_start[b + 1] - pb.query_start[b];
+    const int64_t rows = tile_rows(part);
+    for (int64_t row0 = 0; row0 < qlen; row0 += rows) {
+      const int64_t n = std::min(rows, qlen - row0);
+      const int64_t mid = pb.seq_lens[b] - qlen + row0 + n / 2 + 1;
+      const double keys = static_cast<double>(pb.window > 0 ? std::min(mid, pb.window) : mid);
+      for (int64_t g = 0; g < pb.kv_heads; g += kv_heads) {
+        for (int64_t h0 = 0; h0 < pb.group; h0 += part) {
+          const int64_t heads = std::min(part, pb.group - h0);
+          const double cost = static_cast<double>(n * heads * kv_heads) * (keys + kChunk);
+          items.push_back({b, g, kv_heads, h0, heads, row0, n, cost});
+        }
+      }
+    }
+  }
+  return items;
+}
+
+template <typename T>
+void run_items(const Problem& pb, std::vector<Item>& items, int64_t threads) {
+  double total = 0.0;
+  for (const Item& it : items) total += it.cost;
+  if (threads <= 1 || items.size() <= 1 || total < kSerialCost) {
+    for (const Item& it : items) run_item<T>(pb, it, thread_scratch());
+    return;
+  }
+  // Longest first, handed out one at a time: which thread runs an item never changes its result.
+  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  std::atomic<size_t> next{0};
+  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
+  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+    Scratch& scratch = thread_scratch();
+    for (int64_t w = begin; w < end; ++w) {
+      for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) run_item<T>(pb, items[i], scratch);
+    }
+  });
+}
+
+bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
+
+at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
+                           const at::Tensor& query_start_in, double scale, int64_t sliding_window) {
+  TORCH_CHECK(q_in.dim() == 3 && is_float_type(q_in.scalar_type()), "q must be [T, H, D] float32/bfloat16/float16");
+  TORCH_CHECK(k_cache.dim() == 4 && is_float_type(k_cache.scalar_type()),
+              "k_cache must be [blocks, block_size, KVH, D] float32/bfloat16/float16");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "v_cache must match k_cache in shape and dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
+              "paged_attention runs on CPU tensors");
+  const int64_t heads = q_in.size(1), dim = q_in.size(2), kv_heads = k_cache.size(2);
+  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on the head dim");
+  TORCH_CHECK(dim >= 1 && dim <= kMaxHeadDim, "head dim must be 1..", kMaxHeadDim);
+  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK(block_tables_in.dim() == 2 &&
+                  (block_tables_in.scalar_type() == at::kInt || block_tables_in.scalar_type() == at::kLong),
+              "block_tables must be [B, W] int32/int64");
+  const at::Tensor q = q_in.stride(2) == 1 ? q_in : q_in.contiguous();
+  const at::Tensor block_tables = block_tables_in.contiguous();
+  const at::Tensor seq_lens = seq_lens_in.to(at::kLong).contiguous();
+  const at::Tensor query_start = query_start_in.to(at::kLong).contiguous();
+  const int64_t num_seqs = block_tables.size(0), tokens = q.size(0);
+  TORCH_CHECK(seq_lens.numel() == num_seqs && query_start.numel() == num_seqs + 1,
+              "seq_lens must have B entries and query_start B + 1");
+
+  Problem pb{};
+  pb.q = static_cast<const char*>(q.data_ptr());
+  pb.q_row = q.stride(0);
+  pb.q_head = q.stride(1);
+  pb.q_type = q.scalar_type();
+  at::Tensor out = at::empty({tokens, heads, dim}, q.options().memory_format(at::MemoryFormat::Contiguous));
+  pb.out = static_cast<char*>(out.data_ptr());
+  pb.k_cache = k_cache.data_ptr();
+  pb.v_cache = v_cache.data_ptr();
+  pb.tables.width = block_tables.size(1);
+  if (block_tables.scalar_type() == at::kInt) {
+    pb.tables.narrow = block_tables.data_ptr<int32_t>();
+  } else {
+    pb.tables.wide = block_tables.data_ptr<int64_t>();
+  }
+  pb.seq_lens = seq_lens.data_ptr<int64_t>();
+  pb.query_start = query_start.data_ptr<int64_t>();
+  pb.heads = heads;
+  pb.kv_heads = kv_heads;
+  pb.group = heads / kv_heads;
+  pb.dim = dim;
+  pb.padded = round_up(dim, kLanes);
+  pb.block_size = k_cache.size(1);
+  pb.window = sliding_window;
+  pb.scale = static_cast<float>(scale);
+
+  TORCH_CHECK(pb.query_start[0] == 0 && pb.query_start[num_seqs] == tokens,
+              "query_start must run from 0 to the number of query rows");
+  const int64_t num_blocks = k_cache.size(0);
+  for (int64_t b = 0; b < num_seqs; ++b) {
+    const int64_t qlen = pb.query_start[b + 1] - pb.query_start[b], len = pb.seq_lens[b];
+    TORCH_CHECK(qlen >= 0 && qlen <= len, "sequence ", b, ": query rows must be 0..seq_len");
+    const int64_t used = (len + pb.block_size - 1) / pb.block_size;
+    TORCH_CHECK(used <= pb.tables.width, "sequence ", b, ": block table too narrow for ", len, " tokens");
+    for (int64_t i = 0; i < (qlen > 0 ? used : 0); ++i) {
+      const int64_t block = pb.tables.at(b, i);
+      TORCH_CHECK(block >= 0 && block < num_blocks, "sequence ", b, ": block id ", block, " out of range");
+    }
+  }
+  if (tokens == 0) return out;
+
+  const int64_t threads = at::get_num_threads();
+  std::vector<Item> items = plan_items(pb, num_seqs, threads);
+  switch (k_cache.scalar_type()) {
+    case at::kBFloat16: run_items<at::BFloat16>(pb, items, threads); break;
+    case at::kHalf: run_items<at::Half>(pb, items, threads); break;
+    default: run_items<float>(pb, items, threads); break;
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(statelm, m) {
+  m.def(
+      "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
+      "Tensor query_start, float scale, int sliding_window=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("paged_attention", &paged_attention); }
