@@ -78,7 +78,9 @@ class PackedWeight:
         return tensors if self.mins is None else {**tensors, "mins": self.mins}
 
     @classmethod
-    def from_state(cls, kind: str, out_features: int, in_features: int, tensors: dict[str, torch.Tensor]) -> PackedWeight:
+    def from_state(
+        cls, kind: str, out_features: int, in_features: int, tensors: dict[str, torch.Tensor]
+    ) -> PackedWeight:
         """A weight back from state() tensors, checked against its kind and shape."""
         weight = cls(kind, out_features, in_features, tensors["values"], tensors["scales"], tensors.get("mins"))
         weight.check()
@@ -105,7 +107,8 @@ class PackedWeight:
             and (self.mins is None or tuple(self.mins.shape) == (self.out_features, blocks))
         )
         if not ok:
-            raise ValueError(f"tensors do not make a {self.kind} weight of shape {self.out_features}x{self.in_features}")
+            shape = f"{self.out_features}x{self.in_features}"
+            raise ValueError(f"tensors do not make a {self.kind} weight of shape {shape}")
 
     def _dequantize_rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
         values, scales = self.values[rows], self.scales[rows]
