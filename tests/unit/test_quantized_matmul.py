@@ -1,0 +1,113 @@
+"""Packed GGUF and int8/int4 weights: exact unpacking, the kernel against dequantize-then-matmul, and invariance."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import dequantize, quantize
+
+from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.kernels.quant import PackedWeight, pack_gguf
+from statelm.kernels.quant import quantize as quantize_float
+from tests.models.test_gguf import _random_k_blocks
+
+try:
+    load_kernels()
+except KernelBuildError as exc:
+    pytest.skip(f"statelm kernels unavailable: {exc}", allow_module_level=True)
+
+EXACT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]  # packed bit for bit
+REPACKED_TYPES = [Q.Q5_0, Q.Q5_1]  # dequantized and re-quantized to q8
+K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]
+
+
+def gguf_tensor(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    if qtype in K_TYPES:
+        return _random_k_blocks(qtype, rows, cols, rng)
+    return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+
+
+def reference(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> torch.Tensor:
+    return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape))
+
+
+def assert_matmul_close(weight: PackedWeight, dense: torch.Tensor, rows: int, seed: int) -> None:
+    """The kernel against float64 x @ dense.T; int8 activations cost about 1% of the output's scale."""
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(seed))
+    exact = x.double() @ dense.double().T
+    error = (weight.matmul(x).double() - exact).abs().max() / exact.abs().max()
+    assert error < 0.02, float(error)
+
+
+@pytest.mark.parametrize("qtype", EXACT_TYPES)
+@pytest.mark.parametrize(("rows", "cols"), [(96, 64), (33, 576), (7, 1536)])
+def test_exact_types_unpack_bit_for_bit_and_multiply_right(qtype: Q, rows: int, cols: int) -> None:
+    raw = gguf_tensor(qtype, rows, cols, seed=rows + cols)
+    weight = pack_gguf(qtype, raw, (rows, cols))
+    dense = reference(raw, qtype, (rows, cols))
+    assert torch.equal(weight.dequantize(), dense)
+    for count in (1, 5, 64):
+        assert_matmul_close(weight, dense, count, seed=count)
+
+
+@pytest.mark.parametrize("qtype", REPACKED_TYPES + K_TYPES)
+def test_other_types_repack_to_q8_within_its_rounding(qtype: Q) -> None:
+    raw = gguf_tensor(qtype, 24, 512, seed=int(qtype))
+    weight = pack_gguf(qtype, raw, (24, 512))
+    dense = reference(raw, qtype, (24, 512))
+    assert weight.kind == "q8"
+    blocks = dense.view(24, -1, 32)
+    bound = blocks.abs().amax(dim=-1, keepdim=True) / 254 * (1 + 1e-5)
+    assert bool(((weight.dequantize().view(24, -1, 32) - blocks).abs() <= bound).all())
+    assert_matmul_close(weight, dense, 3, seed=1)
+
+
+@pytest.mark.parametrize("kind", ["int8", "int4"])
+def test_float_weights_quantize_at_load(kind: str) -> None:
+    dense = torch.randn(40, 96, generator=torch.Generator().manual_seed(2))
+    weight = quantize_float(dense, kind)
+    step = dense.view(40, -1, 32).abs().amax(-1) / 127 if kind == "int8" else None
+    error = (weight.dequantize() - dense).view(40, -1, 32).abs().amax(-1)
+    if step is not None:
+        assert bool((error <= step / 2 + 1e-6).all())
+    else:
+        spread = dense.view(40, -1, 32).amax(-1) - dense.view(40, -1, 32).amin(-1)
+        assert bool((error <= spread / 30 + 1e-6).all())
+    assert_matmul_close(weight, weight.dequantize(), 9, seed=3)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize_float(torch.zeros(4, 40), kind)
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int) -> None:
+    weight = pack_gguf(qtype, gguf_tensor(qtype, 200, 576, seed=5), (200, 576))
+    x = torch.randn(65, 576, generator=torch.Generator().manual_seed(6))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(65)])
+        for count in (2, 3, 7, 16, 64, 65):
+            assert torch.equal(weight.matmul(x[:count]), alone[:count]), count
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_rows_select_concat_embed_and_round_trip_their_state() -> None:
+    a = pack_gguf(Q.Q4_1, gguf_tensor(Q.Q4_1, 6, 64, seed=7), (6, 64))
+    b = pack_gguf(Q.Q4_1, gguf_tensor(Q.Q4_1, 4, 64, seed=8), (4, 64))
+    both = PackedWeight.concat([a, b])
+    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    index = torch.tensor([3, 0, 9, 9])
+    assert torch.equal(both.select_rows(index).dequantize(), both.dequantize()[index])
+    assert torch.equal(both.embedding(torch.tensor([9, 1])), both.dequantize()[[9, 1]])
+    again = PackedWeight.from_state(both.kind, both.out_features, both.in_features, both.state())
+    assert torch.equal(again.dequantize(), both.dequantize()) and again.nbytes == both.nbytes
+    with pytest.raises(ValueError, match="one kind"):
+        PackedWeight.concat([a, pack_gguf(Q.Q8_0, gguf_tensor(Q.Q8_0, 2, 64, seed=9), (2, 64))])
+    with pytest.raises(ValueError, match="do not make"):
+        PackedWeight.from_state("q4", 6, 64, {"values": a.values, "scales": a.scales})
