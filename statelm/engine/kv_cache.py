@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 
 
@@ -21,8 +24,8 @@ class KVCache:
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.k = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
+        self.v = [_zeros(shape, dtype, torch.device(device)) for _ in range(num_layers)]
 
     def copy_block(self, source: int, target: int) -> None:
         """Copy one block's K/V, in every layer, into another block."""
@@ -53,3 +56,11 @@ class KVCache:
         """Memory one block takes across all layers, K and V."""
         element = torch.empty((), dtype=dtype).element_size()
         return 2 * num_layers * block_size * num_kv_heads * head_dim * element
+
+
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU from calloc'd pages, which the OS zeroes on first touch rather than at start-up."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    element = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(math.prod(shape) * element, dtype=np.uint8)).view(dtype).view(shape)

@@ -105,5 +105,8 @@ def _build_and_load(verbose: bool) -> None:
 
 
 if __name__ == "__main__":
-    load_kernels(verbose=True)
-    print(f"statelm kernels loaded from {build_dir()}")
+    try:
+        load_kernels()
+    except KernelBuildError as exc:
+        raise SystemExit(f"statelm: cannot build the C++ kernels: {exc}") from None
+    print(f"statelm kernels (-march={target_march()}) ready in {build_dir()}")
