@@ -1,4 +1,7 @@
-"""Weight matrices kept quantized in 32-value blocks, and run through statelm's quantized matmul kernel.
+"""Weight matrices kept quantized in 32-value blocks, and run through statelm's weight-only quantized matmul.
+
+The kernel widens each weight block to float32 in registers and multiplies it into float32 activations, so
+its result differs from a float matmul on the dequantized matrix by float rounding only.
 
 Two packed kinds, both with a float32 scale per block of 32 values along the input dimension:
 
@@ -39,7 +42,7 @@ class PackedWeight:
     mins: torch.Tensor | None = None  # q4: float32 [out, in / 32]
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] float32 @ W.T -> [M, out] float32 (activations quantized to int8 per 32-value block)."""
+        """x [M, in] float32 @ W.T -> [M, out] float32, activations kept in float32."""
         load_kernels()
         return torch.ops.statelm.quantized_matmul(x.float().contiguous(), self.values, self.scales, self.mins)
 

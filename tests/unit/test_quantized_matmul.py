@@ -35,11 +35,11 @@ def reference(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> torch.Tensor
 
 
 def assert_matmul_close(weight: PackedWeight, dense: torch.Tensor, rows: int, seed: int) -> None:
-    """The kernel against float64 x @ dense.T; int8 activations cost about 1% of the output's scale."""
+    """The kernel against float64 x @ dense.T: activations stay float32, so only float rounding differs."""
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(seed))
     exact = x.double() @ dense.double().T
     error = (weight.matmul(x).double() - exact).abs().max() / exact.abs().max()
-    assert error < 0.02, float(error)
+    assert error < 1e-5, float(error)
 
 
 @pytest.mark.parametrize("qtype", EXACT_TYPES)
@@ -62,7 +62,7 @@ def test_other_types_repack_to_q8_within_its_rounding(qtype: Q) -> None:
     blocks = dense.view(24, -1, 32)
     bound = blocks.abs().amax(dim=-1, keepdim=True) / 254 * (1 + 1e-5)
     assert bool(((weight.dequantize().view(24, -1, 32) - blocks).abs() <= bound).all())
-    assert_matmul_close(weight, dense, 3, seed=1)
+    assert_matmul_close(weight, weight.dequantize(), 3, seed=1)
 
 
 @pytest.mark.parametrize("kind", ["int8", "int4"])

@@ -60,7 +60,8 @@ inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
 inline float hmax(Vec v) { return _mm512_reduce_max_ps(v); }
 inline float hsum(Vec v) {
-  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1));
+  const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v), upper);
   __m128 a = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
   a = _mm_add_ps(a, _mm_movehl_ps(a, a));
   return _mm_cvtss_f32(_mm_add_ss(a, _mm_movehdup_ps(a)));
@@ -193,25 +194,28 @@ inline void transpose8(__m256 r[8]) {
 }
 #endif
 
-// The next chunk's K/V cache lines, requested a few at a time between the current chunk's loads so that
-// the requests never pile up.
+// The cache lines of a later chunk's K/V rows, requested a few at a time between the current chunk's loads
+// so that the requests never pile up.
 struct Prefetcher {
   const char* rows[2 * kChunk];
   int num_rows = 0, row = 0;
-  int64_t lines_per_row = 0, line = 0;
+  int64_t row_bytes = 0, done = 0;  // bytes of the current row already requested
 
   void issue(int64_t n) {
-    for (; n > 0 && row < num_rows; --n) {
-      _mm_prefetch(rows[row] + line * 64, _MM_HINT_T0);
-      if (++line == lines_per_row) {
-        line = 0;
+    while (n > 0 && row < num_rows) {
+      const int64_t lines = std::min<int64_t>(n, (row_bytes - done + 63) / 64);
+      for (int64_t i = 0; i < lines; ++i) _mm_prefetch(rows[row] + done + 64 * i, _MM_HINT_T0);
+      done += 64 * lines;
+      n -= lines;
+      if (done >= row_bytes) {
+        done = 0;
         ++row;
       }
     }
   }
 };
 
-// kt[d][j] = float(rows[j][d]) for the chunk's kChunk key rows; issues `per_block` prefetches per 8x8 block.
+// kt[d][j] = float(rows[j][d]) for the chunk's kChunk key rows; prefetches `per_block` lines per 8x8 block.
 template <typename T>
 void transpose_keys(const T* const* rows, int64_t dim, float* kt, Prefetcher& prefetcher, int64_t per_block) {
   int64_t d0 = 0;
@@ -244,17 +248,17 @@ void widen_row(const T* row, int64_t dim, int64_t padded, float* out) {
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// C[i][j] += sum over k in order of A[i][k] * B[k][j]: one FMA chain per element, so register blocking
-// never changes a result. A is row-major (lda), B is given as one row pointer per k, C row-major (ldc).
+// C[i][j] = (accumulate ? C[i][j] : 0) + sum over k in order of A[i][k] * B[k][j]: one FMA chain per element,
+// so register blocking never changes a result. A is row-major (lda), B one row pointer per k, C row-major (ldc).
 
 template <int MR, int NV>
 inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64_t col, int64_t depth, float* c,
-                       int64_t ldc) {
+                       int64_t ldc, bool accumulate) {
   Vec acc[MR][NV];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) {
 #pragma GCC unroll 4
-    for (int j = 0; j < NV; ++j) acc[i][j] = vload(c + i * ldc + col + j * kLanes);
+    for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? vload(c + i * ldc + col + j * kLanes) : vset(0.0f);
   }
   for (int64_t k = 0; k < depth; ++k) {
     const float* bk = b[k] + col;
@@ -287,38 +291,53 @@ inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64
   }
 }
 
+// The last `vecs` (< NV + 1) column vectors of a row block in one register block.
+template <int MR, int NV>
+void gemm_tail(int64_t vecs, const float* a, int64_t lda, const float* const* b, int64_t col, int64_t depth, float* c,
+               int64_t ldc, bool accumulate) {
+  if constexpr (NV > 1) {
+    if (vecs < NV) return gemm_tail<MR, NV - 1>(vecs, a, lda, b, col, depth, c, ldc, accumulate);
+  }
+  gemm_block<MR, NV>(a, lda, b, col, depth, c, ldc, accumulate);
+}
+
 template <int MR>
 void gemm_rows(const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth, float* c,
-               int64_t ldc) {
+               int64_t ldc, bool accumulate) {
   constexpr int kWide = std::min(4, std::max(1, kAccumulators / MR));
   int64_t col = 0;
-  for (; col + kWide * kLanes <= cols; col += kWide * kLanes) gemm_block<MR, kWide>(a, lda, b, col, depth, c, ldc);
-  for (; col < cols; col += kLanes) gemm_block<MR, 1>(a, lda, b, col, depth, c, ldc);
+  for (; col + kWide * kLanes <= cols; col += kWide * kLanes) {
+    gemm_block<MR, kWide>(a, lda, b, col, depth, c, ldc, accumulate);
+  }
+  if constexpr (kWide > 1) {
+    if (col < cols) gemm_tail<MR, kWide - 1>((cols - col) / kLanes, a, lda, b, col, depth, c, ldc, accumulate);
+  }
 }
 
 // Dispatches a block of at most MR rows to the kernel for exactly that many rows.
 template <int MR>
 void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth,
-                   float* c, int64_t ldc) {
+                   float* c, int64_t ldc, bool accumulate) {
   if constexpr (MR > 1) {
-    if (rows < MR) return gemm_dispatch<MR - 1>(rows, a, lda, b, cols, depth, c, ldc);
+    if (rows < MR) return gemm_dispatch<MR - 1>(rows, a, lda, b, cols, depth, c, ldc, accumulate);
   }
-  gemm_rows<MR>(a, lda, b, cols, depth, c, ldc);
+  gemm_rows<MR>(a, lda, b, cols, depth, c, ldc, accumulate);
 }
 
 // cols is a multiple of kLanes.
 void gemm(int64_t rows, const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth, float* c,
-          int64_t ldc) {
+          int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < rows; i += kMaxRowBlock) {
     gemm_dispatch<kMaxRowBlock>(std::min<int64_t>(kMaxRowBlock, rows - i), a + i * lda, lda, b, cols, depth,
-                                c + i * ldc, ldc);
+                                c + i * ldc, ldc, accumulate);
   }
 }
 
 // ---------------------------------------------------------------------------------------------------------
 // The attention itself.
 
-constexpr int64_t kTileQueries = 24;  // query vectors (rows x heads) a work item aims for, to share K/V loads
+constexpr int64_t kTileQueries = 48;  // query vectors (rows x heads) per KV head an item aims for: shared K/V loads
+constexpr int kAhead = 1;  // chunks between fetching a chunk's rows and using them
 constexpr int64_t kSerialCost = 16384;  // below this many head-key visits a call stays on the calling thread
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -326,7 +345,7 @@ inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 // Per-thread buffers, grown on demand and kept across calls.
 struct Scratch {
   std::vector<float> storage;
-  float* queries = nullptr;  // [m][padded] scaled query vectors, m = row * heads + head
+  float* queries = nullptr;  // [m][padded] scaled query vectors, m = (kv * rows + row) * heads + head
   float* acc = nullptr;      // [m][padded] unnormalised outputs
   float* scores = nullptr;   // [m][kChunk] scores, then probabilities
   float* sums = nullptr;     // [m][kChunk] lane-wise partial softmax denominators
@@ -416,8 +435,7 @@ void store_output(const Problem& pb, const float* acc, const float* sums, float*
 void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, const float* const* value_rows,
                   int64_t m0, int64_t count, int lo, int hi) {
   float* scores = s.scores + m0 * kChunk;
-  std::fill(scores, scores + count * kChunk, 0.0f);
-  gemm(count, s.queries + m0 * pb.padded, pb.padded, key_rows, kChunk, pb.dim, scores, kChunk);
+  gemm(count, s.queries + m0 * pb.padded, pb.padded, key_rows, kChunk, pb.dim, scores, kChunk, false);
   for (int64_t m = 0; m < count; ++m) {
     float* row = scores + m * kChunk;
     for (int j = 0; j < lo; ++j) row[j] = kNegInf;
@@ -441,7 +459,7 @@ void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, c
     }
     s.maxes[m0 + m] = new_max;
   }
-  gemm(count, scores + lo, kChunk, value_rows + lo, pb.padded, hi - lo, s.acc + m0 * pb.padded, pb.padded);
+  gemm(count, scores + lo, kChunk, value_rows + lo, pb.padded, hi - lo, s.acc + m0 * pb.padded, pb.padded, true);
 }
 
 template <typename T>
@@ -455,7 +473,8 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
   for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
     for (int64_t r = 0; r < it.rows; ++r) {
       for (int64_t h = 0; h < heads; ++h) {
-        const int64_t offset = (first_token + r) * pb.q_row + ((it.kv_head0 + kv) * pb.group + it.head0 + h) * pb.q_head;
+        const int64_t head = (it.kv_head0 + kv) * pb.group + it.head0 + h;
+        const int64_t offset = (first_token + r) * pb.q_row + head * pb.q_head;
         float* dst = s.queries + ((kv * it.rows + r) * heads + h) * padded;
         switch (pb.q_type) {
           case at::kBFloat16: load_query<at::BFloat16>(pb, offset, dst); break;
@@ -494,25 +513,30 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
     }
   };
   const int64_t row_bytes = it.kv_heads * dim * static_cast<int64_t>(sizeof(T));
-  int64_t offsets[2][kChunk];
-  int64_t c = tile_lo / kChunk * kChunk;
-  row_offsets(std::max(c, tile_lo), std::min(c + kChunk, tile_hi), offsets[0]);
-  for (int parity = 0; c < tile_hi; c += kChunk, parity ^= 1) {
+  // The rows of chunk i are at offsets[i % kRing]; those of chunk i + kAhead are fetched during chunk i.
+  constexpr int kRing = kAhead + 1;
+  int64_t offsets[kRing][kChunk];
+  const int64_t first_chunk = tile_lo / kChunk * kChunk;
+  for (int i = 0; i < kAhead && first_chunk + i * kChunk < tile_hi; ++i) {
+    const int64_t c = first_chunk + i * kChunk;
+    row_offsets(std::max(c, tile_lo), std::min(c + kChunk, tile_hi), offsets[i]);
+  }
+  for (int64_t i = 0, c = first_chunk; c < tile_hi; ++i, c += kChunk) {
     const int64_t lo = std::max(c, tile_lo), hi = std::min(c + kChunk, tile_hi);
     Prefetcher prefetcher;
-    if (c + kChunk < tile_hi) {  // the next chunk's rows are fetched while this one is computed
-      const int64_t next_hi = std::min(c + 2 * kChunk, tile_hi);
-      int64_t* next = offsets[parity ^ 1];
-      row_offsets(c + kChunk, next_hi, next);
-      for (int64_t j = 0; j < next_hi - c - kChunk; ++j) {
-        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(k_cache + next[j]);
-        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(v_cache + next[j]);
+    if (const int64_t ahead = c + kAhead * kChunk; ahead < tile_hi) {
+      const int64_t ahead_hi = std::min(ahead + kChunk, tile_hi);
+      int64_t* rows = offsets[(i + kAhead) % kRing];
+      row_offsets(ahead, ahead_hi, rows);
+      for (int64_t j = 0; j < ahead_hi - ahead; ++j) {
+        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(k_cache + rows[j]);
+        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(v_cache + rows[j]);
       }
-      prefetcher.lines_per_row = (row_bytes + 63) / 64;
+      prefetcher.row_bytes = row_bytes;
     }
     const int64_t blocks = it.kv_heads * (kChunk / 8) * std::max<int64_t>(1, dim / 8);
-    const int64_t per_block = (prefetcher.num_rows * prefetcher.lines_per_row + blocks - 1) / blocks;
-    const int64_t* offset = offsets[parity];
+    const int64_t per_block = (prefetcher.num_rows * ((row_bytes + 63) / 64) + blocks - 1) / blocks;
+    const int64_t* offset = offsets[i % kRing];
     for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
       for (int j = 0; j < kChunk; ++j) {
         const int64_t pos = c + j;
@@ -576,10 +600,9 @@ std::vector<Item> plan_items(const Problem& pb, int64_t num_seqs, int64_t thread
     }
     return n * (pb.kv_heads / kv_heads) * ((pb.group + part - 1) / part);
   };
-  const int64_t wanted = threads > 1 ? 2 * threads : 1;
   int64_t kv_heads = pb.kv_heads, part = pb.group;
-  if (count_items(kv_heads, part) < wanted) kv_heads = 1;
-  while (part > 1 && count_items(kv_heads, part) < wanted) part = (part + 1) / 2;
+  if (count_items(kv_heads, part) < threads) kv_heads = 1;
+  while (part > 1 && count_items(kv_heads, part) < threads) part = (part + 1) / 2;
   std::vector<Item> items;
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t qlen = pb.query_start[b + 1] - pb.query_start[b];
