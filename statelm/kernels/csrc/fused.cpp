@@ -1,9 +1,10 @@
 // Fused element-wise ops of a Llama-family decoder layer, in float32: RMSNorm (optionally adding the
 // residual first), SiLU-and-multiply, and rotary embedding applied in place.
 //
-// Every row is computed by the same scalar loop whatever the number of rows or threads (threads split
-// rows only), so a row's result never depends on its batch. The rows are short (hidden sizes of a few
-// thousand), so the call overhead these ops save matters more than vectorising them.
+// Every row is computed by the same scalar loop whatever the number of rows, so a row's result never depends
+// on its batch. The rows are short (hidden sizes of a few thousand), so the call overhead these ops save
+// matters more than vectorising them, and they run on the calling thread: waking a second thread for a few
+// microseconds of work costs more than the work, and far more when another process holds that core.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -13,7 +14,7 @@
 
 namespace {
 
-constexpr int64_t kRowGrain = 4;
+constexpr int64_t kRowGrain = 1 << 30;  // one thread (see above)
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, " must be a 2-D float32 tensor");
