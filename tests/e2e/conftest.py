@@ -93,3 +93,11 @@ def client(server_url: str) -> openai.OpenAI:
 def model_name(client: openai.OpenAI) -> str:
     """The id the server lists in /v1/models."""
     return client.models.list().data[0].id
+
+
+def delete_state(http: httpx.Client) -> None:
+    """Delete every snapshot, then every session, that the client's key can see."""
+    for snapshot in http.get("/v1/snapshots").json()["data"]:
+        http.delete(f"/v1/snapshots/{snapshot['id']}")
+    for session in http.get("/v1/sessions").json()["data"]:
+        http.delete(f"/v1/sessions/{session['id']}")

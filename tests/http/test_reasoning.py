@@ -1,4 +1,4 @@
-"""Reasoning on a real server: a tiny random Qwen3 whose own template opens a think block (`enable_thinking`).
+"""Reasoning in-process: a tiny random Qwen3 whose own template opens a think block (`enable_thinking`).
 
 The weights are random, so the text is noise; what is checked is where it goes (reasoning_content or
 content), that the budget closes the block after exactly that many tokens, that a constraint starts after
@@ -17,7 +17,7 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 from tests.models.tiny_model_dir import make_tiny_thinking_model_dir
 
 QUESTION = [{"role": "user", "content": "The quick brown fox?"}]
@@ -25,23 +25,30 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 
 
 @pytest.fixture(scope="module")
-def thinking_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A server on the tiny thinking model."""
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """An app on the tiny thinking model."""
     root = tmp_path_factory.mktemp("thinking")
     model_dir = make_tiny_thinking_model_dir(root / "model")
-    args = ["--model", str(model_dir), "--served-model-name", "tiny", "--kv-cache-memory", "64MiB"]
-    args += ["--sse-keepalive", "0.01"]  # a keep-alive comment between almost every pair of chunks
-    process, url = start_server(args, root / "server.log")
-    yield url
-    stop_server(process)
+    keepalive = ["--sse-keepalive", "0.01"]  # a keep-alive comment between almost every pair of chunks
+    with serve_in_process(tiny_args(model_dir, root / "state", *keepalive, served_name="tiny")) as app:
+        yield app
 
 
 @pytest.fixture(scope="module")
-def thinker(thinking_url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{thinking_url}/v1", api_key="unused", max_retries=0, timeout=120)
+def thinker(thinking: InProcessServer) -> openai.OpenAI:
+    """The openai SDK pointed at the thinking app."""
+    return thinking.openai()
+
+
+@pytest.fixture(scope="module")
+def raw(thinking: InProcessServer) -> Iterator[httpx.Client]:
+    """Raw HTTP to the thinking app."""
+    with thinking.http() as client:
+        yield client
 
 
 def think(client: openai.OpenAI, messages: list[Any] = QUESTION, **kwargs: Any) -> ChatCompletion:
+    """A chat completion on the thinking model, greedy unless told otherwise."""
     kwargs.setdefault("temperature", 0)
     return client.chat.completions.create(model="tiny", messages=messages, **kwargs)
 
@@ -80,9 +87,9 @@ def test_streamed_reasoning_and_content_equal_the_whole_reply(thinker: openai.Op
     assert "".join(delta.get("content") or "" for delta in deltas) == whole["content"]
 
 
-def test_streams_carry_keep_alive_comments_between_events(thinking_url: str) -> None:
+def test_streams_carry_keep_alive_comments_between_events(raw: httpx.Client) -> None:
     body = {"model": "tiny", "messages": QUESTION, "max_tokens": 40, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{thinking_url}/v1/chat/completions", json=body, timeout=60) as response:
+    with raw.stream("POST", "/v1/chat/completions", json=body) as response:
         lines = [line for line in response.iter_lines() if line]
     assert any(line.startswith(": ping") for line in lines)
     data = [line.removeprefix("data: ") for line in lines if line.startswith("data: ")]
@@ -116,11 +123,11 @@ def test_thinking_off_through_template_kwargs_or_effort(thinker: openai.OpenAI) 
     assert off.choices[0].message.model_dump().get("reasoning_content") is None
 
 
-def test_a_session_keeps_the_reasoning_and_equals_stateless(thinker: openai.OpenAI, thinking_url: str) -> None:
-    session = httpx.post(f"{thinking_url}/v1/sessions", json={}).json()["id"]
+def test_a_session_keeps_the_reasoning_and_equals_stateless(thinker: openai.OpenAI, raw: httpx.Client) -> None:
+    session = raw.post("/v1/sessions", json={}).json()["id"]
     extra = {"max_reasoning_tokens": 3, "ignore_eos": True}
     first = think(thinker, max_tokens=8, extra_body={**extra, "session_id": session})
-    history = httpx.get(f"{thinking_url}/v1/sessions/{session}/history").json()["messages"]
+    history = raw.get(f"/v1/sessions/{session}/history").json()["messages"]
     assert history[1]["reasoning_content"] == first.choices[0].message.model_dump()["reasoning_content"]
     follow = [{"role": "user", "content": "And the lazy dog?"}]
     second = think(thinker, follow, max_tokens=8, extra_body={**extra, "session_id": session})
@@ -128,12 +135,12 @@ def test_a_session_keeps_the_reasoning_and_equals_stateless(thinker: openai.Open
     assert second.choices[0].message.model_dump() == stateless.choices[0].message.model_dump()
     assert second.usage and second.usage.prompt_tokens_details
     assert second.usage.prompt_tokens_details.cached_tokens > 0
-    httpx.delete(f"{thinking_url}/v1/sessions/{session}")
+    raw.delete(f"/v1/sessions/{session}")
 
 
-def test_a_model_without_think_tags_refuses_reasoning_controls(server_url: str, model_name: str) -> None:
+def test_a_model_without_think_tags_refuses_reasoning_controls(api: httpx.Client, model_name: str) -> None:
     base = {"model": model_name, "messages": QUESTION, "max_tokens": 4}
     for field, value in (("reasoning_effort", "low"), ("max_reasoning_tokens", 10), ("thinking_budget", 10)):
-        response = httpx.post(f"{server_url}/v1/chat/completions", json={**base, field: value}, timeout=60)
+        response = api.post("/v1/chat/completions", json={**base, field: value})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field

@@ -1,43 +1,41 @@
-"""Request limits on a real server: each gives its documented status, and malformed bodies never give a 5xx."""
+"""Request limits in-process on the tiny model: each gives its documented status, and malformed bodies never a 5xx."""
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from tests.e2e.conftest import start_server, stop_server
+from tests.e2e.conftest import delete_state
+from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 
 KEYS = ("limits-key-1", "limits-key-2")
 MAX_BODY = 64 * 1024
-SNAPSHOT_QUOTA = 1024 * 1024  # a session of about 35 tokens takes about 0.8 MB (23,040 bytes of KV a token)
+MAX_PROMPT_TOKENS = 80  # four "Say hi." messages take 65 tokens of the tiny model's ChatML prompt
+SNAPSHOT_QUOTA = 24 * 1024  # a session of about 30 tokens takes about 17 KB (512 bytes of float32 KV a token)
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """A server with small limits and two keys."""
-    root = tmp_path_factory.mktemp("limits")
-    args = ["--model", "default", "--kv-cache-memory", "512MiB", "--api-key", KEYS[0], "--api-key", KEYS[1]]
-    args += ["--max-request-bytes", str(MAX_BODY), "--max-messages", "4", "--max-completion-tokens", "8"]
-    args += ["--max-prompt-tokens", "60", "--max-sessions-per-key", "2", "--snapshot-quota", str(SNAPSHOT_QUOTA)]
-    process, url = start_server(args, root / "server.log")
-    yield url
-    stop_server(process)
+def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """An app with small limits and two keys."""
+    args = ["--dtype", "float32", "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-request-bytes", str(MAX_BODY)]
+    args += ["--max-messages", "4", "--max-completion-tokens", "8", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
+    args += ["--max-sessions-per-key", "2", "--snapshot-quota", str(SNAPSHOT_QUOTA)]
+    with serve_in_process(tiny_args(tiny_model, tmp_path_factory.mktemp("limits") / "state", *args)) as running:
+        yield running
 
 
 @pytest.fixture
-def users(url: str) -> Iterator[tuple[httpx.Client, httpx.Client]]:
+def users(limited: InProcessServer) -> Iterator[tuple[httpx.Client, httpx.Client]]:
     """Raw HTTP as each key; their sessions and snapshots are deleted after the test."""
-    clients = [httpx.Client(base_url=url, headers={"X-Api-Key": key}, timeout=120) for key in KEYS]
+    clients = [limited.http(headers={"X-Api-Key": key}) for key in KEYS]
     yield clients[0], clients[1]
     for client in clients:
-        for snapshot in client.get("/v1/snapshots").json()["data"]:
-            client.delete(f"/v1/snapshots/{snapshot['id']}")
-        for session in client.get("/v1/sessions").json()["data"]:
-            client.delete(f"/v1/sessions/{session['id']}")
+        delete_state(client)
         client.close()
 
 
@@ -48,6 +46,7 @@ def chat_body(content: str = "Say hi.", count: int = 1, **extra: Any) -> dict[st
 
 
 def assert_error(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
+    """The error object of response, after checking its status, its code and that it has a message."""
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == code and error["message"]
@@ -70,7 +69,8 @@ def test_too_many_messages_or_tokens_get_400(users: tuple[httpx.Client, httpx.Cl
     for field in ("max_tokens", "max_completion_tokens"):
         response = user.post("/v1/chat/completions", json=chat_body(**{field: 9}))
         assert assert_error(response, 400, "max_tokens_exceeded")["param"] == field
-    assert_error(user.post("/v1/chat/completions", json=chat_body("hello " * 60)), 400, "prompt_too_long")
+    long_prompt = chat_body("hello " * MAX_PROMPT_TOKENS)  # at least a token a word
+    assert_error(user.post("/v1/chat/completions", json=long_prompt), 400, "prompt_too_long")
     reply = user.post("/v1/chat/completions", json=chat_body(count=4, ignore_eos=True)).json()
     assert reply["usage"]["completion_tokens"] == 8  # the cap is also the default length
 
@@ -132,7 +132,8 @@ def test_malformed_bodies_get_400_or_422_never_500(users: tuple[httpx.Client, ht
     assert patch.status_code == 400
 
 
-def test_metrics_stay_public_and_health_answers_without_a_key(url: str) -> None:
-    assert httpx.get(f"{url}/metrics").status_code == 200
-    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
-    assert httpx.get(f"{url}/v1/models").status_code == 401
+def test_metrics_stay_public_and_health_answers_without_a_key(limited: InProcessServer) -> None:
+    with limited.http() as anonymous:
+        assert anonymous.get("/metrics").status_code == 200
+        assert anonymous.get("/health").json()["status"] == "ok"
+        assert anonymous.get("/v1/models").status_code == 401

@@ -1,0 +1,96 @@
+"""Sessions and snapshots in-process on the tiny model: snapshot metadata, damaged snapshots, ids and errors.
+
+Turns compared with other turns are in tests/e2e: the default model's replies tokenize back to the tokens it
+generated, which a random model's do not, so that only there a history re-rendered reaches the same tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.e2e.conftest import delete_state
+from tests.e2e.test_sessions import SYSTEM, create_session, turn
+from tests.http.conftest import InProcessServer
+
+
+@pytest.fixture
+def api(server: InProcessServer) -> Iterator[httpx.Client]:
+    """Raw HTTP to the shared app; every snapshot and session a test leaves behind is deleted after it."""
+    with server.http() as http:
+        yield http
+        delete_state(http)
+
+
+def test_snapshot_metadata_listing_and_deletion(api: httpx.Client) -> None:
+    create_session(api, session_id="meta")
+    snapshot = api.post("/v1/sessions/meta/snapshot", json={"title": "t", "description": "d", "tags": ["a"]}).json()
+    assert snapshot["num_tokens"] == 0
+    path = f"/v1/snapshots/{snapshot['id']}"
+    patched = api.patch(path, json={"title": "new", "description": None}).json()
+    assert (patched["title"], patched["description"], patched["tags"]) == ("new", None, ["a"])
+    assert api.get(path).json()["title"] == "new"
+    assert snapshot["id"] in [entry["id"] for entry in api.get("/v1/snapshots").json()["data"]]
+    assert api.patch(path, json={"colour": "red"}).status_code == 400
+    assert api.delete(path).json() == {"id": snapshot["id"], "object": "snapshot.deleted", "deleted": True}
+    assert api.get(path).status_code == 404
+
+
+def test_corrupt_snapshot_gives_422_and_foreign_one_409(api: httpx.Client, state_dir: Path) -> None:
+    create_session(api, session_id="damaged", system=SYSTEM)
+    corrupt = api.post("/v1/sessions/damaged/snapshot", json={}).json()["id"]
+    foreign = api.post("/v1/sessions/damaged/snapshot", json={}).json()["id"]
+    kv_file = state_dir / "snapshots" / corrupt / "kv.safetensors"
+    data = bytearray(kv_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    kv_file.write_bytes(bytes(data))
+    response = api.post(f"/v1/snapshots/{corrupt}/load", json={})
+    assert response.status_code == 422 and response.json()["error"]["code"] == "snapshot_corrupt"
+    manifest_file = state_dir / "snapshots" / foreign / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["model"]["fingerprint"]["dtype"] = "float16"
+    manifest_file.write_text(json.dumps(manifest))
+    response = api.post(f"/v1/snapshots/{foreign}/load", json={})
+    assert response.status_code == 409
+    assert response.json()["error"]["code"] == "fingerprint_mismatch" and "dtype" in response.json()["error"]["message"]
+    kv_file.write_bytes(bytes(data[:100]))
+    assert api.post(f"/v1/snapshots/{corrupt}/load", json={}).status_code == 422
+    assert api.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("bad_id", ["../escape", "/etc/passwd", "a/b", "..", ".hidden", "x" * 200, "sp ace"])
+def test_ids_that_could_be_paths_are_rejected(api: httpx.Client, bad_id: str) -> None:
+    response = api.post("/v1/sessions", json={"session_id": bad_id})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_id"
+    create_session(api, session_id="ids")
+    assert api.post("/v1/sessions/ids/fork", json={"session_id": bad_id}).status_code == 400
+    snapshot_id = api.post("/v1/sessions/ids/snapshot", json={}).json()["id"]
+    response = api.post(f"/v1/snapshots/{snapshot_id}/load", json={"session_id": bad_id})
+    assert response.status_code == 400
+
+
+@pytest.mark.parametrize("bad_id", ["%2E%2E", "..%2Fsnapshots", "a%00b"])
+def test_ids_in_paths_are_validated(api: httpx.Client, bad_id: str) -> None:
+    for path in (f"/v1/snapshots/{bad_id}", f"/v1/sessions/{bad_id}"):
+        assert api.get(path).status_code in (400, 404)
+    assert api.get("/v1/snapshots/%2E%2E").json()["error"]["code"] == "invalid_id"
+
+
+def test_session_errors(client: openai.OpenAI, model_name: str, api: httpx.Client) -> None:
+    with pytest.raises(openai.NotFoundError):
+        turn(client, model_name, "missing", "Hi")
+    assert api.get("/v1/sessions/missing").status_code == 404
+    create_session(api, session_id="capped", max_tokens=60)
+    assert api.post("/v1/sessions", json={"session_id": "capped"}).status_code == 409
+    with pytest.raises(openai.BadRequestError) as error:
+        turn(client, model_name, "capped", "Hello " * 80)
+    assert error.value.body["code"] == "context_length_exceeded"
+    assert api.get("/v1/sessions/capped").json()["num_messages"] == 0
+    bad_kwargs = api.post("/v1/sessions", json={"chat_template_kwargs": {"messages": []}})
+    assert bad_kwargs.status_code == 400
+    assert api.post("/v1/sessions", json={"max_tokens": 0}).status_code == 400
