@@ -97,7 +97,9 @@ def _build_and_load(verbose: bool) -> None:
     cpp_extension.load(
         name="statelm_kernels",
         sources=sources,
-        extra_cflags=["-O3", f"-march={target_march()}", "-fno-math-errno", "-ffp-contract=off"],
+        # -fopenmp: without it at::parallel_for compiles to a serial loop; libgomp.so.1 resolves to torch's own copy
+        extra_cflags=["-O3", f"-march={target_march()}", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
         build_directory=str(target),
         is_python_module=False,
         verbose=verbose,
