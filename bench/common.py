@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
+import shlex
+import socket
 import subprocess
 import sys
 import time
@@ -41,20 +43,25 @@ def machine_report() -> str:
 
 def start_server(args: list[str], port: int) -> tuple[subprocess.Popen[bytes], float]:
     """Start `statelm serve`; return the process and the seconds until /health answered."""
+    return launch([sys.executable, "-m", "statelm", "serve", "--port", str(port), *args], port)
+
+
+def launch(command: list[str], port: int) -> tuple[subprocess.Popen[bytes], float]:
+    """Start any HTTP server command; return the process and the seconds until /health on port answered 200."""
+    with socket.socket() as probe:
+        if probe.connect_ex(("127.0.0.1", port)) == 0:
+            raise SystemExit(f"port {port} is already in use; pick another")
     started = time.perf_counter()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     while True:
         if process.poll() is not None:
-            raise SystemExit(f"server exited with code {process.returncode}")
+            raise SystemExit(f"server exited with code {process.returncode}: {shlex.join(command)}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
                 return process, time.perf_counter() - started
         except httpx.HTTPError:
-            time.sleep(0.05)
+            pass
+        time.sleep(0.05)
 
 
 @dataclass

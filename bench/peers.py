@@ -1,0 +1,317 @@
+"""statelm against llama.cpp's llama-server on the same GGUF: streamed decode, TTFT and start-up, one server at a time.
+
+Usage: .venv/bin/python -m bench.peers [--llama-server PATH] [--concurrency 1,4,16,64] [--rounds 2]
+           [--output-tokens 128] [--prompt-tokens 64] [--ttft-prompt-tokens 512] [--ttft-requests 5]
+           [--servers llama-server,statelm] [--statelm-args ARGS] [--llama-args ARGS] [--pick best|median]
+           [--json PATH]
+Each server runs alone: it is started (timed to /health 200), measured and stopped before the other starts, and
+the order alternates over the rounds. Without --llama-server it runs ../shared/peers/build-llama-server (relative
+to the repository root), which builds llama-server once (about 10 minutes on 2 cores) and prints its path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import functools
+import itertools
+import json
+import os
+import shlex
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.common import ROOT, launch, machine_report, start_server
+from bench.throughput import build_prompt, calibrate, fmt, make_target, run_level, timed_request
+from statelm.cpu import vector_flags
+from statelm.models.loader import resolve_source
+
+LLAMA = "llama-server"
+STATELM = "statelm"
+BUILD_SCRIPT = ROOT.parent / "shared" / "peers" / "build-llama-server"
+SLOT_MARGIN_TOKENS = 64  # chat template and calibration overshoot on top of prompt + output per llama-server slot
+
+
+@dataclass
+class Server:
+    """A server under test: its label, port, the command line shown, and how to start it."""
+
+    label: str
+    port: int
+    shown: str
+    start: Callable[[], tuple[subprocess.Popen[bytes], float]]
+
+
+@dataclass
+class Metric:
+    """One row of the comparison table and how to read it from a measured run."""
+
+    name: str
+    higher_is_better: bool
+    read: Callable[[dict[str, Any]], float | None]
+
+
+def find_llama_server(path: Path | None) -> Path:
+    """--llama-server, else the path the shared build script prints last (it builds llama-server first if needed)."""
+    if path is None:
+        if not BUILD_SCRIPT.is_file():
+            raise SystemExit(f"no --llama-server given and no build script at {BUILD_SCRIPT}")
+        print(f"finding llama-server with {BUILD_SCRIPT} (the first time it builds it: ~10 minutes)", flush=True)
+        built = subprocess.run([str(BUILD_SCRIPT)], stdout=subprocess.PIPE, text=True)
+        lines = built.stdout.strip().splitlines()
+        if built.returncode != 0 or not lines:
+            raise SystemExit(f"{BUILD_SCRIPT} failed with code {built.returncode}")
+        path = Path(lines[-1])
+    if not os.access(path, os.X_OK):
+        raise SystemExit(f"not an executable: {path}")
+    return path
+
+
+def llama_version(path: Path) -> str:
+    """What `llama-server --version` says (version and compiler), on one line."""
+    done = subprocess.run([str(path), "--version"], capture_output=True, text=True)
+    lines = [line.strip() for line in (done.stdout + done.stderr).splitlines()]
+    return "; ".join(line for line in lines if line.startswith(("version", "built with"))) or "unknown"
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    """Terminate a server and wait for it to exit (killed after 60 s)."""
+    process.terminate()
+    try:
+        process.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def make_servers(args: argparse.Namespace, llama: Path | None, gguf: Path, levels: list[int]) -> list[Server]:
+    """The servers asked for by --servers, llama-server sized with a slot per stream of the largest level."""
+    servers = []
+    for label in args.servers.split(","):
+        if label == LLAMA and llama is not None:
+            slots = max(levels)
+            slot_ctx = max(args.prompt_tokens, args.ttft_prompt_tokens) + args.output_tokens + SLOT_MARGIN_TOKENS
+            command = [
+                str(llama),
+                *("-m", str(gguf), "--host", "127.0.0.1", "--port", str(args.llama_port)),
+                *("-c", str(slots * slot_ctx), "-np", str(slots), "-t", str(args.threads)),
+                *shlex.split(args.llama_args),
+            ]
+            start = functools.partial(launch, command, args.llama_port)
+            servers.append(Server(LLAMA, args.llama_port, shlex.join(command), start))
+        elif label == STATELM:
+            serve = ["--model", "default", *shlex.split(args.statelm_args)]
+            shown = shlex.join(["statelm", "serve", *serve, "--port", str(args.statelm_port)])
+            start = functools.partial(start_server, serve, args.statelm_port)
+            servers.append(Server(STATELM, args.statelm_port, shown, start))
+        else:
+            raise SystemExit(f"unknown server {label!r}: choose from {LLAMA},{STATELM}")
+    return servers
+
+
+async def workloads(server: Server, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+    """Against one running server: calibrate the prompts, warm up, time TTFT, then every decode level."""
+    target = make_target(server.label, f"http://127.0.0.1:{server.port}", None, True, args.timeout)
+    target.model = (await target.client.models.list()).data[0].id
+    decode_sentences, decode_prompt = await calibrate(target, args.prompt_tokens, False)
+    ttft_sentences, ttft_prompt = await calibrate(target, args.ttft_prompt_tokens, False)
+    ids = itertools.count(1)
+    warm_id = next(ids)
+    warm = await timed_request(target, warm_id, build_prompt(warm_id, decode_sentences, False), 8, args.timeout)
+    if not warm.ok:
+        raise SystemExit(f"{server.label}: warm-up request failed: {warm.error}")
+    ttft_results = []
+    for request_id in itertools.islice(ids, args.ttft_requests):
+        prompt = build_prompt(request_id, ttft_sentences, False)
+        ttft_results.append(await timed_request(target, request_id, prompt, 1, args.timeout))
+    ttfts = [r.ttft_s for r in ttft_results if r.ok and r.ttft_s is not None]
+    ttft_ms = statistics.median(ttfts) * 1000 if ttfts else None
+    print(f"  TTFT ({ttft_prompt}-token prompt, median of {len(ttfts)}): {fmt(ttft_ms, 0)} ms", flush=True)
+    deadline = time.perf_counter() + args.max_duration
+    summaries = []
+    for concurrency in levels:
+        requested = args.requests_per_level or concurrency
+        summary = await run_level(target, concurrency, requested, decode_sentences, args, ids, deadline)
+        summaries.append(summary)
+        print(
+            f"  concurrency {concurrency}: {summary['completed']}/{requested} ok in {summary['wall_s']:.1f} s, "
+            f"{fmt(summary['output_tok_s'])} output tok/s, {fmt(summary['decode_tok_s_median'])} decode tok/s "
+            f"per stream, TTFT p50 {fmt(summary['ttft_ms_p50'], 0)} ms",
+            flush=True,
+        )
+        for message in summary["error_messages"]:
+            print(f"    error: {message}")
+    await target.client.close()
+    return {
+        "model": target.model,
+        "decode_prompt_tokens": decode_prompt,
+        "ttft_prompt_tokens": ttft_prompt,
+        "ttft_ms": ttft_ms,
+        "ttft_results": [asdict(r) for r in ttft_results],
+        "levels": summaries,
+    }
+
+
+def measure(server: Server, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+    """Start one server alone, time its start-up, run the workloads and stop it."""
+    process, startup = server.start()
+    print(f"{server.label}: up in {startup:.2f} s", flush=True)
+    try:
+        run = asyncio.run(workloads(server, args, levels))
+    finally:
+        stop(process)
+    return {"startup_s": startup, **run}
+
+
+def usage_report(label: str, runs: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """Token counts the server reported in `usage`, and warnings where they differ from what was asked."""
+    decode = [r for run in runs for level in run["levels"] for r in level["results"] if r["ok"]]
+    ttft = [r for run in runs for r in run["ttft_results"] if r["ok"]]
+    lines = [
+        f"{label} usage: decode prompts {sorted({r['prompt_tokens'] for r in decode})} tokens "
+        f"(cached {sorted({r['cached_tokens'] for r in decode})}), completions "
+        f"{sorted({r['completion_tokens'] for r in decode})} (asked {args.output_tokens}); TTFT prompts "
+        f"{sorted({r['prompt_tokens'] for r in ttft})} (cached {sorted({r['cached_tokens'] for r in ttft})}), "
+        f"completions {sorted({r['completion_tokens'] for r in ttft})} (asked 1)"
+    ]
+    if not all(r["usage_reported"] for r in decode + ttft):
+        lines.append(f"  WARNING: {label} sent no usage chunk for some streams; their counts are content chunks")
+    if any(r["completion_tokens"] != args.output_tokens for r in decode) or any(
+        r["completion_tokens"] != 1 for r in ttft
+    ):
+        lines.append(f"  WARNING: {label} generated other numbers of tokens than asked (ignore_eos not honoured?)")
+    return lines
+
+
+def level_figure(run: dict[str, Any], concurrency: int, key: str) -> float | None:
+    """One figure of a run's decode level with that concurrency; None where the level did not run."""
+    return next((level[key] for level in run["levels"] if level["concurrency"] == concurrency), None)
+
+
+def metrics(levels: list[int], ttft_prompt_tokens: int) -> list[Metric]:
+    """The table's rows: start-up, TTFT, then aggregate and per-stream decode rates per concurrency level."""
+    rows = [
+        Metric("start-up: launch to /health 200 (s)", False, lambda run: run["startup_s"]),
+        Metric(f"TTFT, unique ≈{ttft_prompt_tokens}-token prompt, median (ms)", False, lambda run: run["ttft_ms"]),
+    ]
+    for concurrency in levels:
+        aggregate = functools.partial(level_figure, concurrency=concurrency, key="output_tok_s")
+        per_stream = functools.partial(level_figure, concurrency=concurrency, key="decode_tok_s_median")
+        rows.append(Metric(f"output tok/s, concurrency {concurrency} (aggregate)", True, aggregate))
+        rows.append(Metric(f"decode tok/s per stream, concurrency {concurrency} (median, no TTFT)", True, per_stream))
+    return rows
+
+
+def pick(values: list[float], higher_is_better: bool, how: str) -> float | None:
+    """The best (max or min) or the median of the rounds' values; None for none."""
+    if not values:
+        return None
+    if how == "median":
+        return statistics.median(values)
+    return max(values) if higher_is_better else min(values)
+
+
+def comparison(runs: dict[str, list[dict[str, Any]]], table_metrics: list[Metric], how: str) -> list[dict[str, Any]]:
+    """One row per metric: each server's figure over the rounds and statelm / llama-server."""
+    rows = []
+    for metric in table_metrics:
+        row: dict[str, Any] = {"metric": metric.name, "better": "higher" if metric.higher_is_better else "lower"}
+        for label, server_runs in runs.items():
+            values = [value for value in map(metric.read, server_runs) if value is not None]
+            row[label] = pick(values, metric.higher_is_better, how)
+        ours, theirs = row.get(STATELM), row.get(LLAMA)
+        row["ratio"] = ours / theirs if ours is not None and theirs else None
+        rows.append(row)
+    return rows
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """The comparison rows as a Markdown table."""
+    lines = [
+        f"| metric | better | {LLAMA} | {STATELM} | {STATELM} / {LLAMA} |",
+        "| --- | --- | ---: | ---: | ---: |",
+    ]
+    for row in rows:
+        digits = 2 if row["metric"].startswith("start-up") else 1
+        lines.append(
+            f"| {row['metric']} | {row['better']} | {fmt(row.get(LLAMA), digits)} | {fmt(row.get(STATELM), digits)} "
+            f"| {fmt(row['ratio'], 2)} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    """Parse the flags, measure each server alone over the rounds, and print the comparison."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--llama-server", type=Path, help="llama-server binary; default: the shared build script's")
+    parser.add_argument("--servers", default=f"{LLAMA},{STATELM}", help="which to measure, comma-separated")
+    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated decode levels (streams)")
+    parser.add_argument("--requests-per-level", type=int, help="default: one request per stream (all at once)")
+    parser.add_argument("--output-tokens", type=int, default=128, help="max_tokens of every decode stream")
+    parser.add_argument("--prompt-tokens", type=int, default=64, help="approximate prompt length of decode streams")
+    parser.add_argument("--ttft-prompt-tokens", type=int, default=512, help="approximate prompt length for TTFT")
+    parser.add_argument("--ttft-requests", type=int, default=5, help="TTFT requests (one at a time); median")
+    parser.add_argument("--rounds", type=int, default=2, help="start/measure/stop each server this often")
+    parser.add_argument("--pick", choices=("best", "median"), default="best", help="how rounds are combined")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
+    parser.add_argument("--llama-port", type=int, default=8791)
+    parser.add_argument("--statelm-port", type=int, default=8792)
+    parser.add_argument("--llama-args", default="", help="extra llama-server flags")
+    parser.add_argument("--statelm-args", default="", help="extra `statelm serve` flags")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per request")
+    parser.add_argument("--max-duration", type=float, default=3600, help="seconds for one server's decode levels")
+    parser.add_argument("--json", type=Path, help="write settings, the table and raw per-request results here")
+    parser.set_defaults(shared_prefix=False)  # read by bench.throughput.run_level: every prompt starts unique
+    args = parser.parse_args()
+    levels = [int(level) for level in args.concurrency.split(",")]
+    labels = args.servers.split(",")
+    llama = find_llama_server(args.llama_server) if LLAMA in labels else None
+    gguf = resolve_source("default").path
+    servers = make_servers(args, llama, gguf, levels)
+    peer = f"{llama} ({llama_version(llama)})" if llama is not None else "not measured"
+    header = "\n".join(
+        [
+            machine_report(),
+            f"cpu flags: {' '.join(vector_flags())}",
+            f"llama-server: {peer}",
+            f"gguf (statelm's --model default): {gguf}",
+            *(f"{server.label}: {server.shown}" for server in servers),
+            f"settings: decode {levels} streams × {args.output_tokens} output tokens (ignore_eos, greedy, streamed), "
+            f"unique ≈{args.prompt_tokens}-token prompts; TTFT: median of {args.ttft_requests} unique "
+            f"≈{args.ttft_prompt_tokens}-token prompts, max_tokens 1; {args.rounds} round(s), alternating order, "
+            f"{args.pick} of the rounds",
+            "start-up is timed with warm caches: each server was started and stopped once before the rounds",
+        ]
+    )
+    print(header, flush=True)
+    for server in servers:
+        process, seconds = server.start()
+        stop(process)
+        print(f"{server.label}: warm-up start {seconds:.2f} s (not counted)", flush=True)
+    runs: dict[str, list[dict[str, Any]]] = {server.label: [] for server in servers}
+    for round_index in range(args.rounds):
+        print(f"\n== round {round_index + 1}/{args.rounds}", flush=True)
+        for server in servers if round_index % 2 == 0 else servers[::-1]:
+            runs[server.label].append(measure(server, args, levels))
+    rows = comparison(runs, metrics(levels, args.ttft_prompt_tokens), args.pick)
+    print(f"\n{header}")
+    print(f"Command: `{shlex.join(['.venv/bin/python', '-m', 'bench.peers', *sys.argv[1:]])}`\n")
+    for label, server_runs in runs.items():
+        print("\n".join(usage_report(label, server_runs, args)))
+    print(f"\n{markdown_table(rows)}")
+    print(f"\nratio: {STATELM} / {LLAMA}; above 1 is better for statelm where higher is better, below 1 where lower is")
+    if args.json:
+        settings = {k: str(value) if isinstance(value, Path) else value for k, value in vars(args).items()}
+        payload = {"header": header, "settings": settings, "table": rows, "runs": runs}
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"\nraw results: {args.json}")
+
+
+if __name__ == "__main__":
+    main()
