@@ -233,7 +233,7 @@ void transpose_keys(const T* const* rows, int64_t dim, float* kt, Prefetcher& pr
   for (int64_t d = d0; d < dim; ++d) {
     for (int j = 0; j < kChunk; ++j) kt[d * kChunk + j] = to_float(rows[j][d]);
   }
-  prefetcher.issue(per_block * kChunk);
+  prefetcher.issue(per_block * (kChunk / 8) * ((dim - d0 + 7) / 8));  // the 8x8 blocks done here
 }
 
 // out[0..dim) = float(row[0..dim)), zeros up to padded.
@@ -534,7 +534,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
       }
       prefetcher.row_bytes = row_bytes;
     }
-    const int64_t blocks = it.kv_heads * (kChunk / 8) * std::max<int64_t>(1, dim / 8);
+    const int64_t blocks = it.kv_heads * (kChunk / 8) * ((dim + 7) / 8);
     const int64_t per_block = (prefetcher.num_rows * ((row_bytes + 63) / 64) + blocks - 1) / blocks;
     const int64_t* offset = offsets[i % kRing];
     for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
