@@ -38,7 +38,7 @@ serve: kernels
 
 test: kernels
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=20
 
 lint: setup
 	$(BIN)/ruff check .
