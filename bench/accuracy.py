@@ -2,8 +2,9 @@
 
 Usage: .venv/bin/python -m bench.accuracy [--tokens 2000]
 The reference is the default GGUF dequantized to float32 and run as a float model. Each format runs through
-statelm's weight-only quantized kernel (float32 activations): `gguf` keeps the file's own blocks (Q4_1, and
-Q8_0 for the embedding), so only float rounding separates it from the reference; `int8` and `int4`
+statelm's quantized kernel, which quantizes activations to int8 per 32 values as llama.cpp's CPU kernels do:
+`gguf` keeps the file's own blocks (Q4_1, and Q8_0 for the embedding), so it measures what the int8
+activations cost on top of the file's own quantization; `int8` and `int4`
 re-quantize the float weights as a float checkpoint would be at load. Over a fixed text (the repository's
 docs, the first N tokens), it reports the share of positions whose most likely next token matches the
 reference's, and the mean KL(reference || format).

@@ -1,7 +1,9 @@
-"""Weight matrices kept quantized in 32-value blocks, and run through statelm's weight-only quantized matmul.
+"""Weight matrices kept quantized in 32-value blocks, and run through statelm's quantized matmul kernel.
 
-The kernel widens each weight block to float32 in registers and multiplies it into float32 activations, so
-its result differs from a float matmul on the dequantized matrix by float rounding only.
+The kernel (csrc/qmatmul.cpp) computes as llama.cpp's CPU kernels do: activations are quantized to int8 per
+row and block of 32 values, so each block's dot product is exact in integers. On the same GGUF it therefore
+agrees with llama.cpp's arithmetic rather than with a float matmul on the dequantized weights; what that
+costs against the float model is measured by bench/accuracy.py and reported in docs/benchmarks.md.
 
 Two packed kinds, both with a float32 scale per block of 32 values along the input dimension:
 
@@ -12,6 +14,11 @@ Two packed kinds, both with a float32 scale per block of 32 values along the inp
 
 Float checkpoints quantize at load with `quantize`: int8 → `q8`, int4 → `q4` (asymmetric: min and max of each
 block map to 0 and 15, which fits skewed blocks better than Q4_0's symmetric grid).
+
+Layout: output rows are interleaved in groups of 8 (the last group padded with zeros), so that one 32-byte
+load gives the kernel 4 consecutive values of 8 rows. Per group and block: q8 values [8 quads, 8 rows, 4],
+q4 bytes [4 quads, 8 rows, 4] whose low nibbles hold the block's values 0…15 and high nibbles 16…31 (GGML's
+nibble order, so a Q4 block's 16 bytes move as they are), scales and mins [8 rows].
 """
 
 from __future__ import annotations
@@ -26,38 +33,79 @@ from gguf.quants import dequantize as gguf_dequantize
 from statelm.kernels.build import load_kernels
 
 BLOCK = 32
+GROUP = 8  # output rows interleaved together
 KINDS = ("q8", "q4")
 Q = GGMLQuantizationType
 
 
 @dataclass
 class PackedWeight:
-    """A [out_features, in_features] matrix in a packed kind: values, per-block scales, and mins for q4."""
+    """A [out_features, in_features] matrix in a packed kind: values, per-block scales, and mins for q4.
+
+    The tensors are in the interleaved layout described in the module docstring: values [groups, blocks, quads,
+    8, 4] (uint8 for q4, int8 for q8), scales and mins float32 [groups, blocks, 8], groups = ceil(out / 8).
+    """
 
     kind: str
     out_features: int
     in_features: int
-    values: torch.Tensor  # q8: int8 [out, in]; q4: uint8 [out, in / 2]
-    scales: torch.Tensor  # float32 [out, in / 32]
-    mins: torch.Tensor | None = None  # q4: float32 [out, in / 32]
+    values: torch.Tensor
+    scales: torch.Tensor
+    mins: torch.Tensor | None = None  # q4 only
+
+    @classmethod
+    def from_rows(
+        cls, kind: str, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
+    ) -> PackedWeight:
+        """A weight from row-major blocks: values [out, in] (q8) or [out, in / 2] (q4, GGML nibbles), scales
+        and mins [out, in / 32]."""
+        out_features, blocks = scales.shape
+        groups = -(-out_features // GROUP)
+        pad = groups * GROUP - out_features
+        width = BLOCK // 2 if kind == "q4" else BLOCK
+
+        def interleave(tensor: torch.Tensor, inner: tuple[int, ...]) -> torch.Tensor:
+            padded = torch.nn.functional.pad(tensor.reshape(out_features, -1), (0, 0, 0, pad))
+            grouped = padded.reshape(groups, GROUP, blocks, *inner)
+            return grouped.movedim(1, -2 if inner else -1).contiguous()
+
+        weight = cls(
+            kind,
+            out_features,
+            blocks * BLOCK,
+            interleave(values.contiguous(), (width // 4, 4)),
+            interleave(scales.float(), ()),
+            None if mins is None else interleave(mins.float(), ()),
+        )
+        weight.check()
+        return weight
+
+    def rows(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Row-major values, scales and mins (as from_rows takes them) of all rows, or of rows index."""
+        rows = torch.arange(self.out_features) if index is None else index
+        group, member = rows // GROUP, rows % GROUP
+        values = self.values[group, :, :, member, :].reshape(rows.numel(), -1)  # [rows, blocks, quads, 4]
+        scales = self.scales[group, :, member]
+        mins = None if self.mins is None else self.mins[group, :, member]
+        return values, scales, mins
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] float32 @ W.T -> [M, out] float32, activations kept in float32."""
+        """x [M, in] float32 @ W.T -> [M, out] float32 (activations quantized to int8 inside the kernel)."""
         load_kernels()
-        return torch.ops.statelm.quantized_matmul(x.float().contiguous(), self.values, self.scales, self.mins)
+        x = x.float().contiguous()
+        return torch.ops.statelm.quantized_matmul(x, self.values, self.scales, self.mins, self.out_features)
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix [out, in]."""
-        return self._dequantize_rows(slice(None))
+        return self._dequantize(None)
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ids [T] of the matrix, dequantized to float32 [T, in]."""
-        return self._dequantize_rows(ids)
+        return self._dequantize(ids)
 
     def select_rows(self, index: torch.Tensor) -> PackedWeight:
         """The matrix of rows index (new row i is old row index[i])."""
-        take = [t.index_select(0, index) if t is not None else None for t in (self.values, self.scales, self.mins)]
-        return PackedWeight(self.kind, int(index.numel()), self.in_features, take[0], take[1], take[2])
+        return PackedWeight.from_rows(self.kind, *self.rows(index))
 
     @staticmethod
     def concat(weights: list[PackedWeight]) -> PackedWeight:
@@ -65,14 +113,15 @@ class PackedWeight:
         first = weights[0]
         if any(w.kind != first.kind or w.in_features != first.in_features for w in weights):
             raise ValueError("only weights of one kind and input size can be concatenated")
-        mins = torch.cat([w.mins for w in weights]) if first.mins is not None else None  # type: ignore[misc]
-        return PackedWeight(
-            first.kind,
-            sum(w.out_features for w in weights),
-            first.in_features,
-            torch.cat([w.values for w in weights]),
-            torch.cat([w.scales for w in weights]),
-            mins,
+        if all(w.out_features % GROUP == 0 for w in weights):  # whole groups: stack them as they are
+            mins = torch.cat([w.mins for w in weights]) if first.mins is not None else None  # type: ignore[misc]
+            out = sum(w.out_features for w in weights)
+            values = torch.cat([w.values for w in weights])
+            return PackedWeight(first.kind, out, first.in_features, values, torch.cat([w.scales for w in weights]), mins)
+        parts = [w.rows() for w in weights]
+        mins = torch.cat([p[2] for p in parts]) if first.mins is not None else None  # type: ignore[misc]
+        return PackedWeight.from_rows(
+            first.kind, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), mins
         )
 
     def state(self) -> dict[str, torch.Tensor]:
@@ -96,33 +145,33 @@ class PackedWeight:
 
     def check(self) -> None:
         """Raise ValueError unless the tensors fit the kind and shape."""
-        blocks = self.in_features // BLOCK
-        width = self.in_features // 2 if self.kind == "q4" else self.in_features
+        groups, blocks = -(-self.out_features // GROUP), self.in_features // BLOCK
+        quads = 4 if self.kind == "q4" else 8
         dtype = torch.uint8 if self.kind == "q4" else torch.int8
         ok = (
             self.kind in KINDS
             and self.in_features % BLOCK == 0
             and self.values.dtype == dtype
-            and tuple(self.values.shape) == (self.out_features, width)
+            and tuple(self.values.shape) == (groups, blocks, quads, GROUP, 4)
             and self.scales.dtype == torch.float32
-            and tuple(self.scales.shape) == (self.out_features, blocks)
+            and tuple(self.scales.shape) == (groups, blocks, GROUP)
             and (self.mins is None) == (self.kind != "q4")
-            and (self.mins is None or tuple(self.mins.shape) == (self.out_features, blocks))
+            and (self.mins is None or tuple(self.mins.shape) == (groups, blocks, GROUP))
         )
         if not ok:
             shape = f"{self.out_features}x{self.in_features}"
             raise ValueError(f"tensors do not make a {self.kind} weight of shape {shape}")
 
-    def _dequantize_rows(self, rows: slice | torch.Tensor) -> torch.Tensor:
-        values, scales = self.values[rows], self.scales[rows]
+    def _dequantize(self, index: torch.Tensor | None) -> torch.Tensor:
+        values, scales, mins = self.rows(index)
         count = values.shape[0]
         if self.kind == "q8":
             blocks = values.view(count, -1, BLOCK).float() * scales.unsqueeze(-1)
         else:
-            assert self.mins is not None
+            assert mins is not None
             packed = values.view(count, -1, BLOCK // 2)
             levels = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-            blocks = levels * scales.unsqueeze(-1) + self.mins[rows].unsqueeze(-1)
+            blocks = levels * scales.unsqueeze(-1) + mins.unsqueeze(-1)
         return blocks.reshape(count, self.in_features)
 
 
@@ -134,7 +183,7 @@ def pack_gguf(tensor_type: GGMLQuantizationType, data: np.ndarray, shape: tuple[
         blocks = raw.reshape(out_features, -1, 34)
         scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)[..., 0]
         values = blocks[:, :, 2:].copy().view(np.int8).reshape(out_features, in_features)
-        return _weight("q8", shape, values, scales, None)
+        return _weight("q8", values, scales, None)
     if tensor_type in (Q.Q4_0, Q.Q4_1):  # blocks of fp16 d (, fp16 m), 16 bytes of nibbles
         header = 2 if tensor_type == Q.Q4_0 else 4
         blocks = raw.reshape(out_features, -1, header + 16)
@@ -142,7 +191,7 @@ def pack_gguf(tensor_type: GGMLQuantizationType, data: np.ndarray, shape: tuple[
         scales = halves[..., 0]
         mins = -8.0 * scales if tensor_type == Q.Q4_0 else halves[..., 1]
         values = blocks[:, :, header:].reshape(out_features, in_features // 2)
-        return _weight("q4", shape, values, scales, mins)
+        return _weight("q4", values, scales, mins)
     floats = np.asarray(gguf_dequantize(data, tensor_type), dtype=np.float32).reshape(shape)
     return quantize(torch.from_numpy(floats), "int8")
 
@@ -157,34 +206,24 @@ def quantize(weight: torch.Tensor, kind: str) -> PackedWeight:
         scales = blocks.abs().amax(dim=-1) / 127.0
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         values = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return _weight("q8", (out_features, in_features), values.reshape(out_features, in_features), scales, None)
+        return _weight("q8", values.reshape(out_features, in_features), scales, None)
     if kind == "int4":
         low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
         scales = (high - low) / 15.0
         inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
         levels = torch.round((blocks - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
         packed = levels[..., : BLOCK // 2] | (levels[..., BLOCK // 2 :] << 4)
-        return _weight("q4", (out_features, in_features), packed.reshape(out_features, -1), scales, low)
+        return _weight("q4", packed.reshape(out_features, -1), scales, low)
     raise ValueError(f"unknown quantization {kind!r}; choose int8 or int4")
 
 
 def _weight(
     kind: str,
-    shape: tuple[int, int],
     values: np.ndarray | torch.Tensor,
     scales: np.ndarray | torch.Tensor,
     mins: np.ndarray | torch.Tensor | None,
 ) -> PackedWeight:
     def tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array).contiguous()
+        return torch.as_tensor(np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array)
 
-    weight = PackedWeight(
-        kind,
-        shape[0],
-        shape[1],
-        tensor(values),
-        tensor(scales).float(),
-        None if mins is None else tensor(mins).float(),
-    )
-    weight.check()
-    return weight
+    return PackedWeight.from_rows(kind, tensor(values), tensor(scales), None if mins is None else tensor(mins))

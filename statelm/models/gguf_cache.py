@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CONVERSION_VERSION = 1  # bump when what a conversion produces changes
+CONVERSION_VERSION = 2  # 2: packed weights interleaved in groups of 8 rows
 _PACKED_SEPARATOR = "::"  # packed weight `name` is stored as tensors `name::part`
 
 

@@ -1,20 +1,32 @@
-// Weight-only quantized matmul over 32-value blocks: y[m, n] = sum_b d[n, b] * (q[n, b] . x[m, b]) + m[n, b] * sum(x[m, b]).
+// Quantized matmul y [M, N] = x [M, K] @ W.T, computed as llama.cpp's CPU kernels compute a Q4_1 or Q8_0 matmul:
+// the weights stay in 32-value blocks and the activations are quantized to int8 per row and block of 32, so a
+// block's dot product is exact in integers and costs a few instructions for 32 multiply-adds.
 //
-// Formats (32-value blocks along K, float32 scale per block):
-//   q8: int8 values, w = d * q                     (GGUF Q8_0, and Q5/Q6/K-quants re-packed)
-//   q4: 4-bit values 0..15 in nibbles, w = d*q + m  (GGUF Q4_0 with m = -8d, Q4_1)
-// q4 bytes hold value j in the low nibble of byte j and value j+16 in the high nibble (GGML's order).
+// Weights (see statelm/kernels/quant.py), with a float32 scale d (and, q4, a min m) per block of 32 along K:
+//   q8: int8 values,        w = d*q       (GGUF Q8_0; other GGUF types re-packed)
+//   q4: nibbles 0..15,      w = d*q + m   (GGUF Q4_0 with m = -8d, and Q4_1)
+// laid out in groups of 8 output columns so that one 32-byte load holds 4 consecutive values of each of 8
+// columns: q8 values [N/8, K/32, 8 quads, 8 columns, 4], q4 values [N/8, K/32, 4 quads, 8 columns, 4] whose
+// low nibbles are a block's values 0..15 and high nibbles its values 16..31; scales and mins [N/8, K/32, 8].
+// Integer lanes then line up with output columns: no horizontal sums, and a column's scale is a vector lane.
 //
-// Activations stay float32: each weight block is widened to float once per tile of rows and multiplied into
-// the rows' float32 values, so the only error against the dequantized matrix is float rounding. Every output
-// value accumulates its blocks in K order with the same float operations whatever the number of rows, their
-// batch or the thread count (threads split N only), so a row's result never depends on its batch.
+// Activations: q = round(x * 127 / amax), dx = amax / 127, sx = dx * sum(q) per row and block, so
+//   q4: sum_j (d*qw_j + m) * dx*qx_j = d*dx * sum_j qw_j*qx_j + m * sx
+//   q8: sum_j  d*qw_j      * dx*qx_j = d*dx * sum_j qw_j*qx_j
+//
+// Batch invariance: a row's quantization reads only that row, its block sums are exact integers, and its
+// float accumulation runs over the blocks in K order with the same operations whatever the number of rows,
+// their tile or the thread count (threads split N only). The scalar path computes the same float operations
+// as the AVX2 path (fused multiply-adds included), so both give the same bits.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #if defined(__AVX2__) && defined(__FMA__)
@@ -24,169 +36,210 @@
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kRowsPerTile = 4;
-constexpr int64_t kColumnGrain = 16;
+constexpr int64_t kBlock = 32;    // values per quantization block, along K
+constexpr int64_t kGroup = 8;     // output columns interleaved together
+constexpr int kRowsPerTile = 4;   // activation rows sharing each loaded weight block
+constexpr int64_t kGroupsPerChunk = 4;  // column groups kept hot in L1 while every row tile passes over them
 
-// Per row and block, the sum of the block's activations (the factor of a q4 block's min).
-std::vector<float> block_sums(const float* x, int64_t rows, int64_t k, int64_t stride) {
-  const int64_t blocks = k / kBlock;
-  std::vector<float> sums(rows * blocks);
-  for (int64_t m = 0; m < rows; ++m) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* in = x + m * stride + b * kBlock;
-      float sum = 0.0f;
-      for (int64_t i = 0; i < kBlock; ++i) sum += in[i];
-      sums[m * blocks + b] = sum;
-    }
-  }
-  return sums;
-}
+// A packed weight's arrays.
+struct Weights {
+  const uint8_t* values;
+  const float* scales;
+  const float* mins;  // q4 only
+  int64_t n;          // output columns (the last group may be partly padding)
+  int64_t blocks;     // K / 32
+  bool q4;
 
-struct Operands {
-  const float* x;
-  int64_t x_stride;
-  const float* x_sums;
-  int64_t k;
-  float* y;
-  int64_t n;
+  int64_t block_bytes() const { return q4 ? kGroup * kBlock / 2 : kGroup * kBlock; }
+  int64_t at(int64_t group, int64_t block) const { return group * blocks + block; }
 };
 
+// Activation rows quantized per block: values [M, K], and per block dx and sx [M, K/32].
+struct QuantizedRows {
+  std::vector<int8_t> values;
+  std::vector<float> scales;
+  std::vector<float> sums;
+  int64_t blocks;
+
+  const int8_t* block(int64_t m, int64_t b) const { return values.data() + (m * blocks + b) * kBlock; }
+  float scale(int64_t m, int64_t b) const { return scales[m * blocks + b]; }
+  float sum(int64_t m, int64_t b) const { return sums[m * blocks + b]; }
+};
+
+void quantize_block(const float* x, int8_t* q, float* scale, float* sum) {
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+  int32_t total = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inverse));  // round half to even
+    q[i] = static_cast<int8_t>(v);
+    total += v;
+  }
+  *scale = amax / 127.0f;
+  *sum = *scale * static_cast<float>(total);
+}
+
+QuantizedRows quantize_rows(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock;
+  QuantizedRows out{std::vector<int8_t>(rows * k), std::vector<float>(rows * blocks), std::vector<float>(rows * blocks),
+                    blocks};
+  const float* in = x.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 8192 / k);  // tasks of a few thousand values
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t at = m * blocks + b;
+        quantize_block(in + m * stride + b * kBlock, out.values.data() + at * kBlock, &out.scales[at], &out.sums[at]);
+      }
+    }
+  });
+  return out;
+}
+
+// The 8 columns of a row's result, or those of them that exist.
+inline void store_columns(const float* lanes, float* y, int64_t col, int64_t n) {
+  std::memcpy(y + col, lanes, sizeof(float) * std::min<int64_t>(kGroup, n - col));
+}
+
 #if defined(STATELM_QMATMUL_AVX2)
-inline float hsum_ps(__m256 v) {
-  __m128 sum = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  sum = _mm_add_ps(sum, _mm_movehl_ps(sum, sum));
-  sum = _mm_add_ss(sum, _mm_movehdup_ps(sum));
-  return _mm_cvtss_f32(sum);
+inline __m256i broadcast_quad(const int8_t* q) {
+  int32_t quad;
+  std::memcpy(&quad, q, sizeof(quad));
+  return _mm256_set1_epi32(quad);
 }
 
-// The block's 32 weights (before scale and min) as four vectors of 8 floats, in K order.
-template <bool kQ4>
-inline void widen_block(const uint8_t* block, __m256 out[4]) {
-  if constexpr (kQ4) {
-    const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(block));
-    const __m128i mask = _mm_set1_epi8(0x0F);
-    const __m128i low = _mm_and_si128(bytes, mask);                     // values 0..15
-    const __m128i high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);  // values 16..31
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(low));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(low, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(high));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(high, 8)));
-  } else {
-    const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block));
-    const __m128i low = _mm256_castsi256_si128(bytes), high = _mm256_extracti128_si256(bytes, 1);
-    out[0] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(low));
-    out[1] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(low, 8)));
-    out[2] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(high));
-    out[3] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(high, 8)));
-  }
-}
-
-// Rows m0..m0+R-1 of one output column. Per block, each row's 8 lanes += d * (w . x) lanes; the lanes are summed
-// once at the end. A row's operations are the same whatever R is, so its result does not depend on its tile.
+// Rows m0..m0+R-1 of one group of 8 columns. Each row's operations are the same whatever R is.
 template <bool kQ4, int R>
-inline void output_tile(const uint8_t* w_row, const float* scales, const float* mins, const Operands& op, int64_t m0,
-                        int64_t col) {
-  const int64_t blocks = op.k / kBlock;
-  constexpr int64_t kBlockBytes = kQ4 ? kBlock / 2 : kBlock;
+inline void output_tile(const Weights& w, const QuantizedRows& x, int64_t m0, int64_t group, float* y) {
+  const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[R];
-  float min_acc[R];
-  for (int r = 0; r < R; ++r) {
-    acc[r] = _mm256_setzero_ps();
-    min_acc[r] = 0.0f;
-  }
-  __m256 w[4];
-  for (int64_t b = 0; b < blocks; ++b) {
-    widen_block<kQ4>(w_row + b * kBlockBytes, w);
-    const __m256 scale = _mm256_set1_ps(scales[b]);
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const int64_t at = w.at(group, b);
+    const uint8_t* values = w.values + at * w.block_bytes();
+    __m256i sums[R];  // per row, 8 lanes of int32: one column's block dot product each
+    if constexpr (kQ4) {
+      // Pairs of int16 products: 8 maddubs of at most 2*15*127 each stay below 32767, so they add in int16.
+      __m256i pairs[R];
+      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
+      const __m256i mask = _mm256_set1_epi8(0x0F);
+      for (int quad = 0; quad < 4; ++quad) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + quad * 32));
+        const __m256i low = _mm256_and_si256(bytes, mask);                         // values 4*quad + i
+        const __m256i high = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), mask);  // values 16 + 4*quad + i
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.block(m0 + r, b);
+          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(low, broadcast_quad(q + 4 * quad)),
+                                                    _mm256_maddubs_epi16(high, broadcast_quad(q + 16 + 4 * quad)));
+          pairs[r] = _mm256_add_epi16(pairs[r], products);
+        }
+      }
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_madd_epi16(pairs[r], ones);
+    } else {
+      for (int r = 0; r < R; ++r) sums[r] = _mm256_setzero_si256();
+      for (int quad = 0; quad < 8; ++quad) {
+        const __m256i signed_values = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(values + quad * 32));
+        const __m256i magnitudes = _mm256_sign_epi8(signed_values, signed_values);  // -128 reads as 128 unsigned
+        for (int r = 0; r < R; ++r) {
+          const __m256i moved = _mm256_sign_epi8(broadcast_quad(x.block(m0 + r, b) + 4 * quad), signed_values);
+          sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(_mm256_maddubs_epi16(magnitudes, moved), ones));
+        }
+      }
+    }
+    const __m256 scales = _mm256_loadu_ps(w.scales + at * kGroup);
     for (int r = 0; r < R; ++r) {
-      const float* x = op.x + (m0 + r) * op.x_stride + b * kBlock;
-      __m256 dot = _mm256_mul_ps(w[0], _mm256_loadu_ps(x));
-      dot = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(x + 8), dot);
-      dot = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(x + 16), dot);
-      dot = _mm256_fmadd_ps(w[3], _mm256_loadu_ps(x + 24), dot);
-      acc[r] = _mm256_fmadd_ps(dot, scale, acc[r]);
-      if constexpr (kQ4) min_acc[r] += mins[b] * op.x_sums[(m0 + r) * blocks + b];
+      const __m256 scale = _mm256_mul_ps(scales, _mm256_set1_ps(x.scale(m0 + r, b)));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r]), scale, acc[r]);
+    }
+    if constexpr (kQ4) {
+      const __m256 mins = _mm256_loadu_ps(w.mins + at * kGroup);
+      for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(x.sum(m0 + r, b)), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) op.y[(m0 + r) * op.n + col] = hsum_ps(acc[r]) + min_acc[r];
+  alignas(32) float lanes[kGroup];
+  for (int r = 0; r < R; ++r) {
+    _mm256_store_ps(lanes, acc[r]);
+    store_columns(lanes, y + (m0 + r) * w.n, group * kGroup, w.n);
+  }
 }
 #else
 template <bool kQ4, int R>
-inline void output_tile(const uint8_t* w_row, const float* scales, const float* mins, const Operands& op, int64_t m0,
-                        int64_t col) {
-  const int64_t blocks = op.k / kBlock;
+inline void output_tile(const Weights& w, const QuantizedRows& x, int64_t m0, int64_t group, float* y) {
   for (int r = 0; r < R; ++r) {
-    const int64_t m = m0 + r;
-    float acc = 0.0f, min_acc = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b) {
-      const float* x = op.x + m * op.x_stride + b * kBlock;
-      float dot = 0.0f;
-      if constexpr (kQ4) {
-        const uint8_t* q = w_row + b * kBlock / 2;
-        for (int64_t i = 0; i < kBlock / 2; ++i) dot += static_cast<float>(q[i] & 0x0F) * x[i];
-        for (int64_t i = 0; i < kBlock / 2; ++i) dot += static_cast<float>(q[i] >> 4) * x[i + kBlock / 2];
-        min_acc += mins[b] * op.x_sums[m * blocks + b];
-      } else {
-        const int8_t* q = reinterpret_cast<const int8_t*>(w_row) + b * kBlock;
-        for (int64_t i = 0; i < kBlock; ++i) dot += static_cast<float>(q[i]) * x[i];
+    float acc[kGroup] = {};
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const int64_t at = w.at(group, b);
+      const uint8_t* values = w.values + at * w.block_bytes();
+      const int8_t* q = x.block(m0 + r, b);
+      for (int64_t c = 0; c < kGroup; ++c) {
+        int32_t dot = 0;
+        for (int64_t quad = 0; quad < (kQ4 ? 4 : 8); ++quad) {
+          for (int64_t i = 0; i < 4; ++i) {
+            const int64_t byte = quad * 32 + c * 4 + i;
+            if constexpr (kQ4) {
+              dot += (values[byte] & 0x0F) * q[4 * quad + i] + (values[byte] >> 4) * q[16 + 4 * quad + i];
+            } else {
+              dot += static_cast<int8_t>(values[byte]) * q[4 * quad + i];
+            }
+          }
+        }
+        const float scale = w.scales[at * kGroup + c] * x.scale(m0 + r, b);
+        acc[c] = std::fma(static_cast<float>(dot), scale, acc[c]);
+        if constexpr (kQ4) acc[c] = std::fma(w.mins[at * kGroup + c], x.sum(m0 + r, b), acc[c]);
       }
-      acc += dot * scales[b];
     }
-    op.y[m * op.n + col] = acc + min_acc;
+    store_columns(acc, y + (m0 + r) * w.n, group * kGroup, w.n);
   }
 }
 #endif
 
 template <bool kQ4>
-void output_columns(const uint8_t* w, int64_t row_bytes, const float* d, const float* mn, const Operands& op,
-                    int64_t rows, int64_t begin, int64_t end) {
-  const int64_t blocks = op.k / kBlock;
-  for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerTile) {
-    const int64_t tile = std::min<int64_t>(kRowsPerTile, rows - m0);
-    for (int64_t col = begin; col < end; ++col) {
-      const uint8_t* w_row = w + col * row_bytes;
-      const float* scales = d + col * blocks;
-      const float* mins = kQ4 ? mn + col * blocks : nullptr;
-      switch (tile) {
-        case 4: output_tile<kQ4, 4>(w_row, scales, mins, op, m0, col); break;
-        case 3: output_tile<kQ4, 3>(w_row, scales, mins, op, m0, col); break;
-        case 2: output_tile<kQ4, 2>(w_row, scales, mins, op, m0, col); break;
-        default: output_tile<kQ4, 1>(w_row, scales, mins, op, m0, col); break;
+void output_groups(const Weights& w, const QuantizedRows& x, int64_t rows, int64_t begin, int64_t end, float* y) {
+  for (int64_t g0 = begin; g0 < end; g0 += kGroupsPerChunk) {
+    const int64_t g1 = std::min(end, g0 + kGroupsPerChunk);
+    for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerTile) {
+      const int64_t tile = std::min<int64_t>(kRowsPerTile, rows - m0);
+      for (int64_t group = g0; group < g1; ++group) {
+        switch (tile) {
+          case 4: output_tile<kQ4, 4>(w, x, m0, group, y); break;
+          case 3: output_tile<kQ4, 3>(w, x, m0, group, y); break;
+          case 2: output_tile<kQ4, 2>(w, x, m0, group, y); break;
+          default: output_tile<kQ4, 1>(w, x, m0, group, y); break;
+        }
       }
     }
   }
 }
 
-// x [M, K] float32; values [N, K] int8 (q8) or [N, K/2] uint8 (q4); scales (and mins, q4) [N, K/32] float32.
+// x [M, K] float32; values, scales and mins laid out as above for `out_features` columns.
 at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& values, const at::Tensor& scales,
-                            const c10::optional<at::Tensor>& mins) {
+                            const c10::optional<at::Tensor>& mins, int64_t out_features) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
   const bool q4 = mins.has_value();
-  const int64_t rows = x.size(0), k = x.size(1), n = values.size(0);
+  const int64_t k = x.size(1), blocks = k / kBlock, groups = (out_features + kGroup - 1) / kGroup;
   TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
-  TORCH_CHECK(values.is_contiguous() && values.size(1) == (q4 ? k / 2 : k), "values do not match K");
-  TORCH_CHECK(values.scalar_type() == (q4 ? at::kByte : at::kChar), "values must be uint8 (q4) or int8 (q8)");
-  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.size(0) == n &&
-                  scales.size(1) == k / kBlock,
-              "scales must be [N, K/32] float32");
+  TORCH_CHECK(values.is_contiguous() && values.scalar_type() == (q4 ? at::kByte : at::kChar) &&
+                  values.numel() == groups * blocks * kGroup * (q4 ? kBlock / 2 : kBlock),
+              "values must be the packed layout of an [N, K] weight (uint8 for q4, int8 for q8)");
+  TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == at::kFloat && scales.numel() == groups * blocks * kGroup,
+              "scales must be float32 [N/8, K/32, 8]");
   if (q4) {
-    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == at::kFloat && mins->sizes() == scales.sizes(),
-                "mins must be [N, K/32] float32");
+    TORCH_CHECK(mins->is_contiguous() && mins->scalar_type() == at::kFloat && mins->numel() == scales.numel(),
+                "mins must be float32 [N/8, K/32, 8]");
   }
-  auto out = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return out;
-  const std::vector<float> sums = q4 ? block_sums(x.data_ptr<float>(), rows, k, x.stride(0)) : std::vector<float>();
-  const Operands op{x.data_ptr<float>(), x.stride(0), sums.data(), k, out.data_ptr<float>(), n};
-  const uint8_t* w = static_cast<const uint8_t*>(values.data_ptr());
-  const float* d = scales.data_ptr<float>();
-  const float* mn = q4 ? mins->data_ptr<float>() : nullptr;
-  const int64_t row_bytes = values.size(1);
-  at::parallel_for(0, n, kColumnGrain, [&](int64_t begin, int64_t end) {
+  auto out = at::empty({x.size(0), out_features}, x.options());
+  if (x.size(0) == 0 || out_features == 0) return out;
+  const Weights w{static_cast<const uint8_t*>(values.data_ptr()), scales.data_ptr<float>(),
+                  q4 ? mins->data_ptr<float>() : nullptr, out_features, blocks, q4};
+  const QuantizedRows quantized = quantize_rows(x);
+  const int64_t rows = x.size(0);
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, groups, 2, [&](int64_t begin, int64_t end) {
     if (q4) {
-      output_columns<true>(w, row_bytes, d, mn, op, rows, begin, end);
+      output_groups<true>(w, quantized, rows, begin, end, y);
     } else {
-      output_columns<false>(w, row_bytes, d, mn, op, rows, begin, end);
+      output_groups<false>(w, quantized, rows, begin, end, y);
     }
   });
   return out;
@@ -195,7 +248,7 @@ at::Tensor quantized_matmul(const at::Tensor& x, const at::Tensor& values, const
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
-  m.def("quantized_matmul(Tensor x, Tensor values, Tensor scales, Tensor? mins) -> Tensor");
+  m.def("quantized_matmul(Tensor x, Tensor values, Tensor scales, Tensor? mins, int out_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("quantized_matmul", &quantized_matmul); }
