@@ -116,8 +116,8 @@ class PackedWeight:
         if all(w.out_features % GROUP == 0 for w in weights):  # whole groups: stack them as they are
             mins = torch.cat([w.mins for w in weights]) if first.mins is not None else None  # type: ignore[misc]
             out = sum(w.out_features for w in weights)
-            values = torch.cat([w.values for w in weights])
-            return PackedWeight(first.kind, out, first.in_features, values, torch.cat([w.scales for w in weights]), mins)
+            values, scales = torch.cat([w.values for w in weights]), torch.cat([w.scales for w in weights])
+            return PackedWeight(first.kind, out, first.in_features, values, scales, mins)
         parts = [w.rows() for w in weights]
         mins = torch.cat([p[2] for p in parts]) if first.mins is not None else None  # type: ignore[misc]
         return PackedWeight.from_rows(
