@@ -99,6 +99,13 @@ def serve(
             help="auto (a start-up self-check picks the fastest batch-invariant one) | kernels | torch | torch-per-row."
         ),
     ] = "auto",
+    kv_cache_dtype: Annotated[
+        str,
+        typer.Option(
+            help="auto (float16 on the CPU kernels path, halving the KV memory traffic; else the model's dtype)"
+            " | float32 | bfloat16 | float16."
+        ),
+    ] = "auto",
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
@@ -172,6 +179,7 @@ def serve(
         max_queue=max_queue,
         batch_invariant=batch_invariant,
         compute_path=compute_path,
+        kv_cache_dtype=kv_cache_dtype,
         seed=seed,
         threads=threads,
         default_sampling=parse_sampling_defaults(default_sampling) if default_sampling else {},

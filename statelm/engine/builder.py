@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from statelm.config import EngineConfig
+from statelm.cpu import cpu_flags
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.engine import Engine
@@ -17,7 +18,7 @@ from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.models.layers import RowChunking
-from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
+from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +73,15 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         loaded.fingerprint.parts["compute_path"] = loaded.model.compute_path  # KV rounding depends on it
+    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
+    loaded.fingerprint.parts["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")  # snapshots hold this KV
     model_config = loaded.config
     block_bytes = KVCache.bytes_per_block(
         model_config.num_hidden_layers,
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        loaded.dtype,
+        kv_dtype,
     )
     num_blocks = _kv_budget(config, loaded.device) // block_bytes
     max_model_len = min(
@@ -94,14 +97,15 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        loaded.dtype,
+        kv_dtype,
         loaded.device,
     )
     log.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB); max model len %d; %s on %s, %d threads",
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %s); max model len %d; %s on %s, %d threads",
         num_blocks,
         config.block_size,
         num_blocks * block_bytes / 2**20,
+        str(kv_dtype).removeprefix("torch."),
         max_model_len,
         loaded.dtype,
         loaded.device,
@@ -117,6 +121,26 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         sampling_defaults=sampling_defaults(loaded, config),
         vocab_size=loaded.tokenizer.vocab_size,
     )
+
+
+def kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
+    """The KV cache's dtype: `auto` is float16 on the CPU kernels path (whose attention widens it to float32 as
+    it reads, one instruction with F16C; llama.cpp's default too) and the model's dtype elsewhere.
+
+    Only the kernels path reads a cache whose dtype differs from the model's; the torch paths write K/V as they are.
+    """
+    model = loaded.model
+    kernels = model.compute_path == "kernels"
+    if name == "auto":
+        return torch.float16 if kernels and "f16c" in cpu_flags() else loaded.dtype
+    dtype = DTYPES.get(name)
+    if dtype is None:
+        raise EngineConfigError(f"unknown KV cache dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
+    if dtype != loaded.dtype and not kernels:
+        raise EngineConfigError(
+            f"a {name} KV cache needs the kernels compute path (this model runs {model.compute_path} in {loaded.dtype})"
+        )
+    return dtype
 
 
 def sampling_defaults(loaded: LoadedModel, config: EngineConfig) -> dict[str, Any]:
