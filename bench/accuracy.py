@@ -2,9 +2,10 @@
 
 Usage: .venv/bin/python -m bench.accuracy [--tokens 2000]
 The reference is the default GGUF dequantized to float32 and run as a float model. Each format runs through
-statelm's quantized kernel, which quantizes activations to int8 per 32 values as llama.cpp's CPU kernels do:
-`gguf` keeps the file's own blocks (Q4_1, and Q8_0 for the embedding), so it measures what the int8
-activations cost on top of the file's own quantization; `int8` and `int4`
+statelm's quantized kernel twice: with float32 activations, and with activations quantized to int8 per 32
+values as llama.cpp's CPU kernels do (`--activations`). `gguf` keeps the file's own blocks (Q4_1, and Q8_0
+for the embedding), so with float32 activations only float rounding separates it from the reference; `int8`
+and `int4`
 re-quantize the float weights as a float checkpoint would be at load. Over a fixed text (the repository's
 docs, the first N tokens), it reports the share of positions whose most likely next token matches the
 reference's, and the mean KL(reference || format).
@@ -93,17 +94,21 @@ def main() -> None:
         print(f"reference compute path: {float_model.model.compute_path}")
         reference = all_logits(float_model, tokens)
         results = {}
-        packed = load_engine_model(EngineConfig(quantization="auto"))
-        create_engine(packed, EngineConfig(kv_cache_memory=64 << 20))
-        results["gguf (Q4_1 + Q8_0 blocks as stored)"] = compare(reference, all_logits(packed, tokens))
-        for kind in ("int8", "int4"):
-            requantized = load_engine_model(EngineConfig(quantization="none"))
-            repack(requantized, kind)
-            results[f"{kind} (re-quantized at load)"] = compare(reference, all_logits(requantized, tokens))
-    print("| format | top-1 agreement | mean KL divergence (nats) |")
-    print("| --- | ---: | ---: |")
-    for name, (agree, kl) in results.items():
-        print(f"| {name} | {agree:.2%} | {kl:.5f} |")
+        for activations in ("float32", "int8"):
+            packed = load_engine_model(EngineConfig(quantization="auto", activations=activations))
+            create_engine(packed, EngineConfig(kv_cache_memory=64 << 20))
+            results["gguf (Q4_1 + Q8_0 blocks as stored)", activations] = compare(reference, all_logits(packed, tokens))
+            for kind in ("int8", "int4"):
+                requantized = load_engine_model(EngineConfig(quantization="none"))
+                repack(requantized, kind)
+                requantized.model.use_activations(activations)
+                results[f"{kind} (re-quantized at load)", activations] = compare(
+                    reference, all_logits(requantized, tokens)
+                )
+    print("| format | activations | top-1 agreement | mean KL divergence (nats) |")
+    print("| --- | --- | ---: | ---: |")
+    for (name, activations), (agree, kl) in results.items():
+        print(f"| {name} | {activations} | {agree:.2%} | {kl:.5f} |")
 
 
 if __name__ == "__main__":

@@ -18,6 +18,7 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto (a GGUF's quantized weights stay packed) | none | int8 | int4
+    activations: str = "float32"  # packed matmuls: float32 (the float model's arithmetic) | int8 (llama.cpp's; faster)
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a default that depends on the device

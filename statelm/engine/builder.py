@@ -59,7 +59,13 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         dtype = torch.float32  # packed weights run in statelm's float32 kernels on every CPU
     else:
         dtype = resolve_dtype(config.dtype, device)
-    return load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
+    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
+    try:
+        if loaded.model.use_activations(config.activations):
+            loaded.fingerprint.parts["activations"] = config.activations  # the packed matmuls' arithmetic
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None
+    return loaded
 
 
 def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:

@@ -1,9 +1,10 @@
 """Weight matrices kept quantized in 32-value blocks, and run through statelm's quantized matmul kernel.
 
-The kernel (csrc/qmatmul.cpp) computes as llama.cpp's CPU kernels do: activations are quantized to int8 per
-row and block of 32 values, so each block's dot product is exact in integers. On the same GGUF it therefore
-agrees with llama.cpp's arithmetic rather than with a float matmul on the dequantized weights; what that
-costs against the float model is measured by bench/accuracy.py and reported in docs/benchmarks.md.
+The kernel (csrc/qmatmul*.cpp) keeps activations in float32, so only float rounding separates its result from
+a float matmul on the dequantized weights; or, with int8 activations, it computes as llama.cpp's CPU kernels
+do: activations quantized to int8 per row and block of 32 values, each block's dot product exact in integers,
+2.5-3x faster on many rows. What int8 activations cost against the float model is measured by
+bench/accuracy.py and reported in docs/benchmarks.md.
 
 Two packed kinds, both with a float32 scale per block of 32 values along the input dimension:
 
@@ -89,11 +90,13 @@ class PackedWeight:
         mins = None if self.mins is None else self.mins[group, :, member]
         return values, scales, mins
 
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, in] float32 @ W.T -> [M, out] float32 (activations quantized to int8 inside the kernel)."""
+    def matmul(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
+        """x [M, in] float32 @ W.T -> [M, out] float32; activations stay float32 or are quantized to int8."""
         load_kernels()
         x = x.float().contiguous()
-        return torch.ops.statelm.quantized_matmul(x, self.values, self.scales, self.mins, self.out_features)
+        return torch.ops.statelm.quantized_matmul(
+            x, self.values, self.scales, self.mins, self.out_features, int8_activations
+        )
 
     def dequantize(self) -> torch.Tensor:
         """The float32 matrix [out, in]."""

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+ACTIVATIONS = ("int8", "float32")
 
 
 @dataclass
@@ -218,11 +219,21 @@ class LlamaForCausalLM(nn.Module):
             self.chunking.resize(RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant())
         self.compute_path = path
 
+    def use_activations(self, activations: str) -> int:
+        """How packed linears on the kernels path treat activations (`float32`, or `int8` per 32 values); returns
+        how many packed linears there are (none: the setting changes nothing)."""
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"unknown activations {activations!r}; choose {' or '.join(ACTIVATIONS)}")
+        packed = [module for module in self.modules() if isinstance(module, PackedLinear)]
+        for module in packed:
+            module.int8_activations = activations == "int8"
+        return len(packed)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample."""
         head = self.packed_head
         if head is not None and head.use_kernel:
-            return head.weight.matmul(hidden)
+            return head(hidden)
         if head is not None:
             weight = head.dense(hidden.dtype)
         else:

@@ -28,12 +28,13 @@ class PackedLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.use_kernel = True
+        self.int8_activations = False  # the kernel's arithmetic: float32 activations, or int8 as llama.cpp's
         self._dense: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the projection to [T, in_features]."""
         if self.use_kernel:
-            out = self.weight.matmul(x)
+            out = self.weight.matmul(x, self.int8_activations)
             return out if self.bias is None else out + self.bias
         return self.chunking.linear(x, self.dense(x.dtype), self.bias)
 
@@ -51,7 +52,8 @@ class PackedLinear(nn.Module):
 
     def extra_repr(self) -> str:
         """Shape and packing, for print(model)."""
-        return f"in={self.in_features}, out={self.out_features}, kind={self.weight.kind}, bias={self.bias is not None}"
+        shape = f"in={self.in_features}, out={self.out_features}, kind={self.weight.kind}"
+        return f"{shape}, int8_activations={self.int8_activations}, bias={self.bias is not None}"
 
 
 class PackedEmbedding(nn.Module):

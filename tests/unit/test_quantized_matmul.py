@@ -45,19 +45,18 @@ def int8_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 def assert_matmul_close(weight: PackedWeight, dense: torch.Tensor, rows: int, seed: int) -> None:
-    """The kernel against float64 x̂ @ dense.T, x̂ the int8-quantized activations: only float rounding differs.
+    """Both kernel paths against float64 matmuls on dense: only float rounding may differ.
 
-    Against the unquantized activations it stays within what 8-bit activations cost (under 1% of the
-    sum of the products' magnitudes).
+    The float path is compared with x @ dense.T, the int8 path with x̂ @ dense.T, x̂ the int8-quantized
+    activations; against x, the int8 path stays within what 8-bit activations cost (under 1% of the sum of
+    the products' magnitudes).
     """
     x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(seed))
-    result = weight.matmul(x).double()
-    seen = int8_activations(x)
-    exact = seen @ dense.double().T
-    magnitude = (seen.abs() @ dense.double().abs().T).max()  # what float rounding is relative to
-    assert float((result - exact).abs().max() / magnitude) < 1e-6
-    unquantized = x.double() @ dense.double().T
-    assert float((result - unquantized).abs().max() / magnitude) < 0.01
+    for int8, seen in ((False, x.double()), (True, int8_activations(x))):
+        result = weight.matmul(x, int8_activations=int8).double()
+        magnitude = (seen.abs() @ dense.double().abs().T).max()  # what float rounding is relative to
+        assert float((result - seen @ dense.double().T).abs().max() / magnitude) < 1e-6, int8
+        assert float((result - x.double() @ dense.double().T).abs().max() / magnitude) < 0.01, int8
 
 
 @pytest.mark.parametrize("qtype", EXACT_TYPES)
@@ -100,17 +99,18 @@ def test_float_weights_quantize_at_load(kind: str) -> None:
 
 
 @pytest.mark.invariance
+@pytest.mark.parametrize("int8", [False, True])
 @pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int) -> None:
+def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int, int8: bool) -> None:
     weight = pack_gguf(qtype, gguf_tensor(qtype, 200, 576, seed=5), (200, 576))
     x = torch.randn(65, 576, generator=torch.Generator().manual_seed(6))
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        alone = torch.cat([weight.matmul(x[i : i + 1]) for i in range(65)])
+        alone = torch.cat([weight.matmul(x[i : i + 1], int8) for i in range(65)])
         for count in (2, 3, 5, 7, 16, 64, 65):
-            assert torch.equal(weight.matmul(x[:count]), alone[:count]), count
+            assert torch.equal(weight.matmul(x[:count], int8), alone[:count]), count
     finally:
         torch.set_num_threads(previous)
 
