@@ -58,3 +58,5 @@ class ServerConfig:
     sse_keepalive: float = 10.0  # seconds between SSE comments on a stream (kept open through a long prefill)
     tool_parser: str | None = None  # tool-call output format; None: read off the chat template
     reasoning_parser: str = "auto"  # think tags: auto (from the template), none, or a parser name
+    allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed by CORS; none by default
+    max_stored_completions: int = 1000  # `store: true` completions kept in memory, the oldest dropped; 0: refused

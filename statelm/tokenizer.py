@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+import os
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -20,6 +21,8 @@ from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tok
 from tokenizers import Tokenizer as BackendTokenizer
 
 # Special tokens that end an assistant turn in common chat templates; they stop generation too.
+# One text at a time: no rayon pool, so no warning (and no disabled pool) in processes forked after tokenizing
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
 # GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
@@ -156,8 +159,12 @@ class Tokenizer:
         return self._content_hash
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` prepends BOS when the model wants it."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        """Token ids of `text`; `add_special_tokens` prepends BOS when the model wants it.
+
+        Through `encode_batch`, which lets go of the GIL while it works (`encode` holds it): a long text
+        tokenized in a worker thread then leaves the event loop free.
+        """
+        ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
             return [self.bos_token_id, *ids]
         return ids

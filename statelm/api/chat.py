@@ -11,9 +11,11 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from statelm.api.access_log import log_request
 from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, chat_events, collect_choices
 from statelm.api.chat_prompt import RenderedPrompt, forces_tool_call
 from statelm.api.errors import APIError
+from statelm.api.generation import GenerationStats
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import chat_logprobs
 from statelm.api.protocol import (
@@ -25,6 +27,7 @@ from statelm.api.protocol import (
     ChunkChoice,
     DeltaMessage,
     NamedToolChoice,
+    StoredChatCompletion,
     Timings,
     Usage,
 )
@@ -32,14 +35,17 @@ from statelm.api.serving import (
     ServedModel,
     ServingContext,
     sampling_defaults,
+    served_tier,
     timings_of,
     usage_of,
 )
+from statelm.api.stored_completions import CompletionStore
 from statelm.api.structured_output import forced_tool_constraint
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.sequence import SamplingParams
 from statelm.metrics import ServingMetrics
 from statelm.sessions.manager import SessionManager
+from statelm.sessions.ownership import current_principal
 from statelm.sessions.session import Session
 from statelm.tokenizer import Tokenizer
 
@@ -70,6 +76,7 @@ class ChatService:
         *,
         tool_parser: str | None = None,
         reasoning_parser: str = "auto",
+        completions: CompletionStore | None = None,
     ) -> None:
         defaults = sampling_defaults(engine.engine.sampling_defaults)
         self.context = ServingContext(
@@ -83,14 +90,29 @@ class ChatService:
             reasoning_parser=reasoning_parser,
         )
         self.sessions = sessions
+        self.completions = completions or CompletionStore(0)  # what `store: true` keeps; none by default
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
         """Generate every choice in full."""
+        owner = current_principal().owner
         request_id, events = await self._start(request)
         choices, stats = await collect_choices(events, request.n)
+        response = self._response(request, request_id, int(time.time()), choices, stats)
+        self._keep(request, owner, response)
+        return response
+
+    def _response(
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        created: int,
+        choices: list[ChoiceMessage],
+        stats: GenerationStats,
+    ) -> ChatCompletionResponse:
+        """The whole response of finished choices."""
         return ChatCompletionResponse(
             id=request_id,
-            created=int(time.time()),
+            created=created,
             model=request.model,
             choices=[
                 ChatChoice(
@@ -104,19 +126,32 @@ class ChatService:
             ],
             usage=usage_of(stats),
             timings=timings_of(stats),
+            system_fingerprint=self.context.model.system_fingerprint,
+            service_tier=served_tier(request),
             session_id=request.session_id,
         )
 
+    def _keep(self, request: ChatCompletionRequest, owner: str, response: ChatCompletionResponse) -> None:
+        """Store the response, with the request's metadata, when the request asks for it."""
+        if request.store:
+            stored = {**response.model_dump(), "metadata": request.metadata or {}}
+            self.completions.put(owner, StoredChatCompletion.model_validate(stored))
+
     async def stream(self, request: ChatCompletionRequest) -> AsyncIterator[ChatCompletionChunk]:
         """Generate the choices as chunks; validation errors are raised before the first chunk."""
+        owner = current_principal().owner
         request_id, events = await self._start(request)
-        return self._chunks(request, request_id, events)
+        return self._chunks(request, request_id, events, owner)
 
     async def _chunks(
-        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator[ChoiceEvent]
+        self, request: ChatCompletionRequest, request_id: str, events: AsyncIterator[ChoiceEvent], owner: str
     ) -> AsyncIterator[ChatCompletionChunk]:
-        """OpenAI's order: a role chunk per choice, deltas, a finish chunk per choice, then usage if asked for."""
+        """OpenAI's order: a role chunk per choice, deltas, a finish chunk per choice, then usage if asked for.
+
+        A stored stream is kept, as the whole response, once its last choice has finished.
+        """
         created = int(time.time())
+        gathered = [ChoiceMessage() for _ in range(request.n)] if request.store else None
 
         def chunk(
             choices: list[ChunkChoice], usage: Usage | None = None, timings: Timings | None = None
@@ -128,12 +163,18 @@ class ChatService:
                 choices=choices,
                 usage=usage,
                 timings=timings,
+                system_fingerprint=self.context.model.system_fingerprint,
+                service_tier=served_tier(request),
                 session_id=request.session_id,
             )
 
         for index in range(request.n):
             yield chunk([ChunkChoice(index=index, delta=DeltaMessage(role="assistant", content=""))])
         async for event in events:
+            if gathered is not None:
+                gathered[event.index].add(event)
+                if event.stats is not None:
+                    self._keep(request, owner, self._response(request, request_id, created, gathered, event.stats))
             piece = event.piece
             if piece or event.tokens:
                 delta = DeltaMessage(
@@ -159,11 +200,14 @@ class ChatService:
     async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[ChoiceEvent]]:
         """Validate and render the request; return its id and its (not yet started) generation."""
         self.context.admit(request.model)
+        if request.store:
+            self.completions.check_enabled()
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        log_request(request_id, request)
         if request.session_id is not None:
             return request_id, await self._start_turn(request, request_id)
         prompter = self.context.prompter
-        prompt = prompter.render(request.messages, request.tools, prompter.template_kwargs(request, {}))
+        prompt = await self.context.render(request.messages, request.tools, prompter.template_kwargs(request, {}))
         params = await self._params(request, prompt, self.context.model.max_model_len)
         parsers = prompter.output_parsers(request, prompt)
         deltas = self.context.generate(
@@ -183,11 +227,11 @@ class ChatService:
         try:
             new_messages = [message.for_transcript() for message in request.messages]
             kwargs = prompter.template_kwargs(request, session.settings.chat_template_kwargs)
-            prompt = prompter.render(stored_messages(session.transcript) + request.messages, request.tools, kwargs)
             max_model_len = self.context.model.max_model_len
-            params = await self._params(
-                request, prompt, min(max_model_len, session.settings.max_tokens or max_model_len)
-            )
+            context = min(max_model_len, session.settings.max_tokens or max_model_len)
+            messages = stored_messages(session.transcript) + request.messages
+            prompt = await self.context.render(messages, request.tools, kwargs, context=context)
+            params = await self._params(request, prompt, context)
             parsers = prompter.output_parsers(request, prompt)
             restore = await self.sessions.kv_to_restore(session)
         except BaseException:

@@ -7,7 +7,7 @@ which think tags and which tool-call format its output uses (from the template, 
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,8 +77,12 @@ class ChatPrompter:
         *,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        check_text: Callable[[str], None] | None = None,
     ) -> RenderedPrompt:
-        """The conversation (and tools) as the template renders it; 400 if the template refuses it."""
+        """The conversation (and tools) as the template renders it; 400 if the template refuses it.
+
+        `check_text` sees the rendered text before it is tokenized (and may refuse it by raising).
+        """
         prepared = template_messages(messages, tools, self.features)
         try:
             text = self.tokenizer.apply_chat_template(
@@ -86,6 +90,8 @@ class ChatPrompter:
             )
         except ChatTemplateError as exc:
             raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
+        if check_text is not None:
+            check_text(text)
         opens = self.reasoning_tags is not None and prompt_opens_reasoning(text, self.reasoning_tags)
         return RenderedPrompt(text, self.tokenizer.encode(text, add_special_tokens=add_special_tokens), opens)
 

@@ -6,6 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
+from statelm.api.access_log import log_request
 from statelm.api.completions_protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -17,7 +18,7 @@ from statelm.api.errors import APIError
 from statelm.api.generation import ReleasedToken, TextDelta, collect, merge_generations
 from statelm.api.logprobs import completion_logprobs
 from statelm.api.protocol import Timings, Usage
-from statelm.api.serving import ServingContext, stream_events, timings_of, usage_of
+from statelm.api.serving import ServingContext, served_tier, stream_events, timings_of, usage_of
 
 
 class CompletionService:
@@ -45,6 +46,8 @@ class CompletionService:
             ],
             usage=usage_of(stats),
             timings=timings_of(stats),
+            system_fingerprint=self.context.model.system_fingerprint,
+            service_tier=served_tier(request),
         )
 
     async def stream(self, request: CompletionRequest) -> AsyncIterator[CompletionChunk]:
@@ -61,7 +64,14 @@ class CompletionService:
             choices: list[CompletionChoice], usage: Usage | None = None, timings: Timings | None = None
         ) -> CompletionChunk:
             return CompletionChunk(
-                id=request_id, created=created, model=request.model, choices=choices, usage=usage, timings=timings
+                id=request_id,
+                created=created,
+                model=request.model,
+                choices=choices,
+                usage=usage,
+                timings=timings,
+                system_fingerprint=self.context.model.system_fingerprint,
+                service_tier=served_tier(request),
             )
 
         for index, echo in enumerate(echoes):
@@ -83,11 +93,12 @@ class CompletionService:
         context = self.context
         context.admit(request.model)
         request_id = f"cmpl-{uuid.uuid4().hex}"
+        log_request(request_id, request)
         prompts = request.prompts()
         streams = []
         echoes: list[str] = []
         for position, prompt in enumerate(prompts):
-            prompt_ids = self._token_ids(prompt)
+            prompt_ids = await self._token_ids(prompt)
             params = context.sampling_params(request, len(prompt_ids), context.model.max_model_len, "prompt")
             params = await context.constrained(request, params)
             engine_id = request_id if len(prompts) == 1 else f"{request_id}-{position}"
@@ -96,10 +107,10 @@ class CompletionService:
             echoes += [echo] * request.n
         return request_id, echoes, merge_generations(streams, request.n)
 
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+    async def _token_ids(self, prompt: str | list[int]) -> list[int]:
         """A prompt's token ids: text is tokenized as the model wants (with BOS if it has one), ids are checked."""
         if isinstance(prompt, str):
-            prompt_ids = self.context.tokenizer.encode(prompt, add_special_tokens=True)
+            prompt_ids = await self.context.encode(prompt, "prompt", add_special_tokens=True)
         else:
             self.context.check_token_ids(prompt, "prompt")
             prompt_ids = prompt

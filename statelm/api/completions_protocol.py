@@ -84,6 +84,8 @@ class CompletionResponse(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage
     timings: Timings
+    system_fingerprint: str
+    service_tier: str
 
 
 class CompletionChunk(BaseModel):
@@ -96,3 +98,5 @@ class CompletionChunk(BaseModel):
     choices: list[CompletionChoice]
     usage: Usage | None = None
     timings: Timings | None = Field(default=None, exclude_if=lambda value: value is None)
+    system_fingerprint: str
+    service_tier: str

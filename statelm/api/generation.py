@@ -69,44 +69,55 @@ class ChoiceText:
     Stop strings are looked for in the text after the first `min_tokens` tokens. The token that ends a
     choice (EOS or a stop token) is not part of its text, nor is a stop string. Special tokens are left out
     of the text unless `keep_special_tokens` (a tool or reasoning parser reads markers that are special).
+    With `align_to_tokens` (logprobs), text is given out at token boundaries, so that each delta's tokens are
+    exactly its text (a token holding part of a character goes with the token that completes it); only the
+    tokens of the last delta before a stop string may hold more than its text.
     """
 
     def __init__(
-        self, tokenizer: Tokenizer, stop_strings: list[str], min_tokens: int, keep_special_tokens: bool = False
+        self,
+        tokenizer: Tokenizer,
+        stop_strings: list[str],
+        min_tokens: int,
+        keep_special_tokens: bool = False,
+        align_to_tokens: bool = False,
     ) -> None:
         self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=not keep_special_tokens)
         self.matcher = StopStringMatcher(stop_strings)
+        self.align_to_tokens = align_to_tokens  # logprobs are on: text goes out with whole tokens
         self.min_tokens = min_tokens
         self.num_tokens = 0
         self.decoded = 0  # characters the detokenizer has produced
         self.released = 0  # characters given out
-        self.pending: deque[ReleasedToken] = deque()
+        self.ready = ""  # with logprobs: text past the stop strings, held until its tokens are complete
+        self.pending: deque[tuple[ReleasedToken, int]] = deque()  # with the offset where each token's text ends
         self.finish_reason: str | None = None
         self.repetition_detected = False
 
     def add(self, output: StepOutput) -> TextDelta:
         """The text (and tokens) one engine output adds to this choice."""
-        text: list[str] = []
         last = len(output.new_token_ids) - 1
         ended_by_token = output.finished and output.ended_by_token
         for position, token_id in enumerate(output.new_token_ids):
             self.num_tokens += 1
             if ended_by_token and position == last:
                 break
+            start = self.decoded
+            self.ready += self._text(self.detokenizer.add(token_id))
             if output.logprobs is not None:
-                self.pending.append(ReleasedToken(output.logprobs[position], self.decoded))
-            text.append(self._text(self.detokenizer.add(token_id)))
+                self.pending.append((ReleasedToken(output.logprobs[position], start), self.decoded))
         if output.finished and not self.matcher.stopped:
-            text.append(self._text(self.detokenizer.flush()))
-            text.append("" if self.matcher.stopped else self.matcher.flush())
+            self.ready += self._text(self.detokenizer.flush())
+            self.ready += "" if self.matcher.stopped else self.matcher.flush()
         if self.matcher.stopped:
             self.finish_reason = FinishReason.STOP.value
         elif output.finished:
             self.finish_reason = (output.finish_reason or FinishReason.STOP).value
             self.repetition_detected = output.repetition_detected
-        joined = "".join(text)
-        self.released += len(joined)
-        return TextDelta(output.index, joined, self._release(), self.finish_reason, self.repetition_detected)
+        tokens, cut = self._release()
+        text, self.ready = self.ready[:cut], self.ready[cut:]
+        self.released += len(text)
+        return TextDelta(output.index, text, tokens, self.finish_reason, self.repetition_detected)
 
     def _text(self, piece: str) -> str:
         """Text that may be given out now, once the stop strings have seen it."""
@@ -115,15 +126,28 @@ class ChoiceText:
             return piece
         return self.matcher.feed(piece)
 
-    def _release(self) -> list[ReleasedToken]:
-        """Pending tokens whose text has started to be given out; at a finish without a stop string, all of them."""
-        released: list[ReleasedToken] = []
-        everything = self.finish_reason is not None and not self.matcher.stopped
-        while self.pending and (everything or self.pending[0].offset < self.released):
-            released.append(self.pending.popleft())
+    def _release(self) -> tuple[list[ReleasedToken], int]:
+        """The tokens to give out now, and how much of the ready text goes with them.
+
+        Without logprobs all ready text goes. At a finish everything does, except (after a stop string) the
+        tokens whose text is not in the reply at all. Otherwise the complete tokens whose text is ready go,
+        and the text up to the end of the last of them.
+        """
+        ready_end = self.released + len(self.ready)
         if self.finish_reason is not None:
+            tokens = [token for token, _ in self.pending if not self.matcher.stopped or token.offset < ready_end]
             self.pending.clear()
-        return released
+            return tokens, len(self.ready)
+        if not self.align_to_tokens:
+            return [], len(self.ready)
+        count = cut = 0
+        for position, (token, end) in enumerate(self.pending):
+            if end > ready_end:
+                break
+            if end > token.offset:  # a token with text of its own closes the group before it
+                count, cut = position + 1, end
+        tokens = [self.pending.popleft()[0] for _ in range(count)]
+        return tokens, cut - self.released if count else 0
 
 
 @dataclass
@@ -167,7 +191,10 @@ async def generate_text(
     A choice that meets a stop string is stopped in the engine at once. A session turn (session_id) starts
     from the session's KV, restored from `restore` if it was spilled.
     """
-    choices = [ChoiceText(tokenizer, stop_strings, params.min_tokens, keep_special_tokens) for _ in range(params.n)]
+    aligned = params.logprobs is not None
+    choices = [
+        ChoiceText(tokenizer, stop_strings, params.min_tokens, keep_special_tokens, aligned) for _ in range(params.n)
+    ]
     first_token_at: dict[int, float] = {}
     arrived_at = time.perf_counter()
     last_arrival: dict[int, float] = {}  # per choice

@@ -22,6 +22,10 @@ MAX_CHOICES = 128
 MAX_TOP_LOGPROBS = 20
 MAX_REPETITION_PERIOD = 512
 SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch generators accept
+MAX_TAG_LENGTH = 512  # user, safety_identifier, prompt_cache_key: OpenAI's limit is 64; proxies send longer ids
+MAX_METADATA_PAIRS = 16  # OpenAI's limits on `metadata`
+MAX_METADATA_KEY = 64
+MAX_METADATA_VALUE = 512
 
 TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
 TokenId = Annotated[int, Field(ge=0)]
@@ -42,6 +46,10 @@ def _check_template_kwargs(kwargs: JSONObject) -> JSONObject:
 
 
 TemplateKwargs = Annotated[JSONObject, AfterValidator(_check_template_kwargs)]
+Metadata = Annotated[
+    dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)], Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
+    Field(max_length=MAX_METADATA_PAIRS),
+]
 
 
 class StrictModel(BaseModel):
@@ -93,16 +101,24 @@ class TextResponseFormat(TypedModel):
 
 
 class JSONObjectResponseFormat(TypedModel):
-    """`response_format` {"type": "json_object"}: the output is one JSON object."""
+    """`response_format` {"type": "json_object"}: one JSON object; llama.cpp's `schema` makes it follow a schema."""
 
     type: Literal["json_object"]
+    json_schema: JSONObject | None = Field(default=None, alias="schema")  # llama.cpp
 
 
 class JSONSchemaResponseFormat(TypedModel):
-    """`response_format` {"type": "json_schema", ...}: the output is JSON valid under the schema."""
+    """`response_format` {"type": "json_schema"}: JSON valid under OpenAI's `json_schema` or llama.cpp's `schema`."""
 
     type: Literal["json_schema"]
-    json_schema: JSONSchemaSpec
+    json_schema: JSONSchemaSpec | None = None
+    schema_: JSONObject | None = Field(default=None, alias="schema")  # llama.cpp: the schema itself
+
+    @model_validator(mode="after")
+    def _one_schema(self) -> JSONSchemaResponseFormat:
+        if (self.json_schema is None) == (self.schema_ is None):
+            raise ValueError("json_schema response_format takes either json_schema (OpenAI) or schema (llama.cpp)")
+        return self
 
 
 ResponseFormat = Annotated[
@@ -170,6 +186,10 @@ class GenerationRequest(SamplerSettings):
     grammar: Annotated[str, Field(min_length=1)] | None = None  # llama.cpp: a GBNF grammar
     json_schema: JSONObject | None = None  # llama.cpp: a JSON schema
     repetition_detection: RepetitionDetection | None = None
+    user: Annotated[str, Field(max_length=MAX_TAG_LENGTH)] | None = None  # OpenAI: logged, see statelm.api.access_log
+    safety_identifier: Annotated[str, Field(max_length=MAX_TAG_LENGTH)] | None = None  # OpenAI: logged
+    prompt_cache_key: Annotated[str, Field(max_length=MAX_TAG_LENGTH)] | None = None  # OpenAI: logged; one cache
+    service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # OpenAI: scheduling priority
 
     @model_validator(mode="before")
     @classmethod
@@ -307,6 +327,8 @@ class ChatCompletionRequest(GenerationRequest):
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
     max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # statelm/vLLM; `thinking_budget` too
     thinking_budget: Annotated[int, Field(ge=0)] | None = None
+    store: bool = False  # OpenAI: keep the completion retrievable at GET /v1/chat/completions/{id}
+    metadata: Metadata | None = None  # OpenAI: kept with a stored completion, and logged
 
     @field_validator("thinking_budget")
     @classmethod
@@ -439,7 +461,23 @@ class ChatCompletionResponse(BaseModel):
     choices: list[ChatChoice]
     usage: Usage
     timings: Timings
+    system_fingerprint: str
+    service_tier: str
     session_id: str | None = Field(default=None, exclude_if=_omit_none)
+
+
+class StoredChatCompletion(ChatCompletionResponse):
+    """A completion made with `store: true`, as GET /v1/chat/completions/{id} returns it, with its metadata."""
+
+    metadata: dict[str, str] = Field(default_factory=dict)
+
+
+class DeletedCompletion(BaseModel):
+    """Body of DELETE /v1/chat/completions/{id}."""
+
+    id: str
+    object: Literal["chat.completion.deleted"] = "chat.completion.deleted"
+    deleted: bool = True
 
 
 class DeltaFunctionCall(BaseModel):
@@ -487,6 +525,8 @@ class ChatCompletionChunk(BaseModel):
     choices: list[ChunkChoice]
     usage: Usage | None = None
     timings: Timings | None = Field(default=None, exclude_if=_omit_none)
+    system_fingerprint: str
+    service_tier: str
     session_id: str | None = Field(default=None, exclude_if=_omit_none)
 
 
@@ -498,6 +538,7 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "statelm"
     max_model_len: int
+    sampling_defaults: SamplerSettings  # what a request that leaves a sampling field out gets
 
 
 class ModelList(BaseModel):

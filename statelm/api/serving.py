@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
+import functools
+import hashlib
+import json
 import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
@@ -10,12 +14,20 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from statelm.api.chat_prompt import ChatPrompter
+from statelm.api.chat_prompt import ChatPrompter, RenderedPrompt
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats, TextDelta, generate_text
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import TokenStrings
-from statelm.api.protocol import GenerationRequest, PromptTokensDetails, SamplerSettings, Timings, Usage
+from statelm.api.protocol import (
+    ChatMessage,
+    GenerationRequest,
+    PromptTokensDetails,
+    SamplerSettings,
+    Timings,
+    ToolDefinition,
+    Usage,
+)
 from statelm.api.structured_output import ConstraintCompiler, OutputConstraint, requested_constraint
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.repetition import RepetitionConfig
@@ -37,6 +49,8 @@ BUILTIN_SAMPLING = SamplerSettings(
     repetition_penalty=1.0,
     repetition_penalty_range=-1,
 )
+# OpenAI's service tiers as scheduling priorities; `auto` is served at the default tier
+SERVICE_TIER_PRIORITY = {"auto": 0, "default": 0, "flex": -1, "priority": 1}
 
 
 @dataclass
@@ -47,6 +61,7 @@ class ServedModel:
     aliases: frozenset[str]
     max_model_len: int
     created: int
+    system_fingerprint: str = ""  # what decides outputs besides the request: see `system_fingerprint`
 
     def check(self, requested: str) -> None:
         """404 unless the request names this model."""
@@ -70,6 +85,34 @@ def sampling_defaults(values: Mapping[str, Any]) -> SamplerSettings:
         else:
             kept[name] = value
     return SamplerSettings.model_validate(kept)
+
+
+def system_fingerprint(model_digest: str, output_settings: Mapping[str, Any]) -> str:
+    """OpenAI's `system_fingerprint`: a short hash of the model's fingerprint and the settings that change outputs."""
+    identity = json.dumps({"model": model_digest, **output_settings}, sort_keys=True, default=str)
+    return "fp_" + hashlib.sha256(identity.encode()).hexdigest()[:12]
+
+
+def served_tier(request: GenerationRequest) -> str:
+    """The service tier a request is served at, as responses report it (`auto` and unset: `default`)."""
+    tier = request.service_tier
+    return "default" if tier is None or tier == "auto" else tier
+
+
+def effective_defaults(defaults: SamplerSettings) -> SamplerSettings:
+    """Every sampling field's value for a request that leaves it out: the server's defaults, else OpenAI's."""
+    return BUILTIN_SAMPLING.model_copy(update=defaults.model_dump(exclude_none=True))
+
+
+def longest_token(tokenizer: Tokenizer) -> int:
+    """The most characters one token of the vocabulary stands for, plus one (a tokenizer may add a space)."""
+    longest = 1
+    for token_id in range(tokenizer.vocab_size):
+        try:
+            longest = max(longest, len(tokenizer.token_bytes(token_id)))
+        except IndexError:  # an id the vocabulary leaves unused
+            continue
+    return longest + 1
 
 
 def usage_of(stats: GenerationStats) -> Usage:
@@ -138,7 +181,10 @@ class ServingContext:
     constraints: ConstraintCompiler = field(init=False)
     prompter: ChatPrompter = field(init=False)
 
+    max_chars_per_token: int = field(init=False)  # no token covers more characters of a text
+
     def __post_init__(self) -> None:
+        self.max_chars_per_token = longest_token(self.tokenizer)
         self.strings = TokenStrings(self.tokenizer)
         self.constraints = ConstraintCompiler(self.tokenizer)
         self.prompter = ChatPrompter(
@@ -154,6 +200,49 @@ class ServingContext:
                 status=429,
                 type="rate_limit_error",
                 code="queue_full",
+            )
+
+    async def render(
+        self,
+        messages: list[ChatMessage],
+        tools: list[ToolDefinition] | None,
+        kwargs: Mapping[str, Any],
+        *,
+        context: int | None = None,
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = False,
+    ) -> RenderedPrompt:
+        """The conversation rendered and tokenized in a worker thread; a rendering too long for `context` tokens
+        (default: the model's) is refused before it is tokenized."""
+        check = functools.partial(self.check_fits, context=context or self.model.max_model_len, param="messages")
+        return await asyncio.to_thread(
+            self.prompter.render,
+            messages,
+            tools,
+            kwargs,
+            add_generation_prompt=add_generation_prompt,
+            add_special_tokens=add_special_tokens,
+            check_text=check,
+        )
+
+    async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:
+        """A text's token ids, tokenized in a worker thread; a text too long for the context is refused first."""
+        self.check_fits(text, self.model.max_model_len, param)
+        return await asyncio.to_thread(self.tokenizer.encode, text, add_special_tokens=add_special_tokens)
+
+    def check_fits(self, text: str, context: int, param: str) -> None:
+        """400 `context_length_exceeded` when text has more characters than `context` tokens could hold.
+
+        The bound is exact enough to need no tokenizing: no token covers more than `max_chars_per_token`
+        characters, so a text this long has more tokens than the context, whatever its tokenization.
+        """
+        least = -(-len(text) // self.max_chars_per_token)
+        if least > context:
+            raise APIError(
+                f"This model's maximum context length is {context} tokens; the prompt has at least {least} "
+                f"tokens ({len(text)} characters), which does not fit.",
+                param=param,
+                code="context_length_exceeded",
             )
 
     def check_token_ids(self, token_ids: list[int], param: str) -> None:
@@ -188,12 +277,11 @@ class ServingContext:
         self.check_token_ids(list(request.logit_bias or {}), "logit_bias")
         self.check_token_ids(request.stop_token_ids, "stop_token_ids")
 
+        defaults = effective_defaults(self.defaults)
+
         def pick(name: str) -> Any:
-            for source in (request, self.defaults, BUILTIN_SAMPLING):
-                value = getattr(source, name)
-                if value is not None:
-                    return value
-            raise AssertionError(name)
+            value = getattr(request, name)
+            return getattr(defaults, name) if value is None else value
 
         detection = request.repetition_detection
         repetition = None
@@ -219,6 +307,7 @@ class ServingContext:
             ignore_eos=request.ignore_eos,
             logprobs=request.top_logprobs_count(),
             repetition=repetition,
+            priority=SERVICE_TIER_PRIORITY[served_tier(request)],
         )
 
     async def constrained(

@@ -95,9 +95,13 @@ def _closed(schema: Any) -> Any:
 def _response_format(request: GenerationRequest) -> OutputConstraint | None:
     response_format = request.response_format
     if isinstance(response_format, JSONObjectResponseFormat):
+        if response_format.json_schema is not None:  # llama.cpp's form
+            return OutputConstraint("json_schema", response_format.json_schema, "response_format.schema")
         return OutputConstraint("json_object", None, "response_format")
     if isinstance(response_format, JSONSchemaResponseFormat):
-        schema = response_format.json_schema.json_schema
+        if response_format.schema_ is not None:  # llama.cpp's form
+            return OutputConstraint("json_schema", response_format.schema_, "response_format.schema")
+        schema = response_format.json_schema.json_schema if response_format.json_schema is not None else None
         if schema is None:
             return OutputConstraint("json_object", None, "response_format")
         return OutputConstraint("json_schema", schema, "response_format")

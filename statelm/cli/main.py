@@ -166,6 +166,18 @@ def serve(
         str,
         typer.Option(help="Think tags: auto (from the template) | none | deepseek_r1 | qwen3 | seed_oss | mistral."),
     ] = "auto",
+    allowed_origins: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--allowed-origins",
+            show_default=False,
+            help="A browser origin (e.g. http://localhost:5173, or *) whose pages may call the API, by CORS "
+            "(repeatable; none by default).",
+        ),
+    ] = None,
+    max_stored_completions: Annotated[
+        int, typer.Option(help="Chat completions kept for `store: true`, in memory, oldest dropped (0: refused).")
+    ] = 1000,
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -213,6 +225,8 @@ def serve(
         sse_keepalive=sse_keepalive,
         tool_parser=tool_parser,
         reasoning_parser=reasoning_parser,
+        allowed_origins=allowed_origins or [],
+        max_stored_completions=max_stored_completions,
     )
     from statelm.server.launch import LaunchError, run_server
 

@@ -24,6 +24,14 @@ log = logging.getLogger(__name__)
 
 # generation_config.json keys that are defaults of the request fields of the same names (as vLLM takes them)
 GENERATION_CONFIG_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# Sampling defaults statelm ships for models whose files declare none, by model name (lower case, without org or
+# quantization suffix). The bundled model's card recommends temperature 0.2 and top_p 0.9, but with its Q4_1
+# weights the first token of a plain question is a near tie ("The" -1.88 against "L" -1.97 for "What is the
+# capital of France?"), so 0.2 still derails one reply in three: statelm ships greedy, with the card's top_p for
+# requests that set a temperature.
+MODEL_CARD_DEFAULTS: dict[str, dict[str, Any]] = {
+    "smollm2-135m-instruct": {"temperature": 0.0, "top_p": 0.9},  # the bundled default model
+}
 DEFAULT_CPU_KV_BYTES = 2 << 30
 GPU_FREE_MEMORY_FRACTION = 0.8
 
@@ -150,10 +158,23 @@ def kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
 
 
 def sampling_defaults(loaded: LoadedModel, config: EngineConfig) -> dict[str, Any]:
-    """Defaults of requests' sampling fields: the model's generation config, overridden by --default-sampling."""
+    """Defaults of requests' sampling fields: --default-sampling over the model's generation config, over the
+    defaults statelm ships for a model whose files declare none."""
     generation_config = loaded.generation_config
     from_model = {key: generation_config[key] for key in GENERATION_CONFIG_DEFAULTS if key in generation_config}
-    return {**from_model, **config.default_sampling}
+    return {**(from_model or model_card_defaults(loaded.name)), **config.default_sampling}
+
+
+def model_card_defaults(model_name: str) -> dict[str, Any]:
+    """The sampling defaults statelm ships for a model, or none.
+
+    The name matches with any organisation (`HuggingFaceTB/`) and file suffix (`-Q8_0`) around it.
+    """
+    base = model_name.rsplit("/", 1)[-1].lower()
+    for name, defaults in MODEL_CARD_DEFAULTS.items():
+        if base == name or base.startswith(f"{name}-") or base.startswith(f"{name}."):
+            return dict(defaults)
+    return {}
 
 
 def _kv_budget(config: EngineConfig, device: torch.device) -> int:

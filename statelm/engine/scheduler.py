@@ -32,8 +32,11 @@ class Scheduler:
         self.running: list[Sequence] = []
 
     def add(self, seq: Sequence) -> None:
-        """Queue a new sequence."""
-        self.waiting.append(seq)
+        """Queue a new sequence behind every waiting one of its priority or a higher one."""
+        position = len(self.waiting)
+        while position and self.waiting[position - 1].params.priority < seq.params.priority:
+            position -= 1
+        self.waiting.insert(position, seq)
 
     def has_work(self) -> bool:
         """True while any sequence waits or runs."""

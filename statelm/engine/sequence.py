@@ -40,6 +40,7 @@ class SamplingParams:
     grammar_start_after: tuple[int, ...] = ()  # the grammar starts once the output has produced these ids (</think>)
     reasoning: ReasoningBudget | None = None  # caps the think block; its end tag is forced when the budget is spent
     repetition: RepetitionConfig | None = None  # ends the sequence (STOP) when its output falls into a loop
+    priority: int = 0  # waiting sequences of a higher priority are scheduled first (OpenAI's service_tier)
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request, Response
+from fastapi.middleware.cors import CORSMiddleware
 
 from statelm.api.chat import ChatService
 from statelm.api.limits import GenerationLimits
@@ -48,6 +49,7 @@ def create_app(
     guards: Guards,
     sse_keepalive: float = 10.0,
     invariance: InvarianceReport | None = None,
+    allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An app serving chat and sessions on the given engine; sessions are saved and the engine stopped at exit.
 
@@ -92,4 +94,6 @@ def create_app(
         serving_metrics.http_responses.labels(path, str(response.status_code)).inc()
         return response
 
+    if allowed_origins:  # outermost: a preflight carries no key, and every answer (401s too) needs the headers
+        app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
     return app

@@ -12,7 +12,9 @@ from fastapi import FastAPI
 
 from statelm.api.chat import ChatService, ServedModel
 from statelm.api.limits import GenerationLimits
+from statelm.api.serving import system_fingerprint
 from statelm.api.sessions import SessionService
+from statelm.api.stored_completions import CompletionStore
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
 from statelm.metrics import ServingMetrics
@@ -39,11 +41,19 @@ def build_services(
 ) -> tuple[ChatService, SessionService]:
     """Chat and session services over a built engine, answering to the served name and the `--model` value."""
     name = server_config.served_model_name or built.loaded.name
+    engine = built.engine.engine
+    output_settings = {
+        "device": built.loaded.device.type,
+        "quantization": engine_config.quantization,
+        "batch_invariant": engine_config.batch_invariant,
+        "sampling_defaults": engine.sampling_defaults,
+    }
     model = ServedModel(
         name=name,
         aliases=frozenset({engine_config.model, built.loaded.name} - {name}),
-        max_model_len=built.engine.engine.max_model_len,
+        max_model_len=engine.max_model_len,
         created=int(time.time()),
+        system_fingerprint=system_fingerprint(built.loaded.fingerprint.digest, output_settings),
     )
     manager = SessionManager(
         built.engine,
@@ -63,6 +73,7 @@ def build_services(
             limits=limits,
             tool_parser=server_config.tool_parser,
             reasoning_parser=server_config.reasoning_parser,
+            completions=CompletionStore(server_config.max_stored_completions),
         )
     except ValueError as exc:  # an unknown --tool-parser or --reasoning-parser
         raise LaunchError(str(exc)) from None
@@ -129,7 +140,14 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple
         drain=DrainGate(server_config.drain_timeout),
     )
     app = create_app(
-        built.engine, chat, session_service, metrics, guards, server_config.sse_keepalive, built.invariance
+        built.engine,
+        chat,
+        session_service,
+        metrics,
+        guards,
+        server_config.sse_keepalive,
+        built.invariance,
+        allowed_origins=server_config.allowed_origins,
     )
     app.state.model_name = built.loaded.name
     return app, guards.drain

@@ -1,8 +1,12 @@
-"""Request limits enforced before a route runs: body size (413) and the caps a generation body states (400)."""
+"""Request limits enforced before a route runs: body size (413), text that is not Unicode and the caps a
+generation body states (400)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -11,6 +15,9 @@ from statelm.api.limits import GenerationLimits
 from statelm.server.errors import error_response
 
 CAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/tokenize"})  # bodies with messages or max_tokens
+OFF_LOOP_BYTES = 2**20  # bodies larger than this are checked in a worker thread
+SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's \uD800-\uDFFF, pairs included
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what is left of one once JSON has joined the pairs
 
 
 class RequestLimitMiddleware:
@@ -28,8 +35,10 @@ class RequestLimitMiddleware:
             return
         try:
             body = await self._read_body(scope, receive)
-            if scope["method"] == "POST" and scope["path"] in CAPPED_PATHS:
-                self._check_generation(body)
+            if len(body) > OFF_LOOP_BYTES:  # parsing a large body would hold up every other request
+                await asyncio.to_thread(self._check_body, scope, body)
+            else:
+                self._check_body(scope, body)
         except APIError as error:
             await error_response(error)(scope, receive, send)
             return
@@ -52,6 +61,11 @@ class RequestLimitMiddleware:
             more = message.get("more_body", False)
         return b"".join(chunks)
 
+    def _check_body(self, scope: Scope, body: bytes) -> None:
+        check_unicode(body)
+        if scope["method"] == "POST" and scope["path"] in CAPPED_PATHS:
+            self._check_generation(body)
+
     def _too_large(self) -> APIError:
         return APIError(
             f"The request body is larger than this server's limit of {self.max_body_bytes} bytes.",
@@ -67,6 +81,42 @@ class RequestLimitMiddleware:
             return
         if isinstance(parsed, dict):
             self.limits.check_body(parsed)
+
+
+def check_unicode(body: bytes) -> None:
+    """400 naming the field when a JSON body holds a lone UTF-16 surrogate (`"\\ud800"`: valid JSON, not text).
+
+    Only a body with a surrogate escape is parsed here; one that is not JSON is left for the route to reject.
+    """
+    if not SURROGATE_ESCAPE.search(body):
+        return
+    try:
+        parsed = json.loads(body)
+    except (ValueError, RecursionError):
+        return
+    path = _lone_surrogate(parsed, [])
+    if path is not None:
+        param = ".".join(path) or None
+        raise APIError(
+            f"Invalid value for '{param}': the text holds a lone UTF-16 surrogate, which is not a Unicode "
+            "character; send valid Unicode (a surrogate escape only as half of a pair).",
+            param=param,
+            code="invalid_value",
+        )
+
+
+def _lone_surrogate(value: Any, path: list[str]) -> list[str] | None:
+    """Where in a parsed JSON value the first string (or key) with a lone surrogate is, or None."""
+    if isinstance(value, str):
+        return path if LONE_SURROGATE.search(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, str) and LONE_SURROGATE.search(key):
+            return [*path, key.encode("utf-8", "backslashreplace").decode()]
+        found = _lone_surrogate(item, [*path, str(key)])
+        if found is not None:
+            return found
+    return None
 
 
 def _replay(body: bytes, receive: Receive) -> Receive:

@@ -33,6 +33,12 @@ def test_chat_prompt_answers_once(cli_env: dict[str, str]) -> None:
     assert "Paris" in ok(["chat", "-p", QUESTION, "--temperature", "0"], cli_env)
 
 
+def test_chat_prompt_answers_sanely_at_the_default_settings(cli_env: dict[str, str]) -> None:
+    """No sampling flags: the defaults statelm ships for the bundled model keep it on topic."""
+    answers = [ok(["chat", "-p", QUESTION], cli_env) for _ in range(10)]
+    assert all("Paris" in answer for answer in answers), answers
+
+
 def test_chat_prompt_reads_stdin(cli_env: dict[str, str]) -> None:
     assert "Paris" in ok(["chat", "--temperature", "0", "--max-tokens", "20"], cli_env, stdin=QUESTION + "\n")
 

@@ -13,6 +13,8 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def test_models_lists_the_default_model(client: openai.OpenAI) -> None:
     models = client.models.list().data
     assert [m.id for m in models] == ["SmolLM2-135M-Instruct"]
+    defaults = models[0].model_dump()["sampling_defaults"]  # statelm's for the bundled model, over OpenAI's
+    assert defaults["temperature"] == 0.0 and defaults["top_p"] == 0.9 and defaults["top_k"] == 0
 
 
 def test_capital_of_france(client: openai.OpenAI, model_name: str) -> None:

@@ -31,7 +31,7 @@ def run(
     tokenizer: Tokenizer, ids: list[int], stops: list[str], min_tokens: int = 0, ending: bool = False
 ) -> list[TextDelta]:
     """Feed ids one step at a time; the last one ends the choice (as EOS when ending, else by length)."""
-    choice = ChoiceText(tokenizer, stops, min_tokens)
+    choice = ChoiceText(tokenizer, stops, min_tokens, align_to_tokens=True)
     deltas = []
     for position, token_id in enumerate(ids):
         last = position == len(ids) - 1
@@ -81,3 +81,13 @@ def test_stop_strings_count_only_after_min_tokens(tokenizer: Tokenizer) -> None:
     early = len(tokenizer.encode("hello STOP"))
     text, _ = joined(run(tokenizer, ids, ["STOP"], min_tokens=early))
     assert text == "hello STOP world "
+
+
+@pytest.mark.parametrize("stop", [None, "STOP", "😀 S", "more"])
+def test_each_delta_carries_exactly_its_tokens(tokenizer: Tokenizer, stop: str | None) -> None:
+    ids = tokenizer.encode(TEXT)
+    deltas = run(tokenizer, ids, [stop] if stop else [])
+    aligned = deltas[:-1] if stop else deltas  # the last delta before a stop string may hold more than its text
+    for delta in aligned:
+        assert b"".join(tokenizer.token_bytes(t.logprob.token_id) for t in delta.tokens) == delta.text.encode()
+    assert any(len(delta.tokens) > 1 for delta in deltas)  # the split characters went out with their tokens

@@ -7,11 +7,11 @@ from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 
 
-def make_seq(request_id: str, prompt_len: int) -> Sequence:
+def make_seq(request_id: str, prompt_len: int, priority: int = 0) -> Sequence:
     return Sequence(
         request_id=request_id,
         prompt_ids=list(range(prompt_len)),
-        params=SamplingParams(max_tokens=100),
+        params=SamplingParams(max_tokens=100, priority=priority),
         eos_token_ids=frozenset({-1}),
         max_total_tokens=10_000,
     )
@@ -88,3 +88,10 @@ def test_abort_of_one_choice_keeps_the_others() -> None:
     assert scheduler.abort("a", index=1) == [second]
     assert scheduler.running == [first] and not scheduler.waiting
     assert scheduler.abort("a") == [first] and pool.num_free_blocks == 8
+
+
+def test_waiting_sequences_are_ordered_by_priority_then_arrival() -> None:
+    scheduler = Scheduler(BlockPool(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    for request_id, priority in [("a", 0), ("b", -1), ("c", 1), ("d", 0), ("e", 1)]:
+        scheduler.add(make_seq(request_id, 3, priority))
+    assert [seq.request_id for seq in scheduler.waiting] == ["c", "e", "a", "d", "b"]

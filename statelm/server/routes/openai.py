@@ -16,8 +16,15 @@ from statelm.api.chat import ChatService
 from statelm.api.completions import CompletionService
 from statelm.api.completions_protocol import CompletionRequest, CompletionResponse
 from statelm.api.errors import APIError
-from statelm.api.protocol import ChatCompletionRequest, ChatCompletionResponse, ModelCard, ModelList
-from statelm.api.serving import ServingContext
+from statelm.api.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    DeletedCompletion,
+    ModelCard,
+    ModelList,
+    StoredChatCompletion,
+)
+from statelm.api.serving import ServingContext, effective_defaults
 from statelm.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -27,6 +34,7 @@ from statelm.api.tokenize import (
     tokenize,
 )
 from statelm.engine.async_engine import EngineError
+from statelm.sessions.ownership import current_principal
 
 router = APIRouter()  # OpenAI's routes live under /v1, the token tools at the root, as in vLLM
 T = TypeVar("T")
@@ -45,8 +53,15 @@ def serving_context(request: Request) -> ServingContext:
 @router.get("/v1/models", tags=["openai"])
 async def list_models(request: Request) -> ModelList:
     """The one model this server serves."""
-    model = serving_context(request).model
-    return ModelList(data=[ModelCard(id=model.name, created=model.created, max_model_len=model.max_model_len)])
+    context = serving_context(request)
+    model = context.model
+    card = ModelCard(
+        id=model.name,
+        created=model.created,
+        max_model_len=model.max_model_len,
+        sampling_defaults=effective_defaults(context.defaults),
+    )
+    return ModelList(data=[card])
 
 
 @router.post("/v1/chat/completions", response_model=None, tags=["openai"])
@@ -62,6 +77,19 @@ async def chat_completions(
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
     return EventSourceResponse(_sse(chunks), ping=request.app.state.sse_keepalive)
+
+
+@router.get("/v1/chat/completions/{completion_id}", tags=["openai"])
+async def stored_completion(completion_id: str, request: Request) -> StoredChatCompletion:
+    """A chat completion made with `store: true`, with its metadata."""
+    return chat_service(request).completions.get(current_principal(), completion_id)
+
+
+@router.delete("/v1/chat/completions/{completion_id}", tags=["openai"])
+async def delete_stored_completion(completion_id: str, request: Request) -> DeletedCompletion:
+    """Forget a stored chat completion."""
+    chat_service(request).completions.delete(current_principal(), completion_id)
+    return DeletedCompletion(id=completion_id)
 
 
 @router.post("/v1/completions", response_model=None, tags=["openai"])
@@ -80,7 +108,7 @@ async def completions(body: CompletionRequest, request: Request) -> CompletionRe
 @router.post("/tokenize", tags=["tokens"])
 async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeResponse:
     """Token ids of a text, or of a conversation as the chat template renders it."""
-    return tokenize(serving_context(request), body)
+    return await tokenize(serving_context(request), body)
 
 
 @router.post("/detokenize", tags=["tokens"])
