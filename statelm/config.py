@@ -27,7 +27,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     batch_invariant: bool = True  # fixed-size matmul row chunks: output independent of batch composition
     compute_path: str = "auto"  # auto (the start-up self-check picks) | kernels | torch | torch-per-row
-    kv_cache_dtype: str = "auto"  # auto (float16 on the CPU kernels path, as llama.cpp; else the model's) | a dtype
+    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 (CPU kernels path only)
     max_queue: int = 256  # requests waiting for a slot; more get 429
     seed: int = 0
     threads: int | None = None

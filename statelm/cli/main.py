@@ -109,8 +109,8 @@ def serve(
     kv_cache_dtype: Annotated[
         str,
         typer.Option(
-            help="auto (float16 on the CPU kernels path, halving the KV memory traffic; else the model's dtype)"
-            " | float32 | bfloat16 | float16."
+            help="auto (the model's dtype) | float32 | bfloat16 | float16 (narrower caches: CPU kernels path only;"
+            " half the bytes attention reads)."
         ),
     ] = "auto",
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,

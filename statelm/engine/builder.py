@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 from statelm.config import EngineConfig
-from statelm.cpu import cpu_flags
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.engine import Engine
@@ -138,19 +137,20 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
 
 
 def kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
-    """The KV cache's dtype: `auto` is float16 on the CPU kernels path (whose attention widens it to float32 as
-    it reads, one instruction with F16C; llama.cpp's default too) and the model's dtype elsewhere.
+    """The KV cache's dtype: `auto` is the model's; a narrower one is read (widened to float32) only by the CPU
+    kernels path, whose attention takes float32, bfloat16 and float16 caches.
 
-    Only the kernels path reads a cache whose dtype differs from the model's; the torch paths write K/V as they are.
+    float16 halves the bytes attention streams, but it is not the default yet: measured on AVX2 it was faster at
+    batch 16 and slower at batch 64 (docs/benchmarks.md), so it stays a choice until the kernel's float16 path is
+    understood.
     """
-    model = loaded.model
-    kernels = model.compute_path == "kernels"
     if name == "auto":
-        return torch.float16 if kernels and "f16c" in cpu_flags() else loaded.dtype
+        return loaded.dtype
     dtype = DTYPES.get(name)
     if dtype is None:
         raise EngineConfigError(f"unknown KV cache dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
-    if dtype != loaded.dtype and not kernels:
+    model = loaded.model
+    if dtype != loaded.dtype and model.compute_path != "kernels":
         raise EngineConfigError(
             f"a {name} KV cache needs the kernels compute path (this model runs {model.compute_path} in {loaded.dtype})"
         )

@@ -9,7 +9,7 @@ import openai
 
 from tests.e2e.conftest import start_server, stop_server
 
-BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2-135M, float16 KV: layers × (K, V) × block × kv heads × dim × 2 B
+BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M, float32 KV: layers × (K, V) × block × kv heads × dim × 4 B
 POOL_BLOCKS = 20
 NAMES = ["Ada", "Bob", "Cleo", "Dan", "Eve", "Finn"]
 
@@ -17,8 +17,7 @@ NAMES = ["Ada", "Bob", "Cleo", "Dan", "Eve", "Finn"]
 def server_args(state: Path, *extra: str) -> list[str]:
     """A default-model server with a tiny KV pool on the given state dir."""
     pool = str(POOL_BLOCKS * BYTES_PER_BLOCK)
-    sizing = ["--kv-cache-memory", pool, "--kv-cache-dtype", "float16"]  # float16 on any CPU: the pool is 20 blocks
-    return ["--model", "default", *sizing, "--state-dir", str(state), *extra]
+    return ["--model", "default", "--kv-cache-memory", pool, "--state-dir", str(state), *extra]
 
 
 def ask(client: openai.OpenAI, messages: list[dict[str, str]], session_id: str | None = None) -> tuple[str, int]:

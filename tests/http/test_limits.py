@@ -16,7 +16,7 @@ from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 KEYS = ("limits-key-1", "limits-key-2")
 MAX_BODY = 64 * 1024
 MAX_PROMPT_TOKENS = 80  # four "Say hi." messages take 65 tokens of the tiny model's ChatML prompt
-SNAPSHOT_QUOTA = 12 * 1024  # a session of about 30 tokens takes about 9 KB (256 bytes of float16 KV a token)
+SNAPSHOT_QUOTA = 24 * 1024  # a session of about 30 tokens takes about 17 KB (512 bytes of float32 KV a token)
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +24,7 @@ def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """An app with small limits and two keys."""
     args = ["--dtype", "float32", "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-request-bytes", str(MAX_BODY)]
     args += ["--max-messages", "4", "--max-completion-tokens", "8", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
-    args += ["--max-sessions-per-key", "2", "--snapshot-quota", str(SNAPSHOT_QUOTA), "--kv-cache-dtype", "float16"]
+    args += ["--max-sessions-per-key", "2", "--snapshot-quota", str(SNAPSHOT_QUOTA)]
     with serve_in_process(tiny_args(tiny_model, tmp_path_factory.mktemp("limits") / "state", *args)) as running:
         yield running
 

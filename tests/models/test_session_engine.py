@@ -1,4 +1,7 @@
-"""The default model as the server runs it: batch invariance, and exactness of session reuse and restore."""
+"""The default model as the server runs it: batch invariance, and exactness of session reuse and restore.
+
+Each test runs with the default settings and with llama.cpp's arithmetic (int8 activations, float16 KV cache).
+"""
 
 from __future__ import annotations
 
@@ -19,14 +22,22 @@ from tests.models.engine_run import generate
 pytestmark = [pytest.mark.invariance, pytest.mark.slow]
 
 
+SETTINGS = {"default": {}, "int8-fp16kv": {"activations": "int8", "kv_cache_dtype": "float16"}}
+
+
+@pytest.fixture(scope="module", params=list(SETTINGS))
+def settings(request: pytest.FixtureRequest) -> dict[str, str]:
+    return SETTINGS[request.param]
+
+
 @pytest.fixture(scope="module")
-def loaded() -> LoadedModel:
-    return load_engine_model(EngineConfig())
+def loaded(settings: dict[str, str]) -> LoadedModel:
+    return load_engine_model(EngineConfig(**settings))
 
 
 @pytest.fixture
-def engine(loaded: LoadedModel) -> Engine:
-    return create_engine(loaded, EngineConfig(kv_cache_memory=64 << 20))
+def engine(loaded: LoadedModel, settings: dict[str, str]) -> Engine:
+    return create_engine(loaded, EngineConfig(kv_cache_memory=64 << 20, **settings))
 
 
 def chat_prompt(loaded: LoadedModel, text: str) -> list[int]:
@@ -96,12 +107,14 @@ def test_snapshot_restore_gives_identical_next_token_logits(
     assert torch.equal(original, restored)
 
 
-def test_sixteen_concurrent_greedy_requests_equal_each_alone(loaded: LoadedModel, engine: Engine) -> None:
+def test_sixteen_concurrent_greedy_requests_equal_each_alone(
+    loaded: LoadedModel, engine: Engine, settings: dict[str, str]
+) -> None:
     questions = [f"Question {i}: what is {i} plus {i * 7}? " + "Think step by step. " * (i % 5) for i in range(16)]
     prompts = {f"r{i}": chat_prompt(loaded, text) for i, text in enumerate(questions)}
     params = SamplingParams(0.0, max_tokens=10, ignore_eos=True)
     together = generate(engine, prompts, params)
     for request_id, prompt in list(prompts.items())[::5]:  # a fresh engine each: no KV shared with the batch
-        fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False))
+        fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False, **settings))
         alone = generate(fresh, {request_id: prompt}, params)
         assert alone[request_id] == together[request_id], request_id
