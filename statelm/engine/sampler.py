@@ -10,11 +10,12 @@ The grammar mask and the forced token come from each sequence's `OutputGuide`; a
 budget's end tag) leaves only that token finite in its row, so the row samples it whatever its settings.
 
 The draw takes every non-greedy row together, with temperature, min-p, top-k and top-p as per-row tensors.
-Rows with top-k or top-p look for their candidates among their few most likely tokens (`topk`, at most
-TOP_P_CANDIDATES for top-p, rather than a sort of the vocabulary); the others draw over the whole vocabulary in
-id order. Each row inverts its cumulative distribution with one uniform number: a seeded row takes it from its
-own generator, so its tokens depend only on its seed, and the unseeded rows take theirs from the engine's
-generator in one call. The chosen tokens, greedy rows' included, reach the host in one transfer.
+Rows with top-k or top-p look for their candidates among their few most likely tokens (`topk` rather than a
+sort of the vocabulary; top-p widens them through TOP_P_CANDIDATES until they hold its nucleus); the others
+draw over the whole vocabulary in id order. Each row inverts its cumulative distribution with one uniform
+number: a seeded row takes it from its own generator, so its tokens depend only on its seed, and the unseeded
+rows take theirs from the engine's generator in one call. The chosen tokens, greedy rows' included, reach the
+host in one transfer (top-p rows add a read of their candidates' mass).
 
 Logprobs are taken from the processed logits before temperature and truncation (see `token_logprobs`).
 A request whose parameters make a stage fail (or whose distribution cannot be drawn from) fails alone:
@@ -43,7 +44,7 @@ from statelm.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-TOP_P_CANDIDATES = 1024  # top-p looks for its nucleus among this many most likely tokens first
+TOP_P_CANDIDATES = (64, 1024)  # top-p looks for its nucleus among this many most likely tokens, then the whole vocab
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -80,13 +81,17 @@ Stage = Callable[[torch.Tensor, list[Sequence]], None]
 def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator | None = None) -> list[Sampled]:
     """Next token for each row of logits [len(seqs), vocab]; unseeded rows draw from `generator` (torch's if None)."""
     logits, errors = _processed(logits, seqs)
-    chosen = logits.argmax(dim=-1)
-    rows = [row for row, seq in enumerate(seqs) if row not in errors and not seq.params.greedy]
-    if rows:
-        index = torch.tensor(rows, device=logits.device)
-        chosen.index_copy_(0, index, _draw(logits.index_select(0, index), [seqs[row] for row in rows], generator))
+    drawn = [row for row, seq in enumerate(seqs) if row not in errors and not seq.params.greedy]
+    greedy = sorted(set(range(len(seqs))) - set(drawn))  # failed rows too: their token is never used
+    chosen = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+    if greedy:
+        chosen.index_copy_(0, _index(greedy, logits), _select(logits, greedy).argmax(dim=-1))
+    if drawn:
+        chosen.index_copy_(
+            0, _index(drawn, logits), _draw(_select(logits, drawn), [seqs[row] for row in drawn], generator)
+        )
     tokens = chosen.tolist()
-    for row in rows:
+    for row in drawn:
         if tokens[row] < 0:
             errors[row] = "sampling failed: no token can be drawn (no finite probability is left)"
     logprobs = _logprobs(logits, seqs, tokens, errors)
@@ -94,6 +99,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
         Sampled(error=errors[row]) if row in errors else Sampled(tokens[row], logprobs.get(row))
         for row in range(len(seqs))
     ]
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Row numbers as an index tensor on like's device."""
+    return torch.tensor(rows, dtype=torch.int64, device=like.device)
+
+
+def _select(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The given rows (ascending) of tensor: the tensor itself, not a copy, when they are all of its rows."""
+    return tensor if len(rows) == tensor.shape[0] else tensor.index_select(0, _index(rows, tensor))
 
 
 def _processed(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, str]]:
@@ -254,24 +269,18 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator
         apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
     vocab = scaled.shape[1]
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
-    whole = [row for row, (k, p) in enumerate(zip(top_k, params, strict=True)) if k == 0 and p.top_p >= 1.0]
-    ranked = sorted(set(range(len(seqs))) - set(whole))
+    plain = [row for row, (k, p) in enumerate(zip(top_k, params, strict=True)) if k == 0 and p.top_p >= 1.0]
+    ranked = sorted(set(range(len(seqs))) - set(plain))
     tokens = torch.empty(len(seqs), dtype=torch.int64, device=device)
-    if whole:
-        index = torch.tensor(whole, device=device)
-        probs = torch.softmax(scaled.index_select(0, index), dim=-1)
-        tokens.index_copy_(0, index, _invert(probs, None, vocab, uniforms.index_select(0, index)))
+    if plain:
+        probs = torch.softmax(_select(scaled, plain), dim=-1)
+        tokens.index_copy_(0, _index(plain, tokens), _invert(probs, None, vocab, _select(uniforms, plain)))
     if ranked:
-        index = torch.tensor(ranked, device=device)
-        width = min(vocab, max(top_k[row] or TOP_P_CANDIDATES for row in ranked))
-        drawn = _ranked(
-            scaled.index_select(0, index),
-            [top_k[row] for row in ranked],
-            [params[row].top_p for row in ranked],
-            uniforms.index_select(0, index),
-            width,
-        )
-        tokens.index_copy_(0, index, drawn)
+        subset_k = [top_k[row] for row in ranked]
+        width = min(vocab, max(k or TOP_P_CANDIDATES[0] for k in subset_k))
+        top_p = [params[row].top_p for row in ranked]
+        drawn = _ranked(_select(scaled, ranked), subset_k, top_p, _select(uniforms, ranked), width)
+        tokens.index_copy_(0, _index(ranked, tokens), drawn)
     return tokens
 
 
@@ -281,7 +290,7 @@ def _uniforms(seqs: list[Sequence], generator: torch.Generator | None, device: t
     seeded = [row for row, seq in enumerate(seqs) if seq.generator is not None]
     if seeded:
         own = [torch.rand(1, generator=seqs[row].generator, device=device) for row in seeded]
-        uniforms.index_copy_(0, torch.tensor(seeded, device=device), torch.cat(own))
+        uniforms.index_copy_(0, _index(seeded, uniforms), torch.cat(own))
     return uniforms
 
 
@@ -291,7 +300,8 @@ def _ranked(
     """Tokens of rows with top-k or top-p, drawn from their `width` most likely tokens, best first.
 
     A top-p row without top-k whose nucleus is wider than its candidates (they hold less than top_p) is drawn
-    again from the whole vocabulary in order: that needs one host read of the candidates' mass.
+    again from the next count of TOP_P_CANDIDATES, then from the whole vocabulary: one host read of the
+    candidates' mass per widening.
     """
     probs, ids = _candidates(scaled, top_k, width)
     counts = torch.tensor([k or width for k in top_k], device=scaled.device).unsqueeze(1)
@@ -301,15 +311,11 @@ def _ranked(
         mass = probs.sum(dim=-1).tolist()
         wide = [row for row, k in enumerate(top_k) if k == 0 and mass[row] < top_p[row]]
         if wide:
-            index = torch.tensor(wide, device=scaled.device)
+            wider = min([count for count in TOP_P_CANDIDATES if count > width] + [vocab])
             again = _ranked(
-                scaled.index_select(0, index),
-                [0] * len(wide),
-                [top_p[row] for row in wide],
-                uniforms.index_select(0, index),
-                vocab,
+                _select(scaled, wide), [0] * len(wide), [top_p[row] for row in wide], _select(uniforms, wide), wider
             )
-            tokens.index_copy_(0, index, again)
+            tokens.index_copy_(0, _index(wide, tokens), again)
     return tokens
 
 
@@ -321,19 +327,16 @@ def _candidates(scaled: torch.Tensor, top_k: list[int], width: int) -> tuple[tor
     """
     values, ids = torch.topk(scaled, width)
     probs = torch.empty_like(values)
-    device = scaled.device
     truncated = [row for row, k in enumerate(top_k) if k > 0]
     if truncated:
-        index = torch.tensor(truncated, device=device)
-        limit = torch.tensor([top_k[row] for row in truncated], device=device).unsqueeze(1)
-        beyond = torch.arange(width, device=device) >= limit
-        kept = values.index_select(0, index).masked_fill_(beyond, float("-inf"))
-        probs.index_copy_(0, index, torch.softmax(kept, dim=-1))
-    whole = [row for row, k in enumerate(top_k) if k == 0]
-    if whole:
-        index = torch.tensor(whole, device=device)
-        full = torch.softmax(scaled.index_select(0, index), dim=-1)
-        probs.index_copy_(0, index, full.gather(1, ids.index_select(0, index)))
+        limit = torch.tensor([top_k[row] for row in truncated], device=scaled.device).unsqueeze(1)
+        beyond = torch.arange(width, device=scaled.device) >= limit
+        kept = _select(values, truncated).masked_fill(beyond, float("-inf"))
+        probs.index_copy_(0, _index(truncated, probs), torch.softmax(kept, dim=-1))
+    untruncated = [row for row, k in enumerate(top_k) if k == 0]
+    if untruncated:
+        full = torch.softmax(_select(scaled, untruncated), dim=-1)
+        probs.index_copy_(0, _index(untruncated, probs), full.gather(1, _select(ids, untruncated)))
     return probs, ids
 
 

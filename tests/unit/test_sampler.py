@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from statelm.engine.logits_processors import apply_min_p
-from statelm.engine.sampler import TOP_P_CANDIDATES, make_generator, sample
+from statelm.engine.sampler import make_generator, sample
 from statelm.engine.sequence import SamplingParams, Sequence
 
 EOS = 3
@@ -120,7 +120,7 @@ def test_same_seed_same_tokens_regardless_of_neighbours() -> None:
 
 
 def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
-    """The sampler's draw before it was batched: one row at a time, with the row's own generator."""
+    """The sampler's draw before it was batched: one row at a time, top-p among 1024 candidates, then all."""
     scaled = (logits / params.temperature).unsqueeze(0)
     if params.min_p > 0.0:
         apply_min_p(scaled, torch.tensor([params.min_p]))
@@ -132,7 +132,7 @@ def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torc
         full = torch.softmax(scaled, dim=-1)
         probs, candidates = full, None
         if params.top_p < 1.0:
-            probs, candidates = torch.topk(full, min(TOP_P_CANDIDATES, full.numel()))
+            probs, candidates = torch.topk(full, min(1024, full.numel()))
             if float(probs.sum()) < params.top_p:
                 probs, candidates = torch.sort(full, descending=True)
     if params.top_p < 1.0:
@@ -145,26 +145,27 @@ def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torc
     return position if candidates is None else int(candidates[position])
 
 
-def random_params(rng: random.Random) -> SamplingParams:
+def random_params(rng: random.Random, top_ks: list[int]) -> SamplingParams:
     return SamplingParams(
         temperature=rng.choice([0.0, 0.3, 0.7, 1.0, 1.6]),
-        top_k=rng.choice([0, 0, 0, 1, 3, 8, 40, 1500]),
-        top_p=rng.choice([1.0, 1.0, 0.5, 0.9, 0.99]),
+        top_k=rng.choice(top_ks),
+        top_p=rng.choice([1.0, 1.0, 0.5, 0.9, 0.95, 0.99]),
         min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
     )
 
 
 def random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
-    """Rows from peaked to nearly flat, so nuclei range from one token to wider than TOP_P_CANDIDATES."""
+    """Rows from peaked to nearly flat, so top-p nuclei range from one token to more than 1024."""
     generator = torch.Generator().manual_seed(seed)
-    scale = torch.tensor([0.05, 0.3, 1.0, 3.0, 8.0]).repeat(rows)[:rows].unsqueeze(1)
+    scale = torch.tensor([0.05, 1.0, 2.0, 3.0, 8.0]).repeat(rows)[:rows].unsqueeze(1)
     return torch.randn(rows, vocab, generator=generator) * scale
 
 
-def test_the_batched_draw_picks_what_the_row_by_row_draw_picked() -> None:
-    rng = random.Random(0)
-    vocab, rows, steps = 4096, 40, 6
-    params = [random_params(rng) for _ in range(rows)]
+@pytest.mark.parametrize("top_ks", [[0, 0, 0, 1, 3, 8, 40], [0, 0, 0, 1, 40, 1500]])  # top-p from 64 or 1500 tokens
+def test_the_batched_draw_picks_what_the_row_by_row_draw_picked(top_ks: list[int]) -> None:
+    rng = random.Random(len(top_ks))
+    vocab, rows, steps = 4096, 80, 6
+    params = [random_params(rng, top_ks) for _ in range(rows)]
     seeds = [rng.randrange(2**32) for _ in range(rows)]
     seqs = [seq_with(p, seed) for p, seed in zip(params, seeds, strict=True)]
     references = [make_generator(seed, torch.device("cpu")) for seed in seeds]
