@@ -44,7 +44,7 @@ from statelm.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-TOP_P_CANDIDATES = (64, 1024)  # top-p looks for its nucleus among this many most likely tokens, then the whole vocab
+TOP_P_CANDIDATES = (64, 1024)  # top-p seeks its nucleus among this many most likely tokens, then that many, then all
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -83,14 +83,12 @@ def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generato
     logits, errors = _processed(logits, seqs)
     drawn = [row for row, seq in enumerate(seqs) if row not in errors and not seq.params.greedy]
     greedy = sorted(set(range(len(seqs))) - set(drawn))  # failed rows too: their token is never used
-    chosen = torch.empty(len(seqs), dtype=torch.int64, device=logits.device)
+    parts = []
     if greedy:
-        chosen.index_copy_(0, _index(greedy, logits), _select(logits, greedy).argmax(dim=-1))
+        parts.append((greedy, _select(logits, greedy).argmax(dim=-1)))
     if drawn:
-        chosen.index_copy_(
-            0, _index(drawn, logits), _draw(_select(logits, drawn), [seqs[row] for row in drawn], generator)
-        )
-    tokens = chosen.tolist()
+        parts.append((drawn, _draw(_select(logits, drawn), [seqs[row] for row in drawn], generator)))
+    tokens = _merge(parts).tolist()
     for row in drawn:
         if tokens[row] < 0:
             errors[row] = "sampling failed: no token can be drawn (no finite probability is left)"
@@ -109,6 +107,17 @@ def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
 def _select(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
     """The given rows (ascending) of tensor: the tensor itself, not a copy, when they are all of its rows."""
     return tensor if len(rows) == tensor.shape[0] else tensor.index_select(0, _index(rows, tensor))
+
+
+def _merge(parts: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """One tensor from the results of groups of rows that together make the batch; a lone group's as it is."""
+    if len(parts) == 1:
+        return parts[0][1]
+    first = parts[0][1]
+    merged = first.new_empty((sum(len(rows) for rows, _ in parts), *first.shape[1:]))
+    for rows, values in parts:
+        merged.index_copy_(0, _index(rows, merged), values)
+    return merged
 
 
 def _processed(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, str]]:
@@ -271,17 +280,16 @@ def _draw(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator
     top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
     plain = [row for row, (k, p) in enumerate(zip(top_k, params, strict=True)) if k == 0 and p.top_p >= 1.0]
     ranked = sorted(set(range(len(seqs))) - set(plain))
-    tokens = torch.empty(len(seqs), dtype=torch.int64, device=device)
+    parts = []
     if plain:
         probs = torch.softmax(_select(scaled, plain), dim=-1)
-        tokens.index_copy_(0, _index(plain, tokens), _invert(probs, None, vocab, _select(uniforms, plain)))
+        parts.append((plain, _invert(probs, None, vocab, _select(uniforms, plain))))
     if ranked:
         subset_k = [top_k[row] for row in ranked]
         width = min(vocab, max(k or TOP_P_CANDIDATES[0] for k in subset_k))
         top_p = [params[row].top_p for row in ranked]
-        drawn = _ranked(_select(scaled, ranked), subset_k, top_p, _select(uniforms, ranked), width)
-        tokens.index_copy_(0, _index(ranked, tokens), drawn)
-    return tokens
+        parts.append((ranked, _ranked(_select(scaled, ranked), subset_k, top_p, _select(uniforms, ranked), width)))
+    return _merge(parts)
 
 
 def _uniforms(seqs: list[Sequence], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
@@ -304,8 +312,9 @@ def _ranked(
     candidates' mass per widening.
     """
     probs, ids = _candidates(scaled, top_k, width)
-    counts = torch.tensor([k or width for k in top_k], device=scaled.device).unsqueeze(1)
-    tokens = _invert(_nucleus(probs, top_p), ids, counts, uniforms)
+    counts = [k or width for k in top_k]  # at most width
+    limit = width if min(counts) == width else torch.tensor(counts, device=scaled.device).unsqueeze(1)
+    tokens = _invert(_nucleus(probs, top_p), ids, limit, uniforms)
     vocab = scaled.shape[1]
     if width < vocab and 0 in top_k:
         mass = probs.sum(dim=-1).tolist()
@@ -326,18 +335,19 @@ def _candidates(scaled: torch.Tensor, top_k: list[int], width: int) -> tuple[tor
     probabilities of its whole distribution, so that top-p measures the nucleus against all of it.
     """
     values, ids = torch.topk(scaled, width)
-    probs = torch.empty_like(values)
+    parts = []
     truncated = [row for row, k in enumerate(top_k) if k > 0]
     if truncated:
-        limit = torch.tensor([top_k[row] for row in truncated], device=scaled.device).unsqueeze(1)
-        beyond = torch.arange(width, device=scaled.device) >= limit
-        kept = _select(values, truncated).masked_fill(beyond, float("-inf"))
-        probs.index_copy_(0, _index(truncated, probs), torch.softmax(kept, dim=-1))
+        kept = _select(values, truncated)
+        if any(top_k[row] < width for row in truncated):
+            limit = torch.tensor([top_k[row] for row in truncated], device=scaled.device).unsqueeze(1)
+            kept = kept.masked_fill(torch.arange(width, device=scaled.device) >= limit, float("-inf"))
+        parts.append((truncated, torch.softmax(kept, dim=-1)))
     untruncated = [row for row, k in enumerate(top_k) if k == 0]
     if untruncated:
         full = torch.softmax(_select(scaled, untruncated), dim=-1)
-        probs.index_copy_(0, _index(untruncated, probs), full.gather(1, _select(ids, untruncated)))
-    return probs, ids
+        parts.append((untruncated, full.gather(1, _select(ids, untruncated))))
+    return _merge(parts), ids
 
 
 def _nucleus(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
@@ -363,6 +373,6 @@ def _invert(
     total = cumulative[:, -1]
     threshold = (uniforms * total).unsqueeze(1)
     position = torch.searchsorted(cumulative, threshold, right=True)
-    position = torch.minimum(position, torch.as_tensor(counts, device=probs.device) - 1)
+    position.clamp_(max=counts - 1)
     tokens = (position if ids is None else ids.gather(1, position)).squeeze(1)
     return tokens.masked_fill_(~((total > 0.0) & (total < math.inf)), -1)
