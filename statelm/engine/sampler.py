@@ -80,6 +80,8 @@ Stage = Callable[[torch.Tensor, list[Sequence]], None]
 
 def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator | None = None) -> list[Sampled]:
     """Next token for each row of logits [len(seqs), vocab]; unseeded rows draw from `generator` (torch's if None)."""
+    if not seqs:  # a step of prompt chunks only
+        return []
     logits, errors = _processed(logits, seqs)
     drawn = [row for row, seq in enumerate(seqs) if row not in errors and not seq.params.greedy]
     greedy = sorted(set(range(len(seqs))) - set(drawn))  # failed rows too: their token is never used

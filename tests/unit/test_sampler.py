@@ -32,6 +32,7 @@ def test_greedy_takes_the_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
     seqs = [seq_with(SamplingParams(temperature=0.0)), seq_with(SamplingParams(top_k=1))]
     assert tokens(logits, seqs) == [1, 0]
+    assert sample(torch.empty(0, 3), []) == []  # a step that only prefills
 
 
 def test_top_k_top_p_and_min_p_restrict_the_candidates() -> None:
