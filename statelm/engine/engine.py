@@ -8,6 +8,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
@@ -59,6 +61,7 @@ class Engine:
         self.sampling_defaults = dict(sampling_defaults or {})  # request fields' defaults for this model, by name
         self.sessions = SessionKVStore(pool, runner.kv_cache)
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
+        self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens, self.sessions)
 
     def add_request(
@@ -89,12 +92,17 @@ class Engine:
                 max_total_tokens=self.max_model_len,
                 session_id=session_id,
                 index=index,
-                generator=None if params.greedy else make_generator(params.choice_seed(index), self.runner.device),
+                generator=self._seeded_generator(params, index),
             )
             for index in range(params.n)
         ]
         first.forks = forks
         self.scheduler.add(first)
+
+    def _seeded_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        """Choice `index`'s own generator when the request has a seed (and samples); unseeded rows use the engine's."""
+        seed = params.choice_seed(index)
+        return None if params.greedy or seed is None else make_generator(seed, self.runner.device)
 
     def commit_turn(self, request_id: str, session_id: str) -> int | None:
         """Make a turn's KV the session's and start refreshing its decoded tail; the token count or None.
@@ -149,7 +157,7 @@ class Engine:
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
         logits = result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits
-        sampled = sample(logits[:, : self.vocab_size], seqs)
+        sampled = sample(logits[:, : self.vocab_size], seqs, self.generator)
         return self._record(seqs, sampled, time.perf_counter())
 
     def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[StepOutput]:

@@ -1,14 +1,21 @@
-"""Picks each sequence's next token from its logits with that sequence's own parameters and generator.
+"""Picks each sequence's next token from its logits with that sequence's own parameters, the whole batch at once.
 
 One step's pipeline, each stage on the rows that need it and never mixing rows, so a sequence samples
 the same token whatever else is in the batch:
 
     logit bias → min_tokens mask → repetition penalty → presence/frequency penalties → grammar mask
-    → forced token → logprobs → greedy argmax, or temperature → min-p → top-k → top-p → draw with the
-    sequence's generator
+    → forced token → logprobs → greedy argmax, or temperature → min-p → top-k → top-p → draw
 
 The grammar mask and the forced token come from each sequence's `OutputGuide`; a forced token (a reasoning
 budget's end tag) leaves only that token finite in its row, so the row samples it whatever its settings.
+
+The draw takes every non-greedy row together, with temperature, min-p, top-k and top-p as per-row tensors.
+Rows with top-k or top-p look for their candidates among their few most likely tokens (`topk` rather than a
+sort of the vocabulary; top-p widens them through TOP_P_CANDIDATES until they hold its nucleus); the others
+draw over the whole vocabulary in id order. Each row inverts its cumulative distribution with one uniform
+number: a seeded row takes it from its own generator, so its tokens depend only on its seed, and the unseeded
+rows take theirs from the engine's generator in one call. The chosen tokens, greedy rows' included, reach the
+host in one transfer (top-p rows add a read of their candidates' mass).
 
 Logprobs are taken from the processed logits before temperature and truncation (see `token_logprobs`).
 A request whose parameters make a stage fail (or whose distribution cannot be drawn from) fails alone:
@@ -33,11 +40,11 @@ from statelm.engine.logits_processors import (
     token_counts,
     token_logprobs,
 )
-from statelm.engine.sequence import SamplingParams, Sequence
+from statelm.engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
 
-TOP_P_CANDIDATES = 1024  # top-p looks for its nucleus among this many most likely tokens first
+TOP_P_CANDIDATES = (64, 1024)  # top-p seeks its nucleus among this many most likely tokens, then that many, then all
 
 
 def make_generator(seed: int | None, device: torch.device) -> torch.Generator:
@@ -71,22 +78,48 @@ class Sampled:
 Stage = Callable[[torch.Tensor, list[Sequence]], None]
 
 
-def sample(logits: torch.Tensor, seqs: list[Sequence]) -> list[Sampled]:
-    """Next token for each row of logits [len(seqs), vocab]; rows never influence each other."""
+def sample(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator | None = None) -> list[Sampled]:
+    """Next token for each row of logits [len(seqs), vocab]; unseeded rows draw from `generator` (torch's if None)."""
+    if not seqs:  # a step of prompt chunks only
+        return []
     logits, errors = _processed(logits, seqs)
-    chosen = logits.argmax(dim=-1).tolist()
-    for row, seq in enumerate(seqs):
-        if row in errors or seq.params.greedy:
-            continue
-        try:
-            chosen[row] = _draw(logits[row], seq.params, seq.generator)
-        except Exception as exc:  # e.g. every token masked, or NaN logits
-            errors[row] = f"sampling failed: {exc}"
-    logprobs = _logprobs(logits, seqs, chosen, errors)
+    drawn = [row for row, seq in enumerate(seqs) if row not in errors and not seq.params.greedy]
+    greedy = sorted(set(range(len(seqs))) - set(drawn))  # failed rows too: their token is never used
+    parts = []
+    if greedy:
+        parts.append((greedy, _select(logits, greedy).argmax(dim=-1)))
+    if drawn:
+        parts.append((drawn, _draw(_select(logits, drawn), [seqs[row] for row in drawn], generator)))
+    tokens = _merge(parts).tolist()
+    for row in drawn:
+        if tokens[row] < 0:
+            errors[row] = "sampling failed: no token can be drawn (no finite probability is left)"
+    logprobs = _logprobs(logits, seqs, tokens, errors)
     return [
-        Sampled(error=errors[row]) if row in errors else Sampled(chosen[row], logprobs.get(row))
+        Sampled(error=errors[row]) if row in errors else Sampled(tokens[row], logprobs.get(row))
         for row in range(len(seqs))
     ]
+
+
+def _index(rows: list[int], like: torch.Tensor) -> torch.Tensor:
+    """Row numbers as an index tensor on like's device."""
+    return torch.tensor(rows, dtype=torch.int64, device=like.device)
+
+
+def _select(tensor: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    """The given rows (ascending) of tensor: the tensor itself, not a copy, when they are all of its rows."""
+    return tensor if len(rows) == tensor.shape[0] else tensor.index_select(0, _index(rows, tensor))
+
+
+def _merge(parts: list[tuple[list[int], torch.Tensor]]) -> torch.Tensor:
+    """One tensor from the results of groups of rows that together make the batch; a lone group's as it is."""
+    if len(parts) == 1:
+        return parts[0][1]
+    first = parts[0][1]
+    merged = first.new_empty((sum(len(rows) for rows, _ in parts), *first.shape[1:]))
+    for rows, values in parts:
+        merged.index_copy_(0, _index(rows, merged), values)
+    return merged
 
 
 def _processed(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, dict[int, str]]:
@@ -237,34 +270,111 @@ def _logprobs(
     return records
 
 
-def _draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> int:
-    """One token from logits / temperature, restricted by min-p, to the top-k tokens and to the top-p nucleus.
+def _draw(logits: torch.Tensor, seqs: list[Sequence], generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row from logits / temperature, restricted by min-p, top-k and top-p; -1 where none can be."""
+    device = logits.device
+    params = [seq.params for seq in seqs]
+    uniforms = _uniforms(seqs, generator, device)
+    scaled = logits / torch.tensor([p.temperature for p in params], device=device).unsqueeze(1)
+    if any(p.min_p > 0.0 for p in params):
+        apply_min_p(scaled, torch.tensor([p.min_p for p in params], device=device))
+    vocab = scaled.shape[1]
+    top_k = [min(p.top_k, vocab) if p.top_k > 0 else 0 for p in params]
+    plain = [row for row, (k, p) in enumerate(zip(top_k, params, strict=True)) if k == 0 and p.top_p >= 1.0]
+    ranked = sorted(set(range(len(seqs))) - set(plain))
+    parts = []
+    if plain:
+        probs = torch.softmax(_select(scaled, plain), dim=-1)
+        parts.append((plain, _invert(probs, None, vocab, _select(uniforms, plain))))
+    if ranked:
+        subset_k = [top_k[row] for row in ranked]
+        width = min(vocab, max(k or TOP_P_CANDIDATES[0] for k in subset_k))
+        top_p = [params[row].top_p for row in ranked]
+        parts.append((ranked, _ranked(_select(scaled, ranked), subset_k, top_p, _select(uniforms, ranked), width)))
+    return _merge(parts)
 
-    Truncation works on the few most likely tokens (`topk`) rather than a sort of the vocabulary, and the
-    draw inverts the candidates' cumulative distribution with one uniform number from the generator.
+
+def _uniforms(seqs: list[Sequence], generator: torch.Generator | None, device: torch.device) -> torch.Tensor:
+    """One uniform number per row: a seeded row's from its own generator, the others' from `generator` in one call."""
+    uniforms = torch.rand(len(seqs), generator=generator, device=device)
+    seeded = [row for row, seq in enumerate(seqs) if seq.generator is not None]
+    if seeded:
+        own = [torch.rand(1, generator=seqs[row].generator, device=device) for row in seeded]
+        uniforms.index_copy_(0, _index(seeded, uniforms), torch.cat(own))
+    return uniforms
+
+
+def _ranked(
+    scaled: torch.Tensor, top_k: list[int], top_p: list[float], uniforms: torch.Tensor, width: int
+) -> torch.Tensor:
+    """Tokens of rows with top-k or top-p, drawn from their `width` most likely tokens, best first.
+
+    A top-p row without top-k whose nucleus is wider than its candidates (they hold less than top_p) is drawn
+    again from the next count of TOP_P_CANDIDATES, then from the whole vocabulary: one host read of the
+    candidates' mass per widening.
     """
-    scaled = (logits / params.temperature).unsqueeze(0)
-    if params.min_p > 0.0:
-        apply_min_p(scaled, torch.tensor([params.min_p], device=scaled.device))
-    scaled = scaled.squeeze(0)
-    if params.top_k > 0:
-        values, candidates = torch.topk(scaled, min(params.top_k, scaled.numel()))
-        probs = torch.softmax(values, dim=-1)
-    else:
-        full = torch.softmax(scaled, dim=-1)
-        probs, candidates = full, None
-        if params.top_p < 1.0:
-            probs, candidates = torch.topk(full, min(TOP_P_CANDIDATES, full.numel()))
-            if float(probs.sum()) < params.top_p:  # a nucleus wider than the candidates: take them all, in order
-                probs, candidates = torch.sort(full, descending=True)
-    if params.top_p < 1.0:
-        outside = torch.cumsum(probs, dim=-1) - probs >= params.top_p
-        outside[0] = False  # the most likely token is always in the nucleus
-        probs = probs.masked_fill(outside, 0.0)
+    probs, ids = _candidates(scaled, top_k, width)
+    counts = [k or width for k in top_k]  # at most width
+    limit = width if min(counts) == width else torch.tensor(counts, device=scaled.device).unsqueeze(1)
+    tokens = _invert(_nucleus(probs, top_p), ids, limit, uniforms)
+    vocab = scaled.shape[1]
+    if width < vocab and 0 in top_k:
+        mass = probs.sum(dim=-1).tolist()
+        wide = [row for row, k in enumerate(top_k) if k == 0 and mass[row] < top_p[row]]
+        if wide:
+            wider = min([count for count in TOP_P_CANDIDATES if count > width] + [vocab])
+            again = _ranked(
+                _select(scaled, wide), [0] * len(wide), [top_p[row] for row in wide], _select(uniforms, wide), wider
+            )
+            tokens.index_copy_(0, _index(wide, tokens), again)
+    return tokens
+
+
+def _candidates(scaled: torch.Tensor, top_k: list[int], width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's `width` most likely tokens, best first, and their probabilities.
+
+    A row with top-k renormalizes over its first k (the rest get probability 0); a row without keeps the
+    probabilities of its whole distribution, so that top-p measures the nucleus against all of it.
+    """
+    values, ids = torch.topk(scaled, width)
+    parts = []
+    truncated = [row for row, k in enumerate(top_k) if k > 0]
+    if truncated:
+        kept = _select(values, truncated)
+        if any(top_k[row] < width for row in truncated):
+            limit = torch.tensor([top_k[row] for row in truncated], device=scaled.device).unsqueeze(1)
+            kept = kept.masked_fill(torch.arange(width, device=scaled.device) >= limit, float("-inf"))
+        parts.append((truncated, torch.softmax(kept, dim=-1)))
+    untruncated = [row for row, k in enumerate(top_k) if k == 0]
+    if untruncated:
+        full = torch.softmax(_select(scaled, untruncated), dim=-1)
+        parts.append((untruncated, full.gather(1, _select(ids, untruncated))))
+    return _merge(parts), ids
+
+
+def _nucleus(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
+    """Candidates (best first) outside each row's top-p nucleus get probability 0; the best one always stays."""
+    if all(p >= 1.0 for p in top_p):
+        return probs
+    limit = torch.tensor([p if p < 1.0 else math.inf for p in top_p], device=probs.device).unsqueeze(1)
+    outside = torch.cumsum(probs, dim=-1) - probs >= limit
+    outside[:, 0] = False
+    return probs.masked_fill(outside, 0.0)
+
+
+def _invert(
+    probs: torch.Tensor, ids: torch.Tensor | None, counts: torch.Tensor | int, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Each row's token by inverse CDF: where uniform × total falls in the cumulative sums of `probs`.
+
+    `ids` names the candidates (None: positions are token ids); a position past a row's `counts` candidates
+    (uniform × total rounded up to the total) falls back to its last one. A row whose total is not finite and
+    positive (every token masked, NaN logits) gets -1.
+    """
     cumulative = torch.cumsum(probs, dim=-1)
-    total = float(cumulative[-1])
-    if not 0.0 < total < math.inf:
-        raise ValueError(f"no token can be drawn (total probability {total})")
-    threshold = torch.rand(1, generator=generator, device=probs.device) * total
-    position = int(torch.searchsorted(cumulative, threshold, right=True).clamp_(max=probs.numel() - 1))
-    return position if candidates is None else int(candidates[position])
+    total = cumulative[:, -1]
+    threshold = (uniforms * total).unsqueeze(1)
+    position = torch.searchsorted(cumulative, threshold, right=True)
+    position.clamp_(max=counts - 1)
+    tokens = (position if ids is None else ids.gather(1, position)).squeeze(1)
+    return tokens.masked_fill_(~((total > 0.0) & (total < math.inf)), -1)

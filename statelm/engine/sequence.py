@@ -87,7 +87,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # a seeded choice's own; unseeded ones draw from the engine's
     first_scheduled_at: float | None = None  # time.perf_counter() when its first chunk ran
     tokens: list[int] = field(init=False)  # prompt then output, the sequence's whole token list
     guide: OutputGuide | None = field(init=False)  # grammar, reasoning budget and repetition stop, if any is asked for

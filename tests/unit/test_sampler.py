@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import math
+import random
 
+import pytest
 import torch
 
+from statelm.engine.logits_processors import apply_min_p
 from statelm.engine.sampler import make_generator, sample
 from statelm.engine.sequence import SamplingParams, Sequence
 
@@ -13,7 +16,7 @@ EOS = 3
 
 
 def seq_with(params: SamplingParams, seed: int | None = None, output: tuple[int, ...] = ()) -> Sequence:
-    generator = None if params.greedy else make_generator(seed, torch.device("cpu"))
+    generator = None if params.greedy or seed is None else make_generator(seed, torch.device("cpu"))
     seq = Sequence("r", [1], params, frozenset({EOS}), 100, generator=generator)
     seq.tokens.extend(output)
     return seq
@@ -29,6 +32,7 @@ def test_greedy_takes_the_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, 0.2], [5.0, 0.0, 0.0]])
     seqs = [seq_with(SamplingParams(temperature=0.0)), seq_with(SamplingParams(top_k=1))]
     assert tokens(logits, seqs) == [1, 0]
+    assert sample(torch.empty(0, 3), []) == []  # a step that only prefills
 
 
 def test_top_k_top_p_and_min_p_restrict_the_candidates() -> None:
@@ -114,3 +118,97 @@ def test_same_seed_same_tokens_regardless_of_neighbours() -> None:
     assert draws_batched == draws_alone
     other = seq_with(params, 43, output=(5, 6))
     assert [sample(logits, [other])[0].token_id for _ in range(8)] != [draw.token_id for draw in draws_alone]
+
+
+def reference_draw(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> int:
+    """The sampler's draw before it was batched: one row at a time, top-p among 1024 candidates, then all."""
+    scaled = (logits / params.temperature).unsqueeze(0)
+    if params.min_p > 0.0:
+        apply_min_p(scaled, torch.tensor([params.min_p]))
+    scaled = scaled.squeeze(0)
+    if params.top_k > 0:
+        values, candidates = torch.topk(scaled, min(params.top_k, scaled.numel()))
+        probs = torch.softmax(values, dim=-1)
+    else:
+        full = torch.softmax(scaled, dim=-1)
+        probs, candidates = full, None
+        if params.top_p < 1.0:
+            probs, candidates = torch.topk(full, min(1024, full.numel()))
+            if float(probs.sum()) < params.top_p:
+                probs, candidates = torch.sort(full, descending=True)
+    if params.top_p < 1.0:
+        outside = torch.cumsum(probs, dim=-1) - probs >= params.top_p
+        outside[0] = False
+        probs = probs.masked_fill(outside, 0.0)
+    cumulative = torch.cumsum(probs, dim=-1)
+    threshold = torch.rand(1, generator=generator) * float(cumulative[-1])
+    position = int(torch.searchsorted(cumulative, threshold, right=True).clamp_(max=probs.numel() - 1))
+    return position if candidates is None else int(candidates[position])
+
+
+def random_params(rng: random.Random, top_ks: list[int]) -> SamplingParams:
+    return SamplingParams(
+        temperature=rng.choice([0.0, 0.3, 0.7, 1.0, 1.6]),
+        top_k=rng.choice(top_ks),
+        top_p=rng.choice([1.0, 1.0, 0.5, 0.9, 0.95, 0.99]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+    )
+
+
+def random_logits(rows: int, vocab: int, seed: int) -> torch.Tensor:
+    """Rows from peaked to nearly flat, so top-p nuclei range from one token to more than 1024."""
+    generator = torch.Generator().manual_seed(seed)
+    scale = torch.tensor([0.05, 1.0, 2.0, 3.0, 8.0]).repeat(rows)[:rows].unsqueeze(1)
+    return torch.randn(rows, vocab, generator=generator) * scale
+
+
+@pytest.mark.parametrize("top_ks", [[0, 0, 0, 1, 3, 8, 40], [0, 0, 0, 1, 40, 1500]])  # top-p from 64 or 1500 tokens
+def test_the_batched_draw_picks_what_the_row_by_row_draw_picked(top_ks: list[int]) -> None:
+    rng = random.Random(len(top_ks))
+    vocab, rows, steps = 4096, 80, 6
+    params = [random_params(rng, top_ks) for _ in range(rows)]
+    seeds = [rng.randrange(2**32) for _ in range(rows)]
+    seqs = [seq_with(p, seed) for p, seed in zip(params, seeds, strict=True)]
+    references = [make_generator(seed, torch.device("cpu")) for seed in seeds]
+    compared = 0
+    for step in range(steps):
+        logits = random_logits(rows, vocab, step)
+        expected = [
+            int(logits[row].argmax()) if p.greedy else reference_draw(logits[row], p, references[row])
+            for row, p in enumerate(params)
+        ]
+        assert tokens(logits, seqs) == expected
+        compared += rows
+    assert compared == rows * steps
+    assert {p.top_p for p in params if not p.greedy} >= {1.0, 0.5, 0.9, 0.99}  # the settings were mixed
+
+
+@pytest.mark.parametrize("position", [7, 9])  # nearly flat logits (a nucleus wider than the candidates), peaked ones
+def test_a_seeded_row_draws_the_same_alone_or_among_fifteen_others(position: int) -> None:
+    rng = random.Random(position)
+    vocab, steps = 49_152, 5
+    params = SamplingParams(temperature=0.8, top_p=0.95, min_p=0.02)
+    others = [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.7, top_p=0.9),
+        SamplingParams(temperature=1.2, top_k=40, top_p=0.8),
+        SamplingParams(temperature=0.5, min_p=0.1, presence_penalty=0.5),
+        SamplingParams(temperature=2.0, top_k=5000),
+    ]
+    alone = seq_with(params, 1234)
+    together = seq_with(params, 1234)
+    neighbours = [seq_with(rng.choice(others), rng.choice([None, row])) for row in range(15)]
+    batch = [*neighbours[:position], together, *neighbours[position:]]
+    for step in range(steps):
+        logits = random_logits(len(batch), vocab, 100 + step)
+        assert tokens(logits[position : position + 1].clone(), [alone]) == [tokens(logits, batch)[position]]
+
+
+def test_unseeded_rows_draw_from_the_shared_generator() -> None:
+    logits = torch.zeros(64, 1000)  # flat: every row may take any token
+    seqs = [seq_with(SamplingParams(top_p=0.9)) for _ in range(64)]
+    first = tokens(logits, seqs)
+    assert len(set(first)) > 32  # each row has its own number
+    again = [sample(logits, seqs, make_generator(7, torch.device("cpu"))) for _ in range(2)]
+    assert again[0] == again[1] and [outcome.token_id for outcome in again[0]] != first
