@@ -133,13 +133,17 @@ def test_full_queue_answers_429(tmp_path: Path) -> None:
 
         async def run() -> list[int]:
             async with httpx.AsyncClient(timeout=120) as http:
-                first = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=body))
-                await asyncio.sleep(0.5)
-                second = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=body))
-                await asyncio.sleep(0.2)
-                third = await http.post(f"{url}/v1/chat/completions", json=body)
-                assert third.json()["error"]["type"] == "rate_limit_error"
-                return [(await first).status_code, (await second).status_code, third.status_code]
+                long_stream = {**body, "max_tokens": 1000, "stream": True}
+                async with http.stream("POST", f"{url}/v1/chat/completions", json=long_stream) as first:
+                    lines = first.aiter_lines()  # kept open: the first request holds the only slot
+                    assert (await anext(lines)).startswith("data:")
+                    second = asyncio.create_task(http.post(f"{url}/v1/chat/completions", json=body))
+                    await asyncio.sleep(0.3)  # the second waits in the one-place queue
+                    third = await http.post(f"{url}/v1/chat/completions", json=body)
+                    assert third.status_code == 429, third.text
+                    assert third.json()["error"]["type"] == "rate_limit_error"
+                # closing the first stream cancels it; the queued second then runs
+                return [first.status_code, (await second).status_code, third.status_code]
 
         assert asyncio.run(run()) == [200, 200, 429]
         assert httpx.get(f"{url}/health").status_code == 200
