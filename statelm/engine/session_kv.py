@@ -27,13 +27,57 @@ from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams, Sequence
 
 
-@dataclass
 class SessionKVData:
-    """A session's KV outside the pool: its tokens and, per layer, K and V of shape [tokens, heads, dim]."""
+    """A session's KV outside the pool: its tokens and, per layer, K and V of shape [tokens, heads, dim].
 
-    tokens: list[int]
-    keys: list[torch.Tensor]
-    values: list[torch.Tensor]
+    K and V exported from a GPU are still being copied to pinned host memory when export returns; `ready`
+    fires when they are complete. Reading `keys` or `values` waits for it, so nothing sees half-copied
+    data: the snapshot and spill writers read them in worker threads, and only `load` (through in_flight)
+    takes them unwaited, making the GPU wait for `ready` instead of the engine thread.
+    """
+
+    def __init__(
+        self,
+        tokens: list[int],
+        keys: list[torch.Tensor],
+        values: list[torch.Tensor],
+        ready: torch.cuda.Event | None = None,
+    ) -> None:
+        self.tokens = tokens
+        self.ready = ready  # None once keys and values are complete (always on the CPU)
+        self._keys = keys
+        self._values = values
+
+    @property
+    def keys(self) -> list[torch.Tensor]:
+        """K per layer, once complete (blocks until an asynchronous copy has finished)."""
+        self.wait()
+        return self._keys
+
+    @property
+    def values(self) -> list[torch.Tensor]:
+        """V per layer, once complete (blocks until an asynchronous copy has finished)."""
+        self.wait()
+        return self._values
+
+    def wait(self) -> None:
+        """Block until keys and values are complete; returns at once for CPU data or a finished copy."""
+        ready = self.ready
+        if ready is not None:
+            ready.synchronize()
+            self.ready = None
+
+    def in_flight(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.cuda.Event | None]:
+        """K, V and the event that completes them, without waiting: for a GPU stream that waits on the event."""
+        return self._keys, self._values, self.ready
+
+    def pin(self) -> None:
+        """Move keys and values into pinned host memory, so that loading them onto a GPU copies asynchronously."""
+        if all(tensor.is_pinned() for tensor in (*self._keys, *self._values)):
+            return  # a GPU export's are: nothing to copy, nor to wait for
+        self.wait()
+        self._keys = [tensor.pin_memory() for tensor in self._keys]
+        self._values = [tensor.pin_memory() for tensor in self._values]
 
 
 @dataclass
@@ -140,6 +184,7 @@ class SessionKVStore:
         previous = self.pinned.get(session_id)
         if previous is not None:
             parked.users = previous.users
+            self.kv_cache.fence_reads(previous.block_table)
             self.pool.release(previous.block_table)
         self.pinned[session_id] = parked
         return len(parked.tokens)
@@ -186,6 +231,7 @@ class SessionKVStore:
         """Forget a session's KV (its full blocks stay in the prefix cache until reused)."""
         pinned = self.pinned.pop(session_id, None)
         if pinned is not None:
+            self.kv_cache.fence_reads(pinned.block_table)  # an export of them may still be copying (a spill's is)
             self.pool.release(pinned.block_table)
 
     def fork(self, source_id: str, target_id: str) -> bool:
@@ -205,8 +251,8 @@ class SessionKVStore:
         pinned = self.pinned.get(session_id)
         if pinned is None:
             return None
-        keys, values = self.kv_cache.gather(pinned.block_table, pinned.exact)
-        return SessionKVData(pinned.tokens[: pinned.exact], keys, values)
+        keys, values, ready = self.kv_cache.gather(pinned.block_table, pinned.exact)
+        return SessionKVData(pinned.tokens[: pinned.exact], keys, values, ready)
 
     def load(self, session_id: str, data: SessionKVData) -> None:
         """Write a session's K/V into newly allocated blocks, spilling idle sessions if the pool is short."""
@@ -217,7 +263,7 @@ class SessionKVStore:
             )
         self.release(session_id)
         blocks = self.pool.allocate(needed)
-        self.kv_cache.scatter(blocks, data.keys, data.values)
+        self.kv_cache.scatter(blocks, *data.in_flight())
         hashes: list[int] = []
         self.pool.register_full_blocks(data.tokens, blocks, hashes, len(data.tokens))
         self.pinned[session_id] = PinnedKV(list(data.tokens), blocks, hashes, len(data.tokens))
@@ -233,7 +279,7 @@ class SessionKVStore:
             if not self.pool.num_sole_references(self.pinned[session_id].block_table):
                 continue  # every block is shared with a fork or a running turn: spilling frees nothing
             data = self.export(session_id)
-            self.release(session_id)
+            self.release(session_id)  # on a GPU, later forwards wait for the export's copy before reusing the blocks
             if data is not None:
                 self.spill_handler(session_id, data)
         return self.pool.num_free_blocks >= needed_blocks

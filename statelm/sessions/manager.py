@@ -207,7 +207,10 @@ class SessionManager:
         """The session's KV if it is outside the pool (spilled), for the turn to load; None if resident."""
         if await self.engine.call(lambda: self._kv.num_tokens(session.id)) is not None:
             return None
-        return await self._kv_outside_pool(session)
+        data = await self._kv_outside_pool(session)
+        if data is not None:
+            await self._pin(data)
+        return data
 
     def end_turn(self, session: Session, request_id: str, messages: list[dict[str, Any]] | None) -> None:
         """Commit a completed turn (its messages and KV) or, with messages None, drop it; never awaits."""
@@ -243,6 +246,7 @@ class SessionManager:
     async def load_snapshot(self, snapshot_id: str, session_id: str | None, overwrite: bool) -> Session:
         """A session made from a snapshot, its KV placed in the pool (or held spilled if the pool is full)."""
         manifest, content = await asyncio.to_thread(self.snapshots.read, snapshot_id, current_principal())
+        await self._pin(content.kv)
         target = check_id(session_id, "session_id") if session_id is not None else new_session_id()
         existing = self.sessions.get(target)
         if existing is not None:
@@ -288,6 +292,11 @@ class SessionManager:
                 log.warning("spilled KV of session %s is unusable (%s); its next turn recomputes it", session.id, exc)
                 return None
         return content.kv
+
+    async def _pin(self, data: SessionKVData) -> None:
+        """Pin KV bound for a GPU pool in a worker thread, so that loading it copies asynchronously."""
+        if self._kv.kv_cache.device.type == "cuda":
+            await asyncio.to_thread(data.pin)
 
     def _spilled(self, session_id: str, data: SessionKVData) -> None:
         """The engine spilled a session's KV under memory pressure: keep it and write it to disk."""
