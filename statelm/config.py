@@ -18,7 +18,9 @@ class EngineConfig:
     device: str = "auto"  # auto | cpu | cuda
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto (a GGUF's quantized weights stay packed) | none | int8 | int4
-    activations: str = "float32"  # packed matmuls: float32 (the float model's arithmetic) | int8 (llama.cpp's; faster)
+    # packed matmuls: float32 (the float model's arithmetic) | int8 (llama.cpp's; faster) | int8-decode (int8 for
+    # generated tokens, float32 for prompt tokens and so for every first token)
+    activations: str = "float32"
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a default that depends on the device
@@ -28,6 +30,7 @@ class EngineConfig:
     batch_invariant: bool = True  # fixed-size matmul row chunks: output independent of batch composition
     compute_path: str = "auto"  # auto (the start-up self-check picks) | kernels | torch | torch-per-row
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 (CPU kernels path only)
+    enforce_eager: bool = False  # CUDA: no graph capture of decode steps (every step runs eagerly)
     max_queue: int = 256  # requests waiting for a slot; more get 429
     seed: int = 0
     threads: int | None = None

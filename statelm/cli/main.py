@@ -103,7 +103,8 @@ def serve(
         str,
         typer.Option(
             help="Packed (quantized) matmuls: float32 (the float model's arithmetic) | int8 (activations quantized"
-            " per 32 values, as llama.cpp computes: 2.5-3x faster on many rows, about 3% of next tokens differ)."
+            " per 32 values, as llama.cpp computes: 2.5-3x faster on many rows, about 3% of next tokens differ) |"
+            " int8-decode (int8 for generated tokens, float32 for prompt tokens and so for every first token)."
         ),
     ] = "float32",
     kv_cache_dtype: Annotated[
@@ -113,6 +114,9 @@ def serve(
             " half the bytes attention reads)."
         ),
     ] = "auto",
+    enforce_eager: Annotated[
+        bool, typer.Option(help="CUDA: run every step eagerly (no CUDA graphs of decode steps).")
+    ] = False,
     served_model_name: Annotated[str | None, typer.Option(help="Name clients use in `model`.")] = None,
     seed: Annotated[int, typer.Option(help="Seed for dummy weights.")] = 0,
     threads: Annotated[int | None, typer.Option(help="Torch CPU threads (default: all cores).")] = None,
@@ -200,6 +204,7 @@ def serve(
         compute_path=compute_path,
         activations=activations,
         kv_cache_dtype=kv_cache_dtype,
+        enforce_eager=enforce_eager,
         seed=seed,
         threads=threads,
         default_sampling=parse_sampling_defaults(default_sampling) if default_sampling else {},

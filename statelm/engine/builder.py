@@ -60,7 +60,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     if config.threads:
         torch.set_num_threads(config.threads)
     device = resolve_device(config.device)
-    chunking = RowChunking.batch_invariant() if config.batch_invariant else None
+    chunking = RowChunking.batch_invariant(device) if config.batch_invariant else None
     packed = config.quantization != "none" and device.type == "cpu"
     if config.dtype == "auto" and packed and (resolve_source(config.model).is_gguf or config.quantization != "auto"):
         dtype = torch.float32  # packed weights run in statelm's float32 kernels on every CPU
@@ -80,12 +80,15 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
 
     A model loaded for batch-invariant output gets its compute path from the start-up self-check first.
     """
-    if loaded.model.batch_invariant and loaded.model.invariance is None:
+    model = loaded.model
+    if model.batch_invariant and model.invariance is None:
         try:
-            loaded.model.invariance = select_compute_path(loaded.model, config.compute_path)
+            model.invariance = select_compute_path(model, config.compute_path)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
-        loaded.fingerprint.parts["compute_path"] = loaded.model.compute_path  # KV rounding depends on it
+        loaded.fingerprint.parts["compute_path"] = model.compute_path  # KV rounding depends on it
+    elif not model.batch_invariant and loaded.device.type == "cuda":
+        model.use_compute_path(model.compute_paths()[0])  # no probe: the fastest path (Triton attention)
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
     loaded.fingerprint.parts["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")  # snapshots hold this KV
     model_config = loaded.config
@@ -124,8 +127,16 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         loaded.device,
         torch.get_num_threads(),
     )
+    cuda_graphs = loaded.device.type == "cuda" and model.compute_path == "triton" and not config.enforce_eager
     return Engine(
-        runner=ModelRunner(loaded.model, kv_cache, loaded.device),
+        runner=ModelRunner(
+            model,
+            kv_cache,
+            loaded.device,
+            cuda_graphs=cuda_graphs,
+            max_num_seqs=config.max_num_seqs,
+            max_model_len=max_model_len,
+        ),
         pool=BlockPool(num_blocks, config.block_size, config.enable_prefix_caching),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_model_len=max_model_len,

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from statelm.engine.attention.base import AttentionMetadata
+from statelm.engine.cuda_graphs import DecodeGraphs
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import Sequence
@@ -22,17 +23,44 @@ class ForwardResult:
 
 
 class ModelRunner:
-    """Owns the model and the KV cache tensors; runs one batched forward per step."""
+    """Owns the model and the KV cache tensors; runs one batched forward per step.
 
-    def __init__(self, model: LlamaForCausalLM, kv_cache: KVCache, device: torch.device) -> None:
+    With `cuda_graphs` (a CUDA device on a graph-safe compute path), steps that only decode replay a captured
+    graph of their batch-size bucket; other steps (any prompt row) run eagerly.
+    """
+
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        kv_cache: KVCache,
+        device: torch.device,
+        *,
+        cuda_graphs: bool = False,
+        max_num_seqs: int = 64,
+        max_model_len: int = 0,
+    ) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
         self.block_size = kv_cache.block_size
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(self._logits_of, max_num_seqs, max_model_len, self.block_size, device)
+            with torch.inference_mode():
+                self.graphs.capture()
 
     @torch.inference_mode()
     def execute(self, chunks: list[ScheduledChunk]) -> ForwardResult:
         """Run every chunk through the model in one forward and compute logits where a token is sampled."""
+        if self.graphs is not None and self._replayable(chunks):
+            seqs = [chunk.seq for chunk in chunks]
+            logits = self.graphs.replay(
+                [seq.tokens[seq.num_computed_tokens] for seq in seqs],
+                [seq.num_computed_tokens for seq in seqs],
+                [seq.block_table for seq in seqs],
+                [seq.num_computed_tokens + 1 for seq in seqs],
+            )
+            return ForwardResult(seqs, logits)
         input_ids: list[int] = []
         positions: list[int] = []
         query_lens: list[int] = []
@@ -66,15 +94,33 @@ class ModelRunner:
             seq_lens=seq_lens,
             query_start=query_start,
         )
+        prompt_rows = torch.tensor(is_prompt)  # on the host: the row chunking reads it without a device sync
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
             position_tensor.to(self.device),
             self.kv_cache,
             meta,
-            torch.tensor(is_prompt, device=self.device),
+            prompt_rows,
         )
-        rows = torch.tensor(sample_rows, dtype=torch.int64, device=self.device)
-        return ForwardResult(sampling_seqs, self.model.compute_logits(hidden[rows]))
+        rows = torch.tensor(sample_rows, dtype=torch.int64)
+        logits = self.model.compute_logits(hidden[rows.to(self.device)], prompt_rows[rows])
+        return ForwardResult(sampling_seqs, logits)
+
+    def _logits_of(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The captured decode step: every row a generated token that samples."""
+        return self.model.compute_logits(self.model(input_ids, positions, self.kv_cache, meta, None))
+
+    def _replayable(self, chunks: list[ScheduledChunk]) -> bool:
+        """Whether the step only decodes: one generated token per sequence, each of which samples."""
+        assert self.graphs is not None
+        longest = 0
+        for chunk in chunks:
+            seq = chunk.seq
+            position = seq.num_computed_tokens
+            if chunk.num_tokens != 1 or position < len(seq.prompt_ids) or position + 1 != seq.num_tokens:
+                return False
+            longest = max(longest, position + 1)
+        return self.graphs.fits(len(chunks), longest)
 
     @staticmethod
     def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:

@@ -193,8 +193,16 @@ class RowChunking:
     generated_rows: torch.Tensor | None = None
 
     @classmethod
-    def batch_invariant(cls) -> RowChunking:
-        """16 rows for generated tokens (also the fastest bf16 decode shape on AMX CPUs), 128 for prompts."""
+    def batch_invariant(cls, device: torch.device | None = None) -> RowChunking:
+        """Chunk sizes by device, each about the most rows a call takes for the price of one.
+
+        CPU: 16 rows for generated tokens (also the fastest bf16 decode shape on AMX CPUs), 128 for prompts.
+        CUDA: a matmul stays bound by reading its weights up to a few hundred rows on an H100, so 128 generated
+        rows cost about what one does (a decode batch of up to 128 reads the weights once), and 512 prompt rows
+        keep prefill compute-bound.
+        """
+        if device is not None and device.type == "cuda":
+            return cls(generated=128, prompt=512)
         return cls(generated=16, prompt=128)
 
     @classmethod
@@ -211,16 +219,20 @@ class RowChunking:
         """Take the chunk sizes of another RowChunking (the model's linears share this object)."""
         self.generated, self.prompt = sizes.generated, sizes.prompt
 
-    def set_rows(self, is_prompt: torch.Tensor | None) -> None:
-        """Record which rows of the coming forward hold prompt tokens (None: all generated)."""
+    def set_rows(self, is_prompt: torch.Tensor | None, device: torch.device | None = None) -> None:
+        """Record which rows of the coming forward hold prompt tokens (None: all generated).
+
+        The row indices go to `device` (default: is_prompt's); a host is_prompt costs the GPU no sync.
+        """
         self.prompt_rows = self.generated_rows = None
         if is_prompt is None or not bool(is_prompt.any()):
             return
+        device = device or is_prompt.device
         if bool(is_prompt.all()):
-            self.prompt_rows = torch.arange(is_prompt.numel(), device=is_prompt.device)
+            self.prompt_rows = torch.arange(is_prompt.numel(), device=device)
             return
-        self.prompt_rows = is_prompt.nonzero().squeeze(1)
-        self.generated_rows = (~is_prompt).nonzero().squeeze(1)
+        self.prompt_rows = is_prompt.nonzero().squeeze(1).to(device)
+        self.generated_rows = (~is_prompt).nonzero().squeeze(1).to(device)
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The projection of [T, in] rows, each kind of row in its own chunk size."""

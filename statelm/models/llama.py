@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -32,7 +33,7 @@ if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-ACTIVATIONS = ("int8", "float32")
+ACTIVATIONS = ("float32", "int8", "int8-decode")
 
 
 @dataclass
@@ -174,9 +175,9 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for a flat batch of T tokens.
 
-        is_prompt ([T] bool) marks prompt-token rows for the row chunking; None means all rows are generated.
+        is_prompt ([T] bool, best on the host) marks prompt-token rows for the row chunking; None: all generated.
         """
-        self.chunking.set_rows(is_prompt)
+        self.chunking.set_rows(is_prompt, self.device)
         step = ForwardStep(
             rope=self.ops.prepare_rope(positions, max(meta.seq_lens), self.rotary),
             meta=meta,
@@ -192,13 +193,17 @@ class LlamaForCausalLM(nn.Module):
     def compute_paths(self) -> list[str]:
         """The compute paths this model can run, fastest first (the start-up self-check picks one).
 
-        `kernels`: statelm's C++ kernels (float32 on the CPU); `torch`: torch's kernels in fixed row chunks;
-        `torch-per-row`: every row its own call, invariant on any CPU but slow for prompts.
+        `kernels`: statelm's C++ kernels (float32 on the CPU); `triton`: statelm's Triton attention over the
+        paged KV and torch's matmuls in fixed row chunks (CUDA; its forward is capturable in a CUDA graph);
+        `torch`: torch's kernels in fixed row chunks; `torch-per-row`: every row its own call, invariant on any
+        CPU but slow for prompts.
         """
         paths = ["torch", "torch-per-row"]
         on_cpu = self.device.type == "cpu"
         if on_cpu and self.dtype == torch.float32 and kernels_available():
             paths.insert(0, "kernels")
+        if self.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+            paths.insert(0, "triton")
         return paths
 
     def use_compute_path(self, path: str) -> None:
@@ -209,6 +214,11 @@ class LlamaForCausalLM(nn.Module):
 
             self.backend = CpuKernelAttentionBackend(sliding_window=window)
             self.ops = KernelLayerOps()
+        elif path == "triton":
+            from statelm.engine.attention.triton_backend import TritonAttentionBackend
+
+            self.backend = TritonAttentionBackend(sliding_window=window)
+            self.ops = LayerOps()
         else:
             self.ops = LayerOps()
             self.backend = TorchAttentionBackend(sliding_window=window, per_row=path == "torch-per-row")
@@ -216,23 +226,27 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, PackedLinear):
                 module.use(kernel=path == "kernels")
         if self.batch_invariant:
-            self.chunking.resize(RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant())
+            sizes = RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant(self.device)
+            self.chunking.resize(sizes)
         self.compute_path = path
 
     def use_activations(self, activations: str) -> int:
-        """How packed linears on the kernels path treat activations (`float32`, or `int8` per 32 values); returns
-        how many packed linears there are (none: the setting changes nothing)."""
+        """How packed linears on the kernels path treat activations: `float32`, `int8` per 32 values, or
+        `int8-decode` (int8 for generated tokens' rows, float32 for prompt rows); returns how many packed linears
+        there are (none: the setting changes nothing)."""
         if activations not in ACTIVATIONS:
-            raise ValueError(f"unknown activations {activations!r}; choose {' or '.join(ACTIVATIONS)}")
+            raise ValueError(f"unknown activations {activations!r}; choose {', '.join(ACTIVATIONS)}")
         packed = [module for module in self.modules() if isinstance(module, PackedLinear)]
         for module in packed:
-            module.int8_activations = activations == "int8"
+            module.activations = activations
         return len(packed)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits [N, vocab] for the rows that sample."""
+    def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """Float32 logits [N, vocab] for the rows that sample; is_prompt ([N] bool) marks last prompt tokens' rows
+        (None: all generated), which `int8-decode` activations compute in float32."""
         head = self.packed_head
         if head is not None and head.use_kernel:
+            self.chunking.set_rows(is_prompt, self.device)
             return head(hidden)
         if head is not None:
             weight = head.dense(hidden.dtype)
@@ -305,16 +319,20 @@ class LlamaForCausalLM(nn.Module):
                 param.data[start:end].copy_(packed[name].dequantize())
 
     def init_dummy_weights(self, seed: int = 0) -> None:
-        """Random weights for benchmarks and tests: normal(0, 0.02) matrices, zero biases, unit norms."""
-        generator = torch.Generator(device="cpu").manual_seed(seed)
+        """Random weights for benchmarks and tests: normal(0, 0.02) matrices, zero biases, unit norms.
+
+        Drawn on the model's device (an 8B model's in seconds on a GPU), so the same seed gives other weights on
+        another device.
+        """
+        generator = torch.Generator(device=self.device).manual_seed(seed)
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
                 param.data.fill_(1.0)
             elif name.endswith("bias"):
                 param.data.zero_()
             else:
-                values = torch.randn(param.shape, generator=generator) * 0.02
-                param.data.copy_(values.to(param.dtype))
+                values = torch.randn(param.shape, generator=generator, device=self.device, dtype=torch.float32)
+                param.data.copy_(values.mul_(0.02))
 
     def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         """Map each Hugging Face weight name to (parameter, first row, end row) it fills."""

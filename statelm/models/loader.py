@@ -150,20 +150,21 @@ def load_model(
         else:
             config = ModelConfig.from_hf_dict(json.loads((source.path / "config.json").read_text()))
             tokenizer = Tokenizer.from_hf_dir(source.path)
-            files = _safetensors_files(source.path)
-            weights = functools.partial(_read_safetensors, files, dtype)
-            weight_identity = _safetensors_identity(files)
             generation_config = _generation_config(source.path)
+            if load_format != "dummy":  # dummy weights need a config and a tokenizer, no weight files
+                files = _safetensors_files(source.path)
+                weights = functools.partial(_read_safetensors, files, dtype)
+                weight_identity = _safetensors_identity(files)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
-    if quantization in ("int8", "int4"):
-        weights = functools.partial(quantize_matrices, weights, quantization)
-        weight_identity += f":{quantization}"
     model = LlamaForCausalLM(config, dtype=dtype, device=device, chunking=chunking)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         weight_identity = f"dummy:{seed}"
     else:
+        if quantization in ("int8", "int4"):
+            weights = functools.partial(quantize_matrices, weights, quantization)
+            weight_identity += f":{quantization}"
         try:
             model.load_weights(weights())
         except (KeyError, ValueError, RuntimeError) as exc:

@@ -28,15 +28,29 @@ class PackedLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.use_kernel = True
-        self.int8_activations = False  # the kernel's arithmetic: float32 activations, or int8 as llama.cpp's
+        # the kernel's arithmetic: float32 activations, int8 as llama.cpp's, or int8-decode (int8 for generated
+        # tokens' rows, float32 for prompt rows: a row's kind never depends on its batch, see RowChunking)
+        self.activations = "float32"
         self._dense: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the projection to [T, in_features]."""
         if self.use_kernel:
-            out = self.weight.matmul(x, self.int8_activations)
+            out = self._kernel_matmul(x)
             return out if self.bias is None else out + self.bias
         return self.chunking.linear(x, self.dense(x.dtype), self.bias)
+
+    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """The packed matmul with each row's activations as the setting and the row's kind say."""
+        if self.activations != "int8-decode":
+            return self.weight.matmul(x, self.activations == "int8")
+        prompt, generated = self.chunking.prompt_rows, self.chunking.generated_rows
+        if prompt is None or generated is None:
+            return self.weight.matmul(x, prompt is None)  # all rows of one kind
+        out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
+        out[generated] = self.weight.matmul(x[generated], True)
+        out[prompt] = self.weight.matmul(x[prompt], False)
+        return out
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [out, in], made on first use and kept."""
@@ -53,7 +67,7 @@ class PackedLinear(nn.Module):
     def extra_repr(self) -> str:
         """Shape and packing, for print(model)."""
         shape = f"in={self.in_features}, out={self.out_features}, kind={self.weight.kind}"
-        return f"{shape}, int8_activations={self.int8_activations}, bias={self.bias is not None}"
+        return f"{shape}, activations={self.activations}, bias={self.bias is not None}"
 
 
 class PackedEmbedding(nn.Module):

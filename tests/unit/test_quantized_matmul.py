@@ -129,3 +129,26 @@ def test_rows_select_concat_embed_and_round_trip_their_state() -> None:
         PackedWeight.concat([a, pack_gguf(Q.Q8_0, gguf_tensor(Q.Q8_0, 2, 64, seed=9), (2, 64))])
     with pytest.raises(ValueError, match="do not make"):
         PackedWeight.from_state("q4", 6, 64, {"values": a.values, "scales": a.scales})
+
+
+@pytest.mark.invariance
+def test_int8_decode_activations_quantize_generated_rows_only() -> None:
+    """int8-decode: generated tokens' rows take the int8 path and prompt rows the float32 one, whatever the mix."""
+    from statelm.models.layers import RowChunking
+    from statelm.models.packed import PackedLinear
+
+    dense = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
+    weight = quantize_float(dense, "int8")
+    chunking = RowChunking.batch_invariant()
+    linear = PackedLinear(weight, None, chunking)
+    linear.activations = "int8-decode"
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
+    is_prompt = torch.tensor([True, False, False, True, True, False, True, False, True])
+    chunking.set_rows(is_prompt)
+    mixed = linear(x)
+    assert torch.equal(mixed[is_prompt], weight.matmul(x[is_prompt], int8_activations=False))
+    assert torch.equal(mixed[~is_prompt], weight.matmul(x[~is_prompt], int8_activations=True))
+    chunking.set_rows(None)  # all generated
+    assert torch.equal(linear(x[1:2]), mixed[1:2])
+    chunking.set_rows(torch.ones(1, dtype=torch.bool))  # all prompt
+    assert torch.equal(linear(x[:1]), mixed[:1])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -15,6 +15,10 @@ class AttentionMetadata:
     Tokens of all scheduled sequences are concatenated into one flat batch of T tokens.
     Sequence i owns tokens query_start[i]:query_start[i+1]; these are the last
     query_lens[i] positions of its context of seq_lens[i] tokens (cached + new).
+
+    The lists serve host-side planning; the device tensors and the two bounds serve backends that must not
+    synchronise with the host (a CUDA graph replays them with new contents). Unset, they are derived from the
+    lists. In a captured decode step, padding sequences have seq_len 0 and their tokens slot -1.
     """
 
     slot_mapping: torch.Tensor  # [T] int64: block_id * block_size + offset where each new token's K/V goes
@@ -22,6 +26,19 @@ class AttentionMetadata:
     query_lens: list[int]  # [B] new tokens per sequence this step
     seq_lens: list[int]  # [B] context length per sequence after this step
     query_start: list[int]  # [B + 1] cumulative offsets into the flat batch
+    seq_lens_tensor: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [B] int32, on the device
+    query_start_tensor: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [B + 1] int32
+    max_query_len: int = 0  # bounds for sizing kernel grids (a graph's max_seq_len is the model's max length)
+    max_seq_len: int = 0
+
+    def __post_init__(self) -> None:
+        device = self.block_tables.device
+        if self.seq_lens_tensor is None:
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
+        if self.query_start_tensor is None:
+            self.query_start_tensor = torch.tensor(self.query_start, dtype=torch.int32, device=device)
+        self.max_query_len = self.max_query_len or max(self.query_lens, default=0)
+        self.max_seq_len = self.max_seq_len or max(self.seq_lens, default=0)
 
     @property
     def num_seqs(self) -> int:
