@@ -19,8 +19,8 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     quantization: str = "auto"  # auto (a GGUF's quantized weights stay packed) | none | int8 | int4
     # packed matmuls: float32 (the float model's arithmetic) | int8 (llama.cpp's; faster) | int8-decode (int8 for
-    # generated tokens, float32 for prompt tokens and so for every first token)
-    activations: str = "float32"
+    # generated tokens, as llama.cpp decodes; float32 for prompt tokens, so every first token is the float model's)
+    activations: str = "int8-decode"
     max_model_len: int | None = None
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None = a default that depends on the device

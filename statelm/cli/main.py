@@ -106,7 +106,7 @@ def serve(
             " per 32 values, as llama.cpp computes: 2.5-3x faster on many rows, about 3% of next tokens differ) |"
             " int8-decode (int8 for generated tokens, float32 for prompt tokens and so for every first token)."
         ),
-    ] = "float32",
+    ] = "int8-decode",
     kv_cache_dtype: Annotated[
         str,
         typer.Option(

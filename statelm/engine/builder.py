@@ -69,7 +69,9 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
     try:
         if loaded.model.use_activations(config.activations):
-            loaded.fingerprint.parts["activations"] = config.activations  # the packed matmuls' arithmetic
+            # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
+            prompt_rows = "float32" if config.activations == "int8-decode" else config.activations
+            loaded.fingerprint.parts["activations"] = prompt_rows
     except ValueError as exc:
         raise EngineConfigError(str(exc)) from None
     return loaded

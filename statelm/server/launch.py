@@ -45,6 +45,7 @@ def build_services(
     output_settings = {
         "device": built.loaded.device.type,
         "quantization": engine_config.quantization,
+        "activations": engine_config.activations,
         "batch_invariant": engine_config.batch_invariant,
         "sampling_defaults": engine.sampling_defaults,
     }
