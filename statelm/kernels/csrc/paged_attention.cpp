@@ -24,13 +24,14 @@
 #include <immintrin.h>
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <type_traits>
 #include <vector>
+
+#include "parallel.h"
 
 namespace {
 
@@ -633,13 +634,9 @@ void run_items(const Problem& pb, std::vector<Item>& items, int64_t threads) {
   }
   // Longest first, handed out one at a time: which thread runs an item never changes its result.
   std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  std::atomic<size_t> next{0};
-  const int64_t workers = std::min<int64_t>(threads, static_cast<int64_t>(items.size()));
-  at::parallel_for(0, workers, 1, [&](int64_t begin, int64_t end) {
+  statelm::parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch& scratch = thread_scratch();
-    for (int64_t w = begin; w < end; ++w) {
-      for (size_t i = next.fetch_add(1); i < items.size(); i = next.fetch_add(1)) run_item<T>(pb, items[i], scratch);
-    }
+    for (int64_t i = begin; i < end; ++i) run_item<T>(pb, items[i], scratch);
   });
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "qmatmul.h"
+#include "parallel.h"
 
 namespace statelm::qmatmul {
 namespace {
@@ -149,7 +150,7 @@ void matmul_float_activations(const at::Tensor& x, const Weights& w, float* y) {
   const std::vector<float> sums = w.q4 ? block_sums(x) : std::vector<float>();
   const Activations a{x.data_ptr<float>(), x.stride(0), sums.data(), w.blocks};
   const int64_t rows = x.size(0), groups = (w.n + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, kGroupGrain, [&](int64_t begin, int64_t end) {
+  statelm::parallel_for(groups, kGroupGrain, [&](int64_t begin, int64_t end) {
     for_each_tile(rows, begin, end, [&](int64_t m0, int64_t tile, int64_t group) {
       if (w.q4) {
         output_tile<true>(w, a, m0, tile, group, y);

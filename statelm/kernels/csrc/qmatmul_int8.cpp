@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "qmatmul.h"
+#include "parallel.h"
 
 namespace statelm::qmatmul {
 namespace {
@@ -50,7 +51,7 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
                     blocks};
   const float* in = x.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 8192 / k);  // tasks of a few thousand values
-  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+  statelm::parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t at = m * blocks + b;
@@ -168,7 +169,7 @@ void dispatch_tile(const Weights& w, const QuantizedRows& x, int64_t m0, int64_t
 void matmul_int8_activations(const at::Tensor& x, const Weights& w, float* y) {
   const QuantizedRows quantized = quantize_rows(x);
   const int64_t rows = x.size(0), groups = (w.n + kGroup - 1) / kGroup;
-  at::parallel_for(0, groups, kGroupGrain, [&](int64_t begin, int64_t end) {
+  statelm::parallel_for(groups, kGroupGrain, [&](int64_t begin, int64_t end) {
     for_each_tile(rows, begin, end, [&](int64_t m0, int64_t tile, int64_t group) {
       if (w.q4) {
         dispatch_tile<true>(w, quantized, m0, tile, group, y);
