@@ -59,30 +59,42 @@ class DecodeGraphs:
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int64, device=device)
         self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
         self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
-        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.logits: dict[int, torch.Tensor] = {}
+        self.replays: dict[int, Callable[[], None]] = {}  # by bucket
+        self.logits: dict[int, torch.Tensor] = {}  # each bucket's output buffer
+        self._graphs: list[torch.cuda.CUDAGraph] = []
+        self._pool: tuple[int, int] | None = None
 
     def capture(self) -> None:
         """Capture every bucket, largest first, in one memory pool."""
         started = time.perf_counter()
-        pool = torch.cuda.graph_pool_handle()
         for size in reversed(self.buckets):
             self.forward(*self._inputs(size))  # warm-up: kernels compiled and autotuned outside the capture
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[size] = self.forward(*self._inputs(size))
-            self.graphs[size] = graph
-        torch.cuda.synchronize()
+            self._synchronize()
+            self.replays[size], self.logits[size] = self._record(size)
+        self._synchronize()
         log.info(
             "CUDA graphs: decode captured for batch sizes %s in %.1f s",
             ",".join(map(str, self.buckets)),
             time.perf_counter() - started,
         )
 
+    def _record(self, size: int) -> tuple[Callable[[], None], torch.Tensor]:
+        """Capture one bucket's forward: its replay, and the output buffer each replay refills."""
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            logits = self.forward(*self._inputs(size))
+        self._graphs.append(graph)
+        return graph.replay, logits
+
+    def _synchronize(self) -> None:
+        if self.input_ids.device.type == "cuda":
+            torch.cuda.synchronize(self.input_ids.device)
+
     def fits(self, num_seqs: int, max_seq_len: int) -> bool:
         """Whether a decode step of num_seqs sequences, the longest max_seq_len tokens, can replay a graph."""
-        if not self.graphs or num_seqs > self.buckets[-1]:
+        if not self.replays or num_seqs > self.buckets[-1]:
             return False
         return max_seq_len <= context_bound(self._bucket(num_seqs), self.max_model_len)
 
@@ -108,12 +120,15 @@ class DecodeGraphs:
         slots[:count] = tables[torch.arange(count), pos[:count] // block_size] * block_size + pos[:count] % block_size
         lens = torch.zeros(size, dtype=torch.int32)
         lens[:count] = torch.tensor(seq_lens, dtype=torch.int32)
-        self.input_ids[:size].copy_(ids.pin_memory(), non_blocking=True)
-        self.positions[:size].copy_(pos.pin_memory(), non_blocking=True)
-        self.slot_mapping[:size].copy_(slots.pin_memory(), non_blocking=True)
-        self.block_tables[:size, :width].copy_(tables.pin_memory(), non_blocking=True)
-        self.seq_lens[:size].copy_(lens.pin_memory(), non_blocking=True)
-        self.graphs[size].replay()
+        for target, host in (
+            (self.input_ids[:size], ids),
+            (self.positions[:size], pos),
+            (self.slot_mapping[:size], slots),
+            (self.block_tables[:size, :width], tables),
+            (self.seq_lens[:size], lens),
+        ):
+            target.copy_(host.pin_memory() if target.is_cuda else host, non_blocking=True)
+        self.replays[size]()
         return self.logits[size][:count]
 
     def _inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
