@@ -15,6 +15,7 @@ from statelm.engine.attention.reference import TorchAttentionBackend
 from statelm.engine.kv_cache import KVCache
 from statelm.kernels.build import kernels_available
 from statelm.models.config import ModelConfig
+from statelm.models.fused_decoder import FusedDecoder
 from statelm.models.layers import (
     GatedMLP,
     KernelLayerOps,
@@ -144,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
         self.compute_path = "torch"
         self.ops = LayerOps()
         self.invariance: InvarianceReport | None = None  # set by the start-up self-check
+        self.activations = "float32"  # of the packed linears (use_activations)
+        self.fused: FusedDecoder | None = None  # all layers in one C++ call (kernels path, all linears packed)
         self.dtype = dtype
         meta = torch.device("meta")
         # an explicit empty weight skips nn.Embedding's random init, whose first call on meta costs seconds
@@ -185,6 +188,8 @@ class LlamaForCausalLM(nn.Module):
             ops=self.ops,
         )
         x, residual = self.embed_tokens(input_ids), None
+        if self.fused is not None and (self.activations != "int8-decode" or self.chunking.prompt_rows is None):
+            return self.fused(x, step.rope, kv_cache, meta, int8=self.activations != "float32")
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, kv_cache.k[i], kv_cache.v[i], step)
         assert residual is not None
@@ -225,6 +230,7 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, PackedLinear):
                 module.use(kernel=path == "kernels")
+        self.fused = FusedDecoder.build(self) if path == "kernels" else None
         if self.batch_invariant:
             sizes = RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant(self.device)
             self.chunking.resize(sizes)
@@ -239,6 +245,7 @@ class LlamaForCausalLM(nn.Module):
         packed = [module for module in self.modules() if isinstance(module, PackedLinear)]
         for module in packed:
             module.activations = activations
+        self.activations = activations
         return len(packed)
 
     def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:

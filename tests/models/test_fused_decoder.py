@@ -1,0 +1,78 @@
+"""The fused C++ decoder (all layers in one call) equals the Python forward on the kernels path, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from statelm.engine.attention.base import AttentionMetadata
+from statelm.engine.kv_cache import KVCache
+from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.models.layers import RowChunking
+from statelm.models.loader import LoadedModel, load_model
+from tests.models.tiny_model_dir import make_tiny_model_dir
+
+try:
+    load_kernels()
+except KernelBuildError as exc:
+    pytest.skip(f"statelm kernels unavailable: {exc}", allow_module_level=True)
+
+pytestmark = pytest.mark.invariance
+BLOCK = 16
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
+    """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3)."""
+    overrides = {"sliding_window": 5} if request.param == "mistral" else {}
+    folder = make_tiny_model_dir(request.param, tmp_path_factory.mktemp(request.param), **overrides)
+    model = load_model(str(folder), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
+                       quantization="int8")  # fmt: skip
+    model.model.use_compute_path("kernels")
+    assert model.model.fused is not None
+    return model
+
+
+def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+    """A step of a 9-token prompt chunk over 4 cached tokens beside two decodes, on fresh KV filled the same way."""
+    model, config = loaded.model, loaded.config
+    cache = KVCache(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, config.head_dim,
+                    torch.float32, "cpu")  # fmt: skip
+    for layer in range(config.num_hidden_layers):
+        for tensor in (cache.k[layer], cache.v[layer]):
+            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(layer)))
+    positions = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 12, 20, 33])
+    tables = torch.tensor([[1, 2, 0], [3, 4, 0], [5, 6, 7]])
+    seqs = torch.tensor([0] * 9 + [1, 2])
+    slots = tables[seqs, positions // BLOCK] * BLOCK + positions % BLOCK
+    meta = AttentionMetadata(slots, tables, [9, 1, 1], [13, 21, 34], [0, 9, 10, 11])
+    ids = torch.randint(0, config.vocab_size, (11,), generator=torch.Generator().manual_seed(3))
+    saved, model.fused = model.fused, (model.fused if fused else None)
+    try:
+        with torch.inference_mode():
+            return model(ids, positions, cache, meta, is_prompt), cache
+    finally:
+        model.fused = saved
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8", "int8-decode"])
+def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str) -> None:
+    loaded.model.use_activations(activations)
+    kinds = {"generated": torch.zeros(11, dtype=torch.bool), "mixed": torch.tensor([True] * 9 + [False] * 2)}
+    try:
+        for is_prompt in kinds.values():
+            expected, expected_cache = forward(loaded, False, is_prompt)
+            got, cache = forward(loaded, True, is_prompt)
+            assert torch.equal(got, expected)
+            written = zip(cache.k + cache.v, expected_cache.k + expected_cache.v, strict=True)
+            assert all(torch.equal(a, b) for a, b in written)
+    finally:
+        loaded.model.use_activations("float32")
+
+
+def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
+    model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
+    model.model.use_compute_path("kernels")
+    assert model.model.fused is None
