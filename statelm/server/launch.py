@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import ipaddress
 import logging
 import sys
@@ -166,6 +167,7 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     started = time.perf_counter()
     app, drain = build_app(engine_config, server_config)
     log.info("model %s loaded in %.1fs", app.state.model_name, time.perf_counter() - started)
+    gc.freeze()  # what start-up made lives as long as the server: the collector need not walk it again
     config = uvicorn.Config(
         app,
         host=server_config.host,
