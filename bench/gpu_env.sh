@@ -3,6 +3,10 @@
 # transformers, pytest, httpx, typer, ...). The wheels it lacks travel in .whl/ (ignored by git; name `.whl` in
 # the run's carry). Source it from the repository root so that the exports stay:
 #     source bench/gpu_env.sh && python3 -m pytest -q tests/unit
+# Fill .whl/ here first (pip reaches the registry here, not there), with the versions bench/gpu_wheels.txt pins:
+#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#         --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_31_x86_64 \
+#         -d .whl -r bench/gpu_wheels.txt
 # It installs .whl/*.whl into /tmp/site, puts /tmp/site and this checkout on PYTHONPATH (statelm is imported
 # from the checkout, not installed), and prints the versions. Tests start servers with `python -m statelm`.
 if [[ "${BASH_SOURCE[0]}" == "$0" ]]; then echo "gpu_env.sh: source it: source bench/gpu_env.sh" >&2; exit 1; fi
