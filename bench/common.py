@@ -19,16 +19,26 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def machine_report() -> str:
-    """CPU, cores, memory, Python/torch versions and the git commit, one line each."""
-    import torch
-
+def cpu_name() -> str:
+    """The CPU's model name, from /proc/cpuinfo where there is one."""
     cpu = platform.processor() or "unknown cpu"
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.is_file():
         names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
         cpu = names[0] if names else cpu
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return cpu
+
+
+def memory_gib() -> float:
+    """The machine's physical memory in GiB."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def machine_report() -> str:
+    """CPU, cores, memory, Python/torch versions and the git commit, one line each."""
+    import torch
+
+    cpu, memory = cpu_name(), memory_gib()
     commit = subprocess.run(
         ["git", "-C", str(ROOT), "describe", "--always", "--dirty"], capture_output=True, text=True
     ).stdout.strip()

@@ -41,6 +41,7 @@ from typing import Any
 
 import torch
 
+from bench.common import cpu_name, memory_gib
 from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine, StepOutput
@@ -244,12 +245,7 @@ def commit(given: str | None) -> str:
 
 
 def machine_lines(device: torch.device, commit_arg: str | None) -> list[str]:
-    cpu = platform.processor() or "unknown cpu"
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.is_file():
-        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if "model name" in line]
-        cpu = names[0] if names else cpu
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    cpu, memory = cpu_name(), memory_gib()
     lines = []
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
