@@ -365,15 +365,18 @@ class ChatCompletionRequest(GenerationRequest, ReasoningControls):
     store: bool = False  # OpenAI: keep the completion retrievable at GET /v1/chat/completions/{id}
     metadata: Metadata | None = None  # OpenAI: kept with a stored completion, and logged
 
-    @model_validator(mode="after")
-    def _tool_choice_fits_the_tools(self) -> ChatCompletionRequest:
-        choice = self.tool_choice
+    @field_validator("tool_choice")
+    @classmethod
+    def _tool_choice_fits_the_tools(
+        cls, choice: str | NamedToolChoice | None, info: ValidationInfo
+    ) -> str | NamedToolChoice | None:
         named = choice.function.name if isinstance(choice, NamedToolChoice) else None
         mode = choice if isinstance(choice, str) else None
-        problem = tool_choice_problem([tool.function.name for tool in self.tools or ()], mode, named)
+        tools = info.data.get("tools") or []
+        problem = tool_choice_problem([tool.function.name for tool in tools], mode, named)
         if problem is not None:
             raise ValueError(problem)
-        return self
+        return choice
 
     @field_validator("max_completion_tokens")
     @classmethod
