@@ -19,6 +19,7 @@ from statelm.sessions.errors import SessionError
 log = logging.getLogger(__name__)
 
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})  # where FastAPI says a value was
 _HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
@@ -53,7 +54,8 @@ def _parameter_path(error: Mapping[str, Any], body: Any) -> list[str]:
     """
     loc = list(error.get("loc", ()))
     if not loc or loc[0] != "body" or not isinstance(body, dict):
-        return [str(part) for part in loc if part != "body" and not _is_type_tag(part)]
+        parts = loc[1:] if loc and loc[0] in REQUEST_PARTS else loc
+        return [str(part) for part in parts if not _is_type_tag(part)]
     named: list[str] = []
     current: Any = body
     for position, part in enumerate(loc[1:], start=2):

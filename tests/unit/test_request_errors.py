@@ -33,7 +33,11 @@ def error_for(body: dict[str, Any]) -> tuple[str | None, str, str | None]:
         ({"messages": [{"role": "user", "content": [{"type": "text"}]}]}, "messages.0.content.0.text", "required"),
         ({"messages": [{"role": "wizard", "content": "x"}]}, "messages.0.role", "'system'"),
         ({"messages": USER, "max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
-        ({"messages": USER, "tool_choice": {"type": "function", "function": {}}}, "tool_choice.function.name", "required"),
+        (
+            {"messages": USER, "tool_choice": {"type": "function", "function": {}}},
+            "tool_choice.function.name",
+            "required",
+        ),
         ({"messages": USER, "tool_choice": "auto"}, "tool_choice", "needs tools"),
         (
             {"messages": USER, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": 1}}},

@@ -68,12 +68,19 @@ class ResponseChains:
         for created_at, response_id, session in sorted(found, key=lambda entry: entry[0]):
             self._index(response_id, session, created_at)
 
-    def find(self, response_id: str, principal: Principal) -> StoredResponse | None:
-        """The stored response, if principal may see it (another key's is as good as missing)."""
+    def find(self, response_id: str, principal: Principal, now: float) -> StoredResponse | None:
+        """The stored response, if principal may see it (another key's is as good as missing) and it has not
+        outlived the retention."""
         session = self._sessions.get(response_id)
         if session is None or not principal.may_access(session.owner):
             return None
-        return StoredResponse(response_id, session, records(session)[response_id])
+        record = records(session)[response_id]
+        max_age = self.retention.max_age
+        return (
+            None
+            if max_age is not None and record["created_at"] < now - max_age
+            else StoredResponse(response_id, session, record)
+        )
 
     def put(self, session: Session, response_id: str, record: dict[str, Any]) -> list[str]:
         """Store a response in its chain session; returns the ids of the key's oldest ones it pushed out."""

@@ -230,7 +230,7 @@ class ResponsesService:
         response = builder.response
         record = {
             "count": len(session.transcript),
-            "created_at": float(response.created_at),
+            "created_at": time.time(),
             "response": response.model_dump(mode="json"),
             "input_items": listed,
         }
@@ -238,7 +238,7 @@ class ResponsesService:
 
     def _stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
         """The caller's stored response; 404 naming param otherwise (another key's is as good as missing)."""
-        stored = self.chains.find(response_id, current_principal())
+        stored = self.chains.find(response_id, current_principal(), time.time())
         if stored is None:
             what = param.removesuffix("_id")  # response, previous_response
             raise APIError(
