@@ -319,10 +319,14 @@ class NamedToolChoice(TypedModel):
     function: FunctionChoice
 
 
+def check_tool_names(tool_names: list[str]) -> None:
+    """ValueError if two tools have the same name."""
+    if len(set(tool_names)) < len(tool_names):
+        raise ValueError("tools holds two functions of the same name")
+
+
 def tool_choice_problem(tool_names: list[str], choice: str | None, named: str | None) -> str | None:
     """What is wrong with a tool_choice (a mode, or `named` function) for tools of these names; None if nothing."""
-    if len(set(tool_names)) < len(tool_names):
-        return "tools holds two functions of the same name"
     if choice in ("auto", "required") and not tool_names:
         return f"tool_choice {choice!r} needs tools"
     if named is not None and named not in tool_names:
@@ -364,6 +368,12 @@ class ChatCompletionRequest(GenerationRequest, ReasoningControls):
     reasoning_effort: ReasoningEffort | None = None
     store: bool = False  # OpenAI: keep the completion retrievable at GET /v1/chat/completions/{id}
     metadata: Metadata | None = None  # OpenAI: kept with a stored completion, and logged
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_differ(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        check_tool_names([tool.function.name for tool in tools or ()])
+        return tools
 
     @field_validator("tool_choice")
     @classmethod

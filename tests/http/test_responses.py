@@ -84,6 +84,7 @@ def chain_of(server: InProcessServer, response_id: str) -> Session:
         ({"include": ["file_search_call.results"]}, "include", "built-in tool"),
         ({"tools": [{"type": "web_search"}]}, "tools", "function tools"),
         ({"tools": [{"type": "function"}]}, "tools.0.name", "required"),
+        ({"tools": [FUNCTION_TOOLS[0], FUNCTION_TOOLS[0]]}, "tools", "same name"),
         ({"tool_choice": {"type": "mcp", "server_label": "x"}}, "tool_choice", "not supported"),
         ({"tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tools": FUNCTION_TOOLS, "tool_choice": {"type": "function", "name": "nope"}}, "tool_choice", "not in tools"),

@@ -15,6 +15,7 @@ from statelm.api.protocol import (
     ReasoningEffort,
     SamplingOptions,
     TypedModel,
+    check_tool_names,
     tool_choice_problem,
 )
 
@@ -330,6 +331,12 @@ class ResponsesRequest(SamplingOptions, ReasoningControls):
         if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
+
+    @field_validator("tools")
+    @classmethod
+    def _tool_names_differ(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
+        check_tool_names([tool.name for tool in tools or ()])
+        return tools
 
     @field_validator("tool_choice")
     @classmethod
