@@ -305,6 +305,11 @@ class ToolDefinition(TypedModel):
     type: Literal["function"]
     function: FunctionDefinition
 
+    @property
+    def name(self) -> str:
+        """The function's name."""
+        return self.function.name
+
 
 class FunctionChoice(TypedModel):
     """The function a named `tool_choice` forces."""
@@ -318,20 +323,33 @@ class NamedToolChoice(TypedModel):
     type: Literal["function"]
     function: FunctionChoice
 
+    @property
+    def name(self) -> str:
+        """The function's name."""
+        return self.function.name
 
-def check_tool_names(tool_names: list[str]) -> None:
-    """ValueError if two tools have the same name."""
-    if len(set(tool_names)) < len(tool_names):
-        raise ValueError("tools holds two functions of the same name")
 
+class ToolRules(TypedModel):
+    """The checks of `tools` and `tool_choice` that chat and responses share; each declares the fields in its own
+    shape (`tools` before `tool_choice`), whose entries and named choice have a `name`."""
 
-def tool_choice_problem(tool_names: list[str], choice: str | None, named: str | None) -> str | None:
-    """What is wrong with a tool_choice (a mode, or `named` function) for tools of these names; None if nothing."""
-    if choice in ("auto", "required") and not tool_names:
-        return f"tool_choice {choice!r} needs tools"
-    if named is not None and named not in tool_names:
-        return f"tool_choice names the function {named!r}, which is not in tools"
-    return None
+    @field_validator("tools", check_fields=False)
+    @classmethod
+    def _tool_names_differ(cls, tools: list[Any] | None) -> list[Any] | None:
+        names = [tool.name for tool in tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools holds two functions of the same name")
+        return tools
+
+    @field_validator("tool_choice", check_fields=False)
+    @classmethod
+    def _tool_choice_fits_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [tool.name for tool in info.data.get("tools") or ()]
+        if choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if choice is not None and not isinstance(choice, str) and choice.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.name!r}, which is not in tools")
+        return choice
 
 
 class ReasoningControls(TypedModel):
@@ -354,7 +372,7 @@ class ReasoningControls(TypedModel):
         return self.max_reasoning_tokens if self.max_reasoning_tokens is not None else self.thinking_budget
 
 
-class ChatCompletionRequest(GenerationRequest, ReasoningControls):
+class ChatCompletionRequest(GenerationRequest, ReasoningControls, ToolRules):
     """Body of POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -368,25 +386,6 @@ class ChatCompletionRequest(GenerationRequest, ReasoningControls):
     reasoning_effort: ReasoningEffort | None = None
     store: bool = False  # OpenAI: keep the completion retrievable at GET /v1/chat/completions/{id}
     metadata: Metadata | None = None  # OpenAI: kept with a stored completion, and logged
-
-    @field_validator("tools")
-    @classmethod
-    def _tool_names_differ(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
-        check_tool_names([tool.function.name for tool in tools or ()])
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_fits_the_tools(
-        cls, choice: str | NamedToolChoice | None, info: ValidationInfo
-    ) -> str | NamedToolChoice | None:
-        named = choice.function.name if isinstance(choice, NamedToolChoice) else None
-        mode = choice if isinstance(choice, str) else None
-        tools = info.data.get("tools") or []
-        problem = tool_choice_problem([tool.function.name for tool in tools], mode, named)
-        if problem is not None:
-            raise ValueError(problem)
-        return choice
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -27,6 +27,13 @@ KEY_A, KEY_B = "responses-key-a-0123", "responses-key-b-0123"
 TOKENS = 16  # enough to compare replies; a longer one only makes every later prompt longer
 FUNCTION_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]  # Responses' flat tool shape
 FORECAST = '{"temperature": 21, "sky": "sunny"}'
+TEXT_STREAM_START = [  # how a stream whose output is one message starts and ends
+    "response.created",
+    "response.in_progress",
+    "response.output_item.added",
+    "response.content_part.added",
+]
+TEXT_STREAM_END = ["response.output_text.done", "response.content_part.done", "response.output_item.done"]
 
 
 @pytest.fixture(scope="module")
@@ -134,18 +141,7 @@ def test_a_streamed_response_equals_the_whole_one(alice: openai.OpenAI) -> None:
         events = list(stream)
         final = stream.get_final_response()
     types = event_types(events)
-    assert types[:4] == [
-        "response.created",
-        "response.in_progress",
-        "response.output_item.added",
-        "response.content_part.added",
-    ]
-    assert types[-4:] == [
-        "response.output_text.done",
-        "response.content_part.done",
-        "response.output_item.done",
-        "response.completed",
-    ]
+    assert types[:4] == TEXT_STREAM_START and types[-4:] == [*TEXT_STREAM_END, "response.completed"]
     deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
     assert "".join(deltas) == final.output_text == whole.output_text
 

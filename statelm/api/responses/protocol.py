@@ -14,9 +14,8 @@ from statelm.api.protocol import (
     ReasoningControls,
     ReasoningEffort,
     SamplingOptions,
+    ToolRules,
     TypedModel,
-    check_tool_names,
-    tool_choice_problem,
 )
 
 ItemStatus = Literal["in_progress", "completed", "incomplete"]
@@ -247,7 +246,7 @@ REFUSED = {
 }
 
 
-class ResponsesRequest(SamplingOptions, ReasoningControls):
+class ResponsesRequest(SamplingOptions, ReasoningControls, ToolRules):
     """Body of POST /v1/responses; statelm's sampling and reasoning extensions are those chat takes."""
 
     model: str
@@ -331,24 +330,6 @@ class ResponsesRequest(SamplingOptions, ReasoningControls):
         if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
-
-    @field_validator("tools")
-    @classmethod
-    def _tool_names_differ(cls, tools: list[FunctionTool] | None) -> list[FunctionTool] | None:
-        check_tool_names([tool.name for tool in tools or ()])
-        return tools
-
-    @field_validator("tool_choice")
-    @classmethod
-    def _tool_choice_fits_the_tools(
-        cls, choice: str | FunctionToolChoice | None, info: ValidationInfo
-    ) -> str | FunctionToolChoice | None:
-        named = choice.name if isinstance(choice, FunctionToolChoice) else None
-        mode = choice if isinstance(choice, str) else None
-        problem = tool_choice_problem([tool.name for tool in info.data.get("tools") or []], mode, named)
-        if problem is not None:
-            raise ValueError(problem)
-        return choice
 
     def logprobs(self) -> bool:
         """Whether output text carries its tokens' logprobs."""

@@ -14,8 +14,7 @@ from statelm.api.responses.objects import DeletedResponse, InputItemList, Respon
 from statelm.api.responses.output import Event
 from statelm.api.responses.protocol import ResponsesRequest
 from statelm.api.responses.service import ResponsesService
-from statelm.engine.async_engine import EngineError
-from statelm.server.routes.openai import cancel_on_disconnect
+from statelm.server.routes.openai import generation_response
 
 router = APIRouter(prefix="/v1/responses", tags=["openai"])
 MAX_PAGE = 100
@@ -30,13 +29,9 @@ def responses_service(request: Request) -> ResponsesService:
 async def create_response(body: ResponsesRequest, request: Request) -> ResponseObject | EventSourceResponse:
     """Create a response, streamed as OpenAI's typed server-sent events when `stream` is true."""
     service = responses_service(request)
-    try:
-        if not body.stream:
-            return await cancel_on_disconnect(request, service.create(body))
-        events = await service.stream(body)
-    except EngineError as exc:
-        raise APIError(str(exc), status=500, type="server_error") from exc
-    return EventSourceResponse(_sse(events), ping=request.app.state.sse_keepalive)
+    return await generation_response(
+        request, body.stream, lambda: service.create(body), lambda: service.stream(body), _sse
+    )
 
 
 @router.get("/{response_id}")
