@@ -7,7 +7,7 @@ messages of about 250 tokens, replies of up to 24). Then one more response is ti
 non-streamed request with max_output_tokens=1 (prefill plus one token), median of --runs:
 
 - chained: `previous_response_id` and only the new message; stored (as a client does by default) and deleted
-  after each run, so every run continues the same chain (each run asks a question of its own);
+  after each run, so every run continues the same chain;
 - re-sent, warm: the whole conversation as `input` items with `store: false` (what a client of a server
   without stored responses sends), here with statelm's prefix cache warm from the chain;
 - re-sent, cold: the same behind `instructions` that differ in their first token, so that nothing is cached
@@ -18,6 +18,7 @@ Without --url it starts `statelm serve --model default` itself with a temporary 
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 import uuid
@@ -54,19 +55,26 @@ def grow_chain(http: httpx.Client, context_tokens: int) -> tuple[str, list[dict[
     return str(head), history, held
 
 
+def own_question(number: int, mode: str) -> dict[str, str]:
+    """A question no other request of the run asks, so that none finds another's question in the prefix cache."""
+    return {"role": "user", "content": f"{mode.capitalize()} question {number + 1}: which note was windy?"}
+
+
 def run(http: httpx.Client, context_tokens: int, runs: int) -> None:
     """Measure and print the three follow-ups."""
     head, history, held = grow_chain(http, context_tokens)
     results: dict[str, list[tuple[float, dict[str, Any]]]] = {"chained": [], "warm": [], "cold": []}
     for number in range(runs):
-        question = {"role": "user", "content": f"Question {number + 1}: which note mentioned the wind first?"}
-        chained = respond(http, {"input": [question], "instructions": INSTRUCTIONS, "previous_response_id": head,
-                                 "max_output_tokens": 1})  # fmt: skip
+        question = functools.partial(own_question, number)
+        chained = respond(http, {"input": [question("chained")], "instructions": INSTRUCTIONS,
+                                 "previous_response_id": head, "max_output_tokens": 1})  # fmt: skip
         results["chained"].append(chained)
         http.delete(f"/v1/responses/{chained[1]['id']}").raise_for_status()
-        full = {"input": [*history, question], "store": False, "max_output_tokens": 1}
-        results["warm"].append(respond(http, {**full, "instructions": INSTRUCTIONS}))
-        results["cold"].append(respond(http, {**full, "instructions": f"{uuid.uuid4().hex} {INSTRUCTIONS}"}))
+        full = {"store": False, "max_output_tokens": 1}
+        warm = {**full, "input": [*history, question("warm")], "instructions": INSTRUCTIONS}
+        results["warm"].append(respond(http, warm))
+        cold = {**full, "input": [*history, question("cold")], "instructions": f"{uuid.uuid4().hex} {INSTRUCTIONS}"}
+        results["cold"].append(respond(http, cold))
     median = {mode: statistics.median(elapsed for elapsed, _ in rows) for mode, rows in results.items()}
     usage = {mode: rows[-1][1]["usage"] for mode, rows in results.items()}
     print(f"\nfollow-up on a {held}-token chain ({usage['cold']['input_tokens']} input tokens re-sent), "

@@ -82,28 +82,23 @@ class ResponseChains:
             else StoredResponse(response_id, session, record)
         )
 
-    def put(self, session: Session, response_id: str, record: dict[str, Any]) -> list[str]:
-        """Store a response in its chain session; returns the ids of the key's oldest ones it pushed out."""
+    def put(self, session: Session, response_id: str, record: dict[str, Any]) -> None:
+        """Store a response in its chain session, dropping the key's oldest past the retention's count."""
         records(session)[response_id] = record
         session.disk_stale = True
         owned = self._index(response_id, session, record["created_at"])
         limit = self.retention.max_per_key
-        excess = list(owned)[: max(len(owned) - limit, 0)] if limit is not None else []
-        for dropped in excess:
+        for dropped in list(owned)[: max(len(owned) - limit, 0)] if limit is not None else []:
             self.drop(dropped)
-        return excess
 
-    def drop(self, response_id: str) -> Session | None:
-        """Forget a stored response; returns its chain session (None if it was not stored)."""
+    def drop(self, response_id: str) -> None:
+        """Forget a stored response (its chain session is left for the caller to tidy)."""
         session = self._sessions.pop(response_id, None)
         if session is None:
-            return None
+            return
         records(session).pop(response_id, None)
         session.disk_stale = True
-        owned = self._by_owner.get(session.owner)
-        if owned is not None:
-            owned.pop(response_id, None)
-        return session
+        self._by_owner[session.owner].pop(response_id, None)
 
     def expired(self, now: float) -> list[str]:
         """Ids of every key's responses older than the retention's age."""

@@ -147,9 +147,9 @@ class ResponsesService:
 
     async def _tidy(self, session: Session) -> None:
         """Delete an idle chain without records; cut one back to its latest record (the KV follows at its next turn)."""
-        if session.busy:
-            return
         manager = self.conversations.manager()
+        if session.busy or manager.sessions.get(session.id) is not session:  # busy, or deleted meanwhile
+            return
         kept = last_count(session)
         with acting_as(LOCAL):  # the retention acts for every key
             if not records(session):
