@@ -346,3 +346,18 @@ def test_chains_survive_a_restart_and_belong_to_their_key(tiny_model: Path, tmp_
             bob.responses.delete(second["id"])
         with server.http("bob") as api:
             assert api.get("/v1/sessions").json()["data"] == []  # chains are no sessions API sessions
+
+
+def test_chains_spill_under_pressure_and_continue_from_disk(tiny_model: Path, tmp_path: Path) -> None:
+    args = tiny_args(tiny_model, tmp_path / "state", "--kv-cache-memory", "128KiB")
+    with serve_in_process(args) as server, server.http() as api:
+        heads = [
+            create(api, {"input": f"Chain {n}: remember the number {n}, please, and tell me why."}) for n in range(8)
+        ]
+        spilled = [chain for chain in chains(server) if chain.on_disk or chain.spilled_kv is not None]
+        assert spilled, "a pool of 128 KiB holds fewer chains than this"
+        for head in heads:  # each continues from its KV, reloaded from disk if it was spilled
+            follow = create(api, {"input": "Why?", "previous_response_id": head["id"]})
+            cached = follow["usage"]["input_tokens_details"]["cached_tokens"]
+            assert cached >= head["usage"]["input_tokens"], (follow["usage"], head["usage"])
+            assert chain_of(server, follow["id"]) is chain_of(server, head["id"])
