@@ -28,6 +28,7 @@ from tests.e2e.test_responses import TEXT_STREAM_END, TEXT_STREAM_START
 from tests.e2e.test_tools import TOOLS
 from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 from tests.http.test_chat import assert_openai_error
+from tests.models.tiny_model_dir import make_tiny_thinking_model_dir
 
 FUNCTION_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
 VERDICT = {
@@ -361,3 +362,36 @@ def test_chains_spill_under_pressure_and_continue_from_disk(tiny_model: Path, tm
             cached = follow["usage"]["input_tokens_details"]["cached_tokens"]
             assert cached >= head["usage"]["input_tokens"], (follow["usage"], head["usage"])
             assert chain_of(server, follow["id"]) is chain_of(server, head["id"])
+
+
+def test_reasoning_items_are_streamed_counted_kept_and_taken_back(thinking: InProcessServer) -> None:
+    body = {"model": "tiny", "input": "The quick brown fox?", "max_reasoning_tokens": 4, "max_output_tokens": 10}
+    with thinking.http() as api:
+        events = stream_events(api, {**body, "ignore_eos": True})
+        types = [event["type"] for event in events]
+        assert types[2:5] == [
+            "response.output_item.added",
+            "response.content_part.added",
+            "response.reasoning_text.delta",
+        ]
+        assert "response.reasoning_text.done" in types and "response.output_text.delta" in types
+        response = events[-1]["response"]
+        reasoning, message = response["output"]
+        (part,) = reasoning["content"]
+        assert reasoning["type"] == "reasoning" and part["type"] == "reasoning_text" and part["text"]
+        assert message["type"] == "message" and "</think>" not in response["output_text"]
+        usage = response["usage"]
+        assert usage["output_tokens_details"]["reasoning_tokens"] == 4 + 1  # the budget's tokens and the end tag
+        assert chain_of(thinking, response["id"]).transcript[1]["reasoning_content"] == part["text"]
+        items = [{"role": "user", "content": body["input"]}, reasoning, message, {"role": "user", "content": "And?"}]
+        create(api, {**body, "input": items})
+
+
+@pytest.fixture(scope="module")
+def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """An app on the tiny thinking model, whose template opens a think block."""
+    root = tmp_path_factory.mktemp("thinking")
+    with serve_in_process(
+        tiny_args(make_tiny_thinking_model_dir(root / "model"), root / "state", served_name="tiny")
+    ) as app:
+        yield app

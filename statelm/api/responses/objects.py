@@ -70,7 +70,7 @@ class InputTokensDetails(BaseModel):
 
 
 class OutputTokensDetails(BaseModel):
-    """Output tokens of the reasoning (the think block's text, as the tokenizer encodes it)."""
+    """Output tokens of the reasoning: those of the think block, its tags included."""
 
     reasoning_tokens: int
 

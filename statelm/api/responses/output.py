@@ -24,7 +24,7 @@ from pydantic import BaseModel
 from statelm.api.chat_output import ChoiceEvent
 from statelm.api.generation import GenerationStats, ReleasedToken
 from statelm.api.protocol import DeltaToolCall, ToolCallMessage
-from statelm.api.responses.items import new_id
+from statelm.api.responses.items import ID_PREFIXES, new_id
 from statelm.api.responses.objects import (
     FunctionCall,
     IncompleteDetails,
@@ -68,19 +68,17 @@ class OpenItem:
 class ResponseBuilder:
     """Turns one generation's events into a response and the stream events that build it.
 
-    `count_tokens` measures the reasoning text (usage's `reasoning_tokens`); `logprobs` turns released tokens
-    into output_text logprobs when the request includes them; `obfuscate` pads deltas with random characters.
+    `logprobs` turns released tokens into output_text logprobs when the request includes them; `obfuscate`
+    pads deltas with random characters.
     """
 
     def __init__(
         self,
         response: ResponseObject,
-        count_tokens: Callable[[str], int],
         logprobs: Callable[[list[ReleasedToken]], list[dict[str, Any]]] | None = None,
         obfuscate: bool = False,
     ) -> None:
         self.response = response
-        self.count_tokens = count_tokens
         self.logprobs = logprobs
         self.obfuscate = obfuscate
         self.sequence = 0
@@ -102,7 +100,7 @@ class ResponseBuilder:
         for call in piece.tool_calls:
             events += self._call(call)
         if event.finish_reason is not None and event.stats is not None:
-            events += self._finish(event.finish_reason, event.tool_calls or [], event.stats)
+            events += self._finish(event, event.stats)
         return events
 
     def failed(self, message: str) -> list[Event]:
@@ -138,8 +136,7 @@ class ResponseBuilder:
 
     def _open(self, kind: str, call_id: str = "", name: str = "") -> list[Event]:
         events = self._close("completed")
-        prefix = {"message": "msg", "reasoning": "rs", "function_call": "fc"}[kind]
-        item = OpenItem(kind, len(self.response.output), new_id(prefix), call_id=call_id, name=name)
+        item = OpenItem(kind, len(self.response.output), new_id(ID_PREFIXES[kind]), call_id=call_id, name=name)
         self.current = item
         events.append(self._event("response.output_item.added", output_index=item.index, item=self._item(item)))
         if kind != "function_call":
@@ -171,23 +168,19 @@ class ResponseBuilder:
         events.append(self._event("response.output_item.done", output_index=item.index, item=finished))
         return events
 
-    def _finish(self, finish_reason: str, calls: list[ToolCallMessage], stats: GenerationStats) -> list[Event]:
-        cut = finish_reason == FinishReason.LENGTH.value
-        events = self._close("incomplete" if cut else "completed", {call.id: call for call in calls})
+    def _finish(self, last: ChoiceEvent, stats: GenerationStats) -> list[Event]:
+        cut = last.finish_reason == FinishReason.LENGTH.value
+        events = self._close("incomplete" if cut else "completed", {call.id: call for call in last.tool_calls or ()})
         response = self.response
         messages = [item for item in response.output if isinstance(item, OutputMessage)]
         response.output_text = "".join(part.text for item in messages for part in item.content)
-        thoughts = [part.text for item in response.output if isinstance(item, Reasoning) for part in item.content]
-        reasoning = "".join(thoughts)
         response.usage = ResponseUsage(
             input_tokens=stats.prompt_tokens,
             input_tokens_details=InputTokensDetails(
                 cached_tokens=stats.cached_tokens, cache_write_tokens=stats.prompt_tokens - stats.cached_tokens
             ),
             output_tokens=stats.completion_tokens,
-            output_tokens_details=OutputTokensDetails(
-                reasoning_tokens=self.count_tokens(reasoning) if reasoning else 0
-            ),
+            output_tokens_details=OutputTokensDetails(reasoning_tokens=last.reasoning_tokens),
             total_tokens=stats.prompt_tokens + stats.completion_tokens,
         )
         response.timings = timings_of(stats)

@@ -176,7 +176,6 @@ class ResponsesService:
                 generation = await self.conversations.turn(chat, response_id, plan, messages, preamble=preamble)
         builder = ResponseBuilder(
             self._skeleton(request, chat, response_id),
-            count_tokens=lambda text: len(self.context.tokenizer.encode(text, add_special_tokens=False)),
             logprobs=self._logprobs if request.logprobs() else None,
             obfuscate=request.stream and request.obfuscated(),
         )
