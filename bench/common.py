@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import platform
 import shlex
 import socket
 import subprocess
 import sys
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,3 +98,22 @@ def server_for(url: str | None, port: int, serve_args: str) -> Iterator[Target]:
     finally:
         process.terminate()
         process.wait()
+
+
+def run_context_benchmark(doc: str, port: int, settings: str, run: Callable[[httpx.Client, int, int], None]) -> None:
+    """The command line of a benchmark of a long conversation: `run(http, context_tokens, runs)` against --url, or a
+    `statelm serve --model default` started on port with a temporary state dir; settings names the context size."""
+    parser = argparse.ArgumentParser(description=doc.split("\n")[0])
+    parser.add_argument("--url", help="measure a running server instead of starting one")
+    parser.add_argument("--port", type=int, default=port)
+    parser.add_argument("--context-tokens", type=int, default=2000)
+    parser.add_argument("--runs", type=int, default=5)
+    parser.add_argument("--serve-args", default="--kv-cache-memory 1GiB", help="extra `statelm serve` flags")
+    args = parser.parse_args()
+    print(machine_report())
+    with tempfile.TemporaryDirectory() as state_dir:
+        serve_args = f"{args.serve_args} --state-dir {state_dir} --no-persist-sessions"
+        with server_for(args.url, args.port, serve_args) as target:
+            print(f"settings: {settings} ~{args.context_tokens} tokens, {args.runs} runs per figure, medians")
+            with httpx.Client(base_url=target.url, timeout=600) as http:
+                run(http, args.context_tokens, args.runs)

@@ -17,15 +17,13 @@ Without --url it starts `statelm serve --model default` itself with a temporary 
 
 from __future__ import annotations
 
-import argparse
 import statistics
-import tempfile
 import time
 import uuid
 
 import httpx
 
-from bench.common import machine_report, server_for
+from bench.common import run_context_benchmark
 
 PARAGRAPH = (
     "The observatory on the hill kept records of every storm for ninety years. Each entry gave the date, "
@@ -56,20 +54,7 @@ def grow_conversation(http: httpx.Client, session_id: str, context_tokens: int) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--url", help="measure a running server instead of starting one")
-    parser.add_argument("--port", type=int, default=8017)
-    parser.add_argument("--context-tokens", type=int, default=2000)
-    parser.add_argument("--runs", type=int, default=5)
-    parser.add_argument("--serve-args", default="--kv-cache-memory 1GiB", help="extra `statelm serve` flags")
-    args = parser.parse_args()
-    print(machine_report())
-    with tempfile.TemporaryDirectory() as state_dir:
-        serve_args = f"{args.serve_args} --state-dir {state_dir} --no-persist-sessions"
-        with server_for(args.url, args.port, serve_args) as target:
-            print(f"settings: context ~{args.context_tokens} tokens, {args.runs} runs per figure, medians")
-            with httpx.Client(base_url=target.url, timeout=600) as http:
-                run(http, args.context_tokens, args.runs)
+    run_context_benchmark(__doc__ or "", 8017, "context", run)
 
 
 def ask(http: httpx.Client, messages: list[dict], session_id: str | None = None) -> tuple[float, int, int]:

@@ -63,3 +63,5 @@ class ServerConfig:
     reasoning_parser: str = "auto"  # think tags: auto (from the template), none, or a parser name
     allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed by CORS; none by default
     max_stored_completions: int = 1000  # `store: true` completions kept in memory, the oldest dropped; 0: refused
+    max_stored_responses: int | None = 1000  # stored responses per key, the oldest dropped past it; None: no limit
+    response_retention: float | None = 30 * 86400.0  # seconds a stored response is kept; None: no limit

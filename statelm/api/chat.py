@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
-import weakref
 from collections.abc import AsyncIterator
-from typing import Any
 
-from pydantic import ValidationError
-
-from statelm.api.access_log import log_request
-from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, chat_events, collect_choices
-from statelm.api.chat_prompt import RenderedPrompt, forces_tool_call
+from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, collect_choices
+from statelm.api.conversation import ConversationService, TurnPlan
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
 from statelm.api.limits import GenerationLimits
@@ -23,10 +17,8 @@ from statelm.api.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
-    ChatMessage,
     ChunkChoice,
     DeltaMessage,
-    NamedToolChoice,
     StoredChatCompletion,
     Timings,
     Usage,
@@ -40,22 +32,11 @@ from statelm.api.serving import (
     usage_of,
 )
 from statelm.api.stored_completions import CompletionStore
-from statelm.api.structured_output import forced_tool_constraint
 from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.sequence import SamplingParams
 from statelm.metrics import ServingMetrics
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.ownership import current_principal
-from statelm.sessions.session import Session
 from statelm.tokenizer import Tokenizer
-
-
-def stored_messages(transcript: list[dict[str, Any]]) -> list[ChatMessage]:
-    """A session's messages as request messages; 422 if a stored message is malformed."""
-    try:
-        return [ChatMessage.model_validate(message) for message in transcript]
-    except ValidationError as exc:
-        raise APIError(f"the session's transcript holds an invalid message: {exc}", status=422) from exc
 
 
 class ChatService:
@@ -89,7 +70,7 @@ class ChatService:
             tool_parser=tool_parser,
             reasoning_parser=reasoning_parser,
         )
-        self.sessions = sessions
+        self.conversations = ConversationService(self.context, sessions)
         self.completions = completions or CompletionStore(0)  # what `store: true` keeps; none by default
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:
@@ -199,106 +180,14 @@ class ChatService:
 
     async def _start(self, request: ChatCompletionRequest) -> tuple[str, AsyncIterator[ChoiceEvent]]:
         """Validate and render the request; return its id and its (not yet started) generation."""
-        self.context.admit(request.model)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.conversations.admit(request, request_id)
         if request.store:
             self.completions.check_enabled()
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        log_request(request_id, request)
-        if request.session_id is not None:
-            return request_id, await self._start_turn(request, request_id)
-        prompter = self.context.prompter
-        prompt = await self.context.render(request.messages, request.tools, prompter.template_kwargs(request, {}))
-        params = await self._params(request, prompt, self.context.model.max_model_len)
-        parsers = prompter.output_parsers(request, prompt)
-        deltas = self.context.generate(
-            request_id, prompt.ids, params, request.stop_strings(), keep_special_tokens=prompter.keep_special_tokens
-        )
-        return request_id, chat_events(deltas, parsers)
-
-    async def _start_turn(self, request: ChatCompletionRequest, request_id: str) -> AsyncIterator[ChoiceEvent]:
-        """Begin a session turn: the session's transcript plus this turn's messages, from the session's KV."""
-        if self.sessions is None:
-            raise APIError("sessions are not enabled on this server", param="session_id")
+        if request.session_id is None:
+            return request_id, await self.conversations.generate(request, request_id, request.messages)
         if request.n != 1:
             raise APIError("a session turn has one reply: n must be 1 with session_id", param="n")
-        session = self.sessions.begin_turn(request.session_id or "")
-        turn = SessionTurn(self.sessions, session, request_id)
-        prompter = self.context.prompter
-        try:
-            new_messages = [message.for_transcript() for message in request.messages]
-            kwargs = prompter.template_kwargs(request, session.settings.chat_template_kwargs)
-            max_model_len = self.context.model.max_model_len
-            context = min(max_model_len, session.settings.max_tokens or max_model_len)
-            messages = stored_messages(session.transcript) + request.messages
-            prompt = await self.context.render(messages, request.tools, kwargs, context=context)
-            params = await self._params(request, prompt, context)
-            parsers = prompter.output_parsers(request, prompt)
-            restore = await self.sessions.kv_to_restore(session)
-        except BaseException:
-            turn.end(None)
-            raise
-        deltas = self.context.generate(
-            request_id,
-            prompt.ids,
-            params,
-            request.stop_strings(),
-            session_id=session.id,
-            restore=restore,
-            keep_special_tokens=prompter.keep_special_tokens,
-        )
-        return turn.follow(chat_events(deltas, parsers), new_messages)
-
-    async def _params(self, request: ChatCompletionRequest, prompt: RenderedPrompt, context: int) -> SamplingParams:
-        """Sampling parameters with the request's constraint, forced tool call and reasoning budget."""
-        prompter = self.context.prompter
-        params = self.context.sampling_params(request, len(prompt.ids), context, "messages")
-        forced = None
-        if forces_tool_call(request):
-            tools = [tool.model_dump(exclude_none=True) for tool in request.tools or ()]
-            choice = request.tool_choice
-            named = choice.model_dump() if isinstance(choice, NamedToolChoice) else "required"
-            forced = forced_tool_constraint(tools, named, request.parallel_tool_calls)
-        params = await self.context.constrained(request, params, forced, prompter.reasoning_end_ids(prompt))
-        budget = prompter.reasoning_budget(request, prompt)
-        return params if budget is None else dataclasses.replace(params, reasoning=budget)
-
-
-class SessionTurn:
-    """One turn of a session: commits its messages and KV when it completes, drops them otherwise."""
-
-    def __init__(self, sessions: SessionManager, session: Session, request_id: str) -> None:
-        self.sessions = sessions
-        self.session = session
-        self.request_id = request_id
-        self.ended = False
-
-    def end(self, messages: list[dict[str, Any]] | None) -> None:
-        """Commit messages (None: drop the turn); only the first call counts."""
-        if not self.ended:
-            self.ended = True
-            self.sessions.end_turn(self.session, self.request_id, messages)
-
-    def follow(
-        self, events: AsyncIterator[ChoiceEvent], new_messages: list[dict[str, Any]]
-    ) -> AsyncIterator[ChoiceEvent]:
-        """events, committing the turn (the reply with its reasoning and tool calls) at the final one.
-
-        A generation dropped before that drops the turn. The template decides whether later prompts show
-        the reasoning; the session's cache follows whatever it renders (longest common prefix).
-        """
-
-        async def committed() -> AsyncIterator[ChoiceEvent]:
-            reply = ChoiceMessage()
-            try:
-                async for event in events:
-                    reply.add(event)
-                    if event.finish_reason is not None:
-                        message = reply.message().model_dump(exclude_none=True)
-                        self.end([*new_messages, message])
-                    yield event
-            finally:
-                self.end(None)
-
-        stream = committed()
-        weakref.finalize(stream, self.end, None)  # a stream that is never iterated still frees the session
-        return stream
+        session = self.conversations.manager().begin_turn(request.session_id)
+        plan = TurnPlan(source=session, history=session.transcript, target=session)
+        return request_id, await self.conversations.turn(request, request_id, plan, request.messages)

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from statelm.api.generation import GenerationStats, ReleasedToken, TextDelta
-from statelm.api.parsers.reasoning import ReasoningParser
+from statelm.api.parsers.reasoning import ReasoningParser, ReasoningSpan
 from statelm.api.parsers.tools import (
     ContentDelta,
     ToolCall,
@@ -36,15 +36,26 @@ class ChatPiece:
 class ChoiceOutputParser:
     """Routes a choice's streamed text: the think block to reasoning, the rest through the tool parser if any.
 
-    With `single_call` (parallel_tool_calls false) only the first tool call is kept.
+    With `single_call` (parallel_tool_calls false) only the first tool call is kept; `span` finds the think
+    block in the choice's token ids, to count its tokens.
     """
 
     def __init__(
-        self, reasoning: ReasoningParser | None, tools: ToolParser | None, *, single_call: bool = False
+        self,
+        reasoning: ReasoningParser | None,
+        tools: ToolParser | None,
+        *,
+        single_call: bool = False,
+        span: ReasoningSpan | None = None,
     ) -> None:
         self._reasoning = reasoning
         self._tools = tools
         self._max_calls = 1 if single_call else None
+        self._span = span
+
+    def reasoning_tokens(self, token_ids: list[int]) -> int:
+        """How many of the choice's tokens its think block took (0 for a model that does not reason)."""
+        return self._span.count(token_ids) if self._span is not None else 0
 
     def feed(self, text: str) -> ChatPiece:
         """The reasoning, content and tool-call deltas that `text` makes certain."""
@@ -109,6 +120,7 @@ class ChoiceEvent:
     finish_reason: str | None = None
     repetition_detected: bool = False
     tool_calls: list[ToolCallMessage] | None = None  # at the finish: every call the choice made
+    reasoning_tokens: int = 0  # at the finish: the tokens its think block took
     stats: GenerationStats | None = None  # on the generation's very last event
 
 
@@ -129,6 +141,7 @@ async def chat_events(
             piece.content += rest.content
             piece.tool_calls += rest.tool_calls
             event.tool_calls = parser.tool_calls
+            event.reasoning_tokens = parser.reasoning_tokens(delta.token_ids)
             event.finish_reason = delta.finish_reason
             if event.tool_calls and delta.finish_reason == FinishReason.STOP.value:
                 event.finish_reason = TOOL_CALLS_FINISH

@@ -14,7 +14,13 @@ from typing import Any
 from statelm.api.chat_output import ChoiceOutputParser
 from statelm.api.chat_template_input import FALLBACK_TOOL_PARSER, TemplateFeatures, template_messages
 from statelm.api.errors import APIError
-from statelm.api.parsers.reasoning import ReasoningParser, ReasoningTags, prompt_opens_reasoning, reasoning_tags_for
+from statelm.api.parsers.reasoning import (
+    ReasoningParser,
+    ReasoningSpan,
+    ReasoningTags,
+    prompt_opens_reasoning,
+    reasoning_tags_for,
+)
 from statelm.api.parsers.tools import ForcedToolParser, ToolParser, get_tool_parser
 from statelm.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
 from statelm.engine.guidance import ReasoningBudget
@@ -127,11 +133,13 @@ class ChatPrompter:
                 )
             tool_parser = self.tool_parser
         tags = self.reasoning_tags
+        span = None if self._tag_ids is None else ReasoningSpan(*self._tag_ids, prompt.opens_reasoning)
         return [
             ChoiceOutputParser(
                 None if tags is None else ReasoningParser(tags, in_reasoning=prompt.opens_reasoning),
                 None if tool_parser is None else tool_parser(tool_dicts),
                 single_call=not request.parallel_tool_calls,
+                span=span,
             )
             for _ in range(request.n)
         ]

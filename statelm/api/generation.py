@@ -61,6 +61,7 @@ class TextDelta:
     finish_reason: str | None = None
     repetition_detected: bool = False  # with the finish reason: a loop in the output ended it
     stats: GenerationStats | None = None
+    token_ids: list[int] = field(default_factory=list)  # with the finish reason: every token the choice generated
 
 
 class ChoiceText:
@@ -86,7 +87,7 @@ class ChoiceText:
         self.matcher = StopStringMatcher(stop_strings)
         self.align_to_tokens = align_to_tokens  # logprobs are on: text goes out with whole tokens
         self.min_tokens = min_tokens
-        self.num_tokens = 0
+        self.token_ids: list[int] = []
         self.decoded = 0  # characters the detokenizer has produced
         self.released = 0  # characters given out
         self.ready = ""  # with logprobs: text past the stop strings, held until its tokens are complete
@@ -94,12 +95,17 @@ class ChoiceText:
         self.finish_reason: str | None = None
         self.repetition_detected = False
 
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the choice has generated so far."""
+        return len(self.token_ids)
+
     def add(self, output: StepOutput) -> TextDelta:
         """The text (and tokens) one engine output adds to this choice."""
         last = len(output.new_token_ids) - 1
         ended_by_token = output.finished and output.ended_by_token
         for position, token_id in enumerate(output.new_token_ids):
-            self.num_tokens += 1
+            self.token_ids.append(token_id)
             if ended_by_token and position == last:
                 break
             start = self.decoded
@@ -117,7 +123,9 @@ class ChoiceText:
         tokens, cut = self._release()
         text, self.ready = self.ready[:cut], self.ready[cut:]
         self.released += len(text)
-        return TextDelta(output.index, text, tokens, self.finish_reason, self.repetition_detected)
+        finished = self.finish_reason is not None
+        ids = list(self.token_ids) if finished else []
+        return TextDelta(output.index, text, tokens, self.finish_reason, self.repetition_detected, token_ids=ids)
 
     def _text(self, piece: str) -> str:
         """Text that may be given out now, once the stop strings have seen it."""

@@ -8,7 +8,8 @@ from typing import Any
 
 from statelm.api.errors import APIError
 
-COMPLETION_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens")
+COMPLETION_LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
+MESSAGE_LIST_FIELDS = ("messages", "input")  # chat's messages, a response's input items
 
 
 @dataclass(frozen=True)
@@ -21,17 +22,18 @@ class GenerationLimits:
     context_length: int | None = None  # the model's; a max_tokens this large is a context error, not a cap one
 
     def check_body(self, body: Mapping[str, Any]) -> None:
-        """400 if a request body, as sent, has too many messages or asks for more tokens than the cap.
+        """400 if a request body, as sent, has too many messages (or input items) or asks for more tokens than the cap.
 
         A max_tokens no prompt could fit with is left to the context check, whose code says so.
         """
-        messages = body.get("messages")
-        if self.max_messages is not None and isinstance(messages, list) and len(messages) > self.max_messages:
-            raise APIError(
-                f"The request has {len(messages)} messages; this server takes at most {self.max_messages}.",
-                param="messages",
-                code="too_many_messages",
-            )
+        for name in MESSAGE_LIST_FIELDS:
+            messages = body.get(name)
+            if self.max_messages is not None and isinstance(messages, list) and len(messages) > self.max_messages:
+                raise APIError(
+                    f"The request has {len(messages)} {name}; this server takes at most {self.max_messages}.",
+                    param=name,
+                    code="too_many_messages",
+                )
         cap, context = self.max_completion_tokens, self.context_length
         for name in COMPLETION_LENGTH_FIELDS:
             value = body.get(name)

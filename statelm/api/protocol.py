@@ -46,6 +46,7 @@ def _check_template_kwargs(kwargs: JSONObject) -> JSONObject:
 
 
 TemplateKwargs = Annotated[JSONObject, AfterValidator(_check_template_kwargs)]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"]  # OpenAI's, as the SDK sends
 Metadata = Annotated[
     dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)], Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
     Field(max_length=MAX_METADATA_PAIRS),
@@ -75,6 +76,14 @@ class SamplerSettings(TypedModel):
     frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
     repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
     repetition_penalty_range: Annotated[int, Field(ge=-1)] | None = None  # -1: the whole context, 0: off
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        """`"field": null` means the field's default, as in OpenAI's API; unknown fields are still rejected."""
+        if isinstance(data, dict):
+            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
+        return data
 
 
 class StreamOptions(TypedModel):
@@ -163,41 +172,22 @@ class RepetitionDetection(TypedModel):
         return self
 
 
-class GenerationRequest(SamplerSettings):
-    """The fields chat and text completions share; each one is honoured (an explicit null counts as unset)."""
+class SamplingOptions(SamplerSettings):
+    """The sampling and stopping fields of every generation route, OpenAI's and the extensions, and the access-log
+    tags; each one is honoured (an explicit null counts as unset)."""
 
-    model: str
     logit_bias: dict[TokenIdKey, Annotated[float, Field(ge=-LOGIT_BIAS_LIMIT, le=LOGIT_BIAS_LIMIT)]] | None = None
     seed: Annotated[int, Field(ge=SEED_RANGE[0], le=SEED_RANGE[1])] | None = None
-    max_tokens: Annotated[int, Field(ge=1)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] = Field(default_factory=list)
     ignore_eos: bool = False
-    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
-    stream: bool = False
-    stream_options: StreamOptions | None = None
-    response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None  # vLLM
-    guided_json: JSONObject | str | None = None  # vLLM's earlier names of structured_outputs' fields
-    guided_regex: Annotated[str, Field(min_length=1)] | None = None
-    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
-    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
-    grammar: Annotated[str, Field(min_length=1)] | None = None  # llama.cpp: a GBNF grammar
-    json_schema: JSONObject | None = None  # llama.cpp: a JSON schema
     repetition_detection: RepetitionDetection | None = None
     user: Annotated[str, Field(max_length=MAX_TAG_LENGTH)] | None = None  # OpenAI: logged, see statelm.api.access_log
     safety_identifier: Annotated[str, Field(max_length=MAX_TAG_LENGTH)] | None = None  # OpenAI: logged
     prompt_cache_key: Annotated[str, Field(max_length=MAX_TAG_LENGTH)] | None = None  # OpenAI: logged; one cache
     service_tier: Literal["auto", "default", "flex", "priority"] | None = None  # OpenAI: scheduling priority
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """`"field": null` means the field's default, as in OpenAI's API; unknown fields are still rejected."""
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
-        return data
 
     @field_validator("stop")
     @classmethod
@@ -206,18 +196,35 @@ class GenerationRequest(SamplerSettings):
             raise ValueError("stop strings must not be empty")
         return stop
 
+    def stop_strings(self) -> list[str]:
+        """`stop` as a list."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerationRequest(SamplingOptions):
+    """The fields chat and text completions share."""
+
+    model: str
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_CHOICES)] = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: JSONObject | str | None = None  # vLLM's earlier names of structured_outputs' fields
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    grammar: Annotated[str, Field(min_length=1)] | None = None  # llama.cpp: a GBNF grammar
+    json_schema: JSONObject | None = None  # llama.cpp: a JSON schema
+
     @field_validator("stream_options")
     @classmethod
     def _stream_options_need_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> StreamOptions | None:
         if options is not None and not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return options
-
-    def stop_strings(self) -> list[str]:
-        """`stop` as a list."""
-        if self.stop is None:
-            return []
-        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     def requested_max_tokens(self) -> int | None:
         """The completion length limit the request sets, if any."""
@@ -298,6 +305,11 @@ class ToolDefinition(TypedModel):
     type: Literal["function"]
     function: FunctionDefinition
 
+    @property
+    def name(self) -> str:
+        """The function's name."""
+        return self.function.name
+
 
 class FunctionChoice(TypedModel):
     """The function a named `tool_choice` forces."""
@@ -311,8 +323,56 @@ class NamedToolChoice(TypedModel):
     type: Literal["function"]
     function: FunctionChoice
 
+    @property
+    def name(self) -> str:
+        """The function's name."""
+        return self.function.name
 
-class ChatCompletionRequest(GenerationRequest):
+
+class ToolRules(TypedModel):
+    """The checks of `tools` and `tool_choice` that chat and responses share; each declares the fields in its own
+    shape (`tools` before `tool_choice`), whose entries and named choice have a `name`."""
+
+    @field_validator("tools", check_fields=False)
+    @classmethod
+    def _tool_names_differ(cls, tools: list[Any] | None) -> list[Any] | None:
+        names = [tool.name for tool in tools or ()]
+        if len(set(names)) < len(names):
+            raise ValueError("tools holds two functions of the same name")
+        return tools
+
+    @field_validator("tool_choice", check_fields=False)
+    @classmethod
+    def _tool_choice_fits_the_tools(cls, choice: Any, info: ValidationInfo) -> Any:
+        names = [tool.name for tool in info.data.get("tools") or ()]
+        if choice in ("auto", "required") and not names:
+            raise ValueError(f"tool_choice {choice!r} needs tools")
+        if choice is not None and not isinstance(choice, str) and choice.name not in names:
+            raise ValueError(f"tool_choice names the function {choice.name!r}, which is not in tools")
+        return choice
+
+
+class ReasoningControls(TypedModel):
+    """statelm's controls of the chat template and of reasoning, which chat and responses share."""
+
+    chat_template_kwargs: TemplateKwargs | None = None
+    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # statelm/vLLM; `thinking_budget` too
+    thinking_budget: Annotated[int, Field(ge=0)] | None = None
+
+    @field_validator("thinking_budget")
+    @classmethod
+    def _one_reasoning_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
+        other = info.data.get("max_reasoning_tokens")
+        if value is not None and other is not None and value != other:
+            raise ValueError(f"max_reasoning_tokens ({other}) and thinking_budget ({value}) differ; send one of them")
+        return value
+
+    def reasoning_budget(self) -> int | None:
+        """The reasoning token budget under either of its names."""
+        return self.max_reasoning_tokens if self.max_reasoning_tokens is not None else self.thinking_budget
+
+
+class ChatCompletionRequest(GenerationRequest, ReasoningControls, ToolRules):
     """Body of POST /v1/chat/completions."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -323,36 +383,9 @@ class ChatCompletionRequest(GenerationRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
-    chat_template_kwargs: TemplateKwargs | None = None
-    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
-    max_reasoning_tokens: Annotated[int, Field(ge=0)] | None = None  # statelm/vLLM; `thinking_budget` too
-    thinking_budget: Annotated[int, Field(ge=0)] | None = None
+    reasoning_effort: ReasoningEffort | None = None
     store: bool = False  # OpenAI: keep the completion retrievable at GET /v1/chat/completions/{id}
     metadata: Metadata | None = None  # OpenAI: kept with a stored completion, and logged
-
-    @field_validator("thinking_budget")
-    @classmethod
-    def _one_reasoning_budget(cls, value: int | None, info: ValidationInfo) -> int | None:
-        other = info.data.get("max_reasoning_tokens")
-        if value is not None and other is not None and value != other:
-            raise ValueError(f"max_reasoning_tokens ({other}) and thinking_budget ({value}) differ; send one of them")
-        return value
-
-    @model_validator(mode="after")
-    def _tool_choice_fits_the_tools(self) -> ChatCompletionRequest:
-        names = {tool.function.name for tool in self.tools or ()}
-        if len(names) < len(self.tools or ()):
-            raise ValueError("tools holds two functions of the same name")
-        choice = self.tool_choice
-        if choice in ("auto", "required") and not self.tools:
-            raise ValueError(f"tool_choice {choice!r} needs tools")
-        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
-            raise ValueError(f"tool_choice names the function {choice.function.name!r}, which is not in tools")
-        return self
-
-    def reasoning_budget(self) -> int | None:
-        """The reasoning token budget under either of its names."""
-        return self.max_reasoning_tokens if self.max_reasoning_tokens is not None else self.thinking_budget
 
     @field_validator("max_completion_tokens")
     @classmethod

@@ -35,6 +35,18 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
+_DURATION = re.compile(r"^\s*([0-9.]+)\s*([smhd]?)\s*$", re.IGNORECASE)
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration such as `30d`, `12h`, `90m` or `3600`."""
+    match = _DURATION.match(text)
+    if not match:
+        raise typer.BadParameter(f"not a duration: {text!r} (examples: 30d, 12h, 90m, 3600)")
+    return float(match.group(1)) * _SECONDS[match.group(2).lower()]
+
+
 def with_keys_from_environment(keys: list[str] | None, variable: str) -> list[str]:
     """The keys given as flags plus those in an environment variable (several may be separated by spaces)."""
     return [*(keys or []), *os.environ.get(variable, "").split()]
@@ -182,6 +194,12 @@ def serve(
     max_stored_completions: Annotated[
         int, typer.Option(help="Chat completions kept for `store: true`, in memory, oldest dropped (0: refused).")
     ] = 1000,
+    max_stored_responses: Annotated[
+        int, typer.Option(help="Stored responses (/v1/responses) one key keeps, oldest dropped (0: no limit).")
+    ] = 1000,
+    response_retention: Annotated[
+        str, typer.Option(help="How long a stored response is kept, e.g. 30d, 12h, 90m (0: no limit).")
+    ] = "30d",
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -232,6 +250,8 @@ def serve(
         reasoning_parser=reasoning_parser,
         allowed_origins=allowed_origins or [],
         max_stored_completions=max_stored_completions,
+        max_stored_responses=max_stored_responses or None,
+        response_retention=parse_duration(response_retention) or None,
     )
     from statelm.server.launch import LaunchError, run_server
 

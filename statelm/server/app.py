@@ -11,6 +11,7 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from statelm.api.chat import ChatService
 from statelm.api.limits import GenerationLimits
+from statelm.api.responses.service import ResponsesService
 from statelm.api.sessions import SessionService
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.invariance import InvarianceReport
@@ -21,6 +22,7 @@ from statelm.server.errors import install_error_handlers
 from statelm.server.limits import RequestLimitMiddleware
 from statelm.server.openapi import install_openapi
 from statelm.server.routes import health, metrics, openai, sessions
+from statelm.server.routes import responses as responses_routes
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
@@ -45,13 +47,15 @@ def create_app(
     engine: AsyncEngine,
     chat: ChatService,
     session_service: SessionService,
+    responses: ResponsesService,
     serving_metrics: ServingMetrics,
     guards: Guards,
     sse_keepalive: float = 10.0,
     invariance: InvarianceReport | None = None,
     allowed_origins: list[str] | None = None,
 ) -> FastAPI:
-    """An app serving chat and sessions on the given engine; sessions are saved and the engine stopped at exit.
+    """An app serving chat, responses and sessions on the given engine; sessions (response chains too) are saved
+    and the engine stopped at exit.
 
     Streams get an SSE comment every `sse_keepalive` seconds (so that proxies keep a long prefill open).
     """
@@ -60,6 +64,7 @@ def create_app(
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await manager.start()
+        await responses.start()
         try:
             yield
         finally:
@@ -70,6 +75,7 @@ def create_app(
     app.state.engine = engine
     app.state.chat = chat
     app.state.sessions = session_service
+    app.state.responses = responses
     app.state.metrics = serving_metrics
     app.state.drain = guards.drain
     app.state.sse_keepalive = sse_keepalive
@@ -78,6 +84,7 @@ def create_app(
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(openai.router)
+    app.include_router(responses_routes.router)
     app.include_router(sessions.router)
     install_openapi(app, keyed=guards.keys is not None, public_paths=guards.public_paths())
 

@@ -19,6 +19,7 @@ from statelm.sessions.errors import SessionError
 log = logging.getLogger(__name__)
 
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})  # where FastAPI says a value was
 _HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
@@ -27,14 +28,15 @@ def error_response(error: APIError, headers: Mapping[str, str] | None = None) ->
     return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
 
 
-def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
+def validation_error(errors: Sequence[Mapping[str, Any]], body: Any = None) -> APIError:
     """The most specific problem pydantic found, named by its parameter.
 
     For a union field pydantic reports one error per member; the deepest error that is not merely a type
-    mismatch against another member is the one that explains what is wrong.
+    mismatch against another member is the one that explains what is wrong. With the request's parsed body, the
+    union members' tags in its location (`NamedToolChoice`, `json_schema`) are left out of the parameter's name.
     """
     first = max(errors, key=lambda e: (len(e.get("loc", ())), not str(e.get("type", "")).endswith("_type")))
-    location = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_type_tag(part)]
+    location = _parameter_path(first, body)
     param = ".".join(location) or None
     kind = first.get("type", "")
     if kind == "extra_forbidden":
@@ -43,6 +45,28 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
         return APIError(f"Request body is not a valid JSON object: {first.get('msg', '')}", code="invalid_json")
     message = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
     return APIError(f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
+
+
+def _parameter_path(error: Mapping[str, Any], body: Any) -> list[str]:
+    """The parts of an error's location that name places in the body: keys and indexes, not union tags.
+
+    A part the body does not have at that place is a tag, except the last one of a missing field.
+    """
+    loc = list(error.get("loc", ()))
+    if not loc or loc[0] != "body" or not isinstance(body, dict):
+        parts = loc[1:] if loc and loc[0] in REQUEST_PARTS else loc
+        return [str(part) for part in parts if not _is_type_tag(part)]
+    named: list[str] = []
+    current: Any = body
+    for position, part in enumerate(loc[1:], start=2):
+        if (isinstance(current, dict) and part in current) or (
+            isinstance(current, list) and isinstance(part, int) and 0 <= part < len(current)
+        ):
+            current = current[part]
+        elif not (position == len(loc) and error.get("type") == "missing"):
+            continue
+        named.append(str(part))
+    return named
 
 
 def _is_type_tag(part: object) -> bool:
@@ -72,7 +96,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc.errors()))
+        return error_response(validation_error(exc.errors(), exc.body))
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:

@@ -13,6 +13,8 @@ from fastapi import FastAPI
 
 from statelm.api.chat import ChatService, ServedModel
 from statelm.api.limits import GenerationLimits
+from statelm.api.responses.chains import ResponseRetention
+from statelm.api.responses.service import ResponsesService
 from statelm.api.serving import system_fingerprint
 from statelm.api.sessions import SessionService
 from statelm.api.stored_completions import CompletionStore
@@ -39,8 +41,9 @@ def build_services(
     server_config: ServerConfig,
     metrics: ServingMetrics,
     limits: GenerationLimits,
-) -> tuple[ChatService, SessionService]:
-    """Chat and session services over a built engine, answering to the served name and the `--model` value."""
+) -> tuple[ChatService, SessionService, ResponsesService]:
+    """Chat, session and responses services over a built engine, answering to the served name and the `--model`
+    value."""
     name = server_config.served_model_name or built.loaded.name
     engine = built.engine.engine
     output_settings = {
@@ -79,7 +82,8 @@ def build_services(
         )
     except ValueError as exc:  # an unknown --tool-parser or --reasoning-parser
         raise LaunchError(str(exc)) from None
-    return chat, SessionService(manager)
+    retention = ResponseRetention(server_config.max_stored_responses, server_config.response_retention)
+    return chat, SessionService(manager), ResponsesService(chat.conversations, retention)
 
 
 def generation_limits(server_config: ServerConfig, context_length: int) -> GenerationLimits:
@@ -133,7 +137,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple
         raise LaunchError(str(exc)) from None
     metrics = ServingMetrics(built.engine.engine)
     limits = generation_limits(server_config, built.engine.engine.max_model_len)
-    chat, session_service = build_services(built, engine_config, server_config, metrics, limits)
+    chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits)
     guards = Guards(
         keys=keys,
         public_metrics=not server_config.metrics_require_key,
@@ -145,6 +149,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple
         built.engine,
         chat,
         session_service,
+        responses,
         metrics,
         guards,
         server_config.sse_keepalive,

@@ -28,7 +28,7 @@ from statelm.sessions.errors import (
     check_id,
 )
 from statelm.sessions.ownership import current_principal, recorded_owner
-from statelm.sessions.session import Session, SessionSettings, SessionState
+from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
 from statelm.sessions.snapshot_format import (
     SnapshotContent,
     read_snapshot,
@@ -68,6 +68,7 @@ class SessionManager:
 
     Every operation acts for the current principal (statelm.sessions.ownership): a session another key owns
     is reported as missing, new sessions record the caller as their owner, and the caller's limits apply.
+    Sessions of one kind are invisible to operations on the other (a response chain is no sessions API session).
     """
 
     def __init__(
@@ -121,8 +122,11 @@ class SessionManager:
 
     # --- session CRUD -------------------------------------------------------------------------------
 
-    def create(self, session_id: str | None, settings: SessionSettings) -> Session:
-        """A new, empty session (with the system message, if given) owned by the caller."""
+    def create(
+        self, session_id: str | None, settings: SessionSettings, kind: SessionKind = SessionKind.SESSION
+    ) -> Session:
+        """A new, empty session (with the system message, if given) owned by the caller; sessions of every kind
+        count toward the caller's limit."""
         session_id = check_id(session_id, "session_id") if session_id is not None else new_session_id()
         if session_id in self.sessions:
             raise AlreadyExistsError(f"session {session_id!r} already exists", param="session_id")
@@ -131,21 +135,25 @@ class SessionManager:
         if limit is not None and sum(session.owner == owner for session in self.sessions.values()) >= limit:
             raise SessionLimitError(f"this key already has {limit} sessions, the most it may have; delete some first")
         transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
-        session = Session(session_id, settings, transcript, owner=owner)
+        session = Session(session_id, settings, transcript, owner=owner, kind=kind)
         self.sessions[session_id] = session
         return session
 
-    def get(self, session_id: str) -> Session:
-        """The session with that id, if the caller may see it."""
+    def get(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> Session:
+        """The session of that kind with that id, if the caller may see it."""
         session = self.sessions.get(check_id(session_id, "session_id"))
-        if session is None or not current_principal().may_access(session.owner):
+        if session is None or session.kind != kind or not current_principal().may_access(session.owner):
             raise NotFoundError(f"session {session_id!r} does not exist", param="session_id")
         return session
 
-    def visible(self) -> list[Session]:
-        """The sessions the caller may see, least recently used first."""
+    def visible(self, kind: SessionKind = SessionKind.SESSION) -> list[Session]:
+        """The sessions of that kind the caller may see, least recently used first."""
         principal = current_principal()
-        sessions = [session for session in self.sessions.values() if principal.may_access(session.owner)]
+        sessions = [
+            session
+            for session in self.sessions.values()
+            if session.kind == kind and principal.may_access(session.owner)
+        ]
         return sorted(sessions, key=lambda session: session.last_used)
 
     async def view(self, sessions: list[Session]) -> list[SessionView]:
@@ -158,17 +166,17 @@ class SessionManager:
             views.append(SessionView(session, tokens, session.state(in_pool)))
         return views
 
-    async def delete(self, session_id: str) -> None:
+    async def delete(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> None:
         """Forget a session, its KV and its saved copy."""
-        session = self._idle(session_id)
+        session = self._idle(session_id, kind)
         del self.sessions[session.id]
         self.engine.submit(lambda: self._kv.release(session.id))
         async with self._disk_lock(session.id):
             await asyncio.to_thread(shutil.rmtree, self.sessions_dir / session.id, True)
 
-    def rollback(self, session_id: str, keep_messages: int) -> Session:
+    def rollback(self, session_id: str, keep_messages: int, kind: SessionKind = SessionKind.SESSION) -> Session:
         """Cut the transcript to its first keep_messages messages; the KV is trimmed by LCP on the next turn."""
-        session = self._idle(session_id)
+        session = self._idle(session_id, kind)
         if keep_messages > len(session.transcript):
             raise SessionError(
                 f"keep_messages is {keep_messages} but the session has {len(session.transcript)} messages",
@@ -196,9 +204,9 @@ class SessionManager:
 
     # --- turns --------------------------------------------------------------------------------------
 
-    def begin_turn(self, session_id: str) -> Session:
+    def begin_turn(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> Session:
         """Mark a session busy for a turn; SessionBusyError if a turn already runs."""
-        session = self._idle(session_id)
+        session = self._idle(session_id, kind)
         session.busy = True
         session.touch()
         return session
@@ -212,17 +220,26 @@ class SessionManager:
             await self._pin(data)
         return data
 
-    def end_turn(self, session: Session, request_id: str, messages: list[dict[str, Any]] | None) -> None:
-        """Commit a completed turn (its messages and KV) or, with messages None, drop it; never awaits."""
-        if messages is not None:
+    def end_turn(self, session: Session | None, request_id: str, messages: list[dict[str, Any]] | None) -> None:
+        """Commit a completed turn (its messages and KV) into session or, with messages None, drop it; never awaits.
+
+        A turn may read one session's KV and commit into another (a branch); session None commits nothing.
+        """
+        if messages is not None and session is not None:
             session.transcript.extend(messages)
             session.disk_stale = True
             session.spilled_kv = None
             self.engine.submit(lambda: self.engine.engine.commit_turn(request_id, session.id))
         else:
             self.engine.submit(lambda: self.engine.engine.discard_turn(request_id))
-        session.busy = False
-        session.touch()
+        if session is not None:
+            session.busy = False
+            session.touch()
+
+    def forget_unused(self, session: Session) -> None:
+        """Remove a session made for a turn that was dropped: it never held KV nor was written; never awaits."""
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
 
     # --- snapshots ----------------------------------------------------------------------------------
 
@@ -363,6 +380,9 @@ class SessionManager:
                 log.warning("not resuming session %s: %s", directory.name, exc.message)
                 continue
             fields = manifest.get("session", {})
+            if fields.get("kind", SessionKind.SESSION) not in tuple(SessionKind):
+                log.warning("not resuming session %s: unknown kind %r", directory.name, fields.get("kind"))
+                continue
             session = Session(
                 directory.name,
                 SessionSettings.from_dict(fields),
@@ -370,6 +390,8 @@ class SessionManager:
                 created=fields.get("created", manifest.get("created", 0.0)),
                 last_used=fields.get("last_used", manifest.get("created", 0.0)),
                 owner=recorded_owner(fields),
+                kind=SessionKind(fields.get("kind", SessionKind.SESSION)),
+                annotations=dict(fields.get("annotations") or {}),
                 stored_tokens=int(manifest.get("num_tokens", 0)),
                 on_disk=True,
             )
@@ -379,12 +401,11 @@ class SessionManager:
     def _empty_kv(self) -> SessionKVData:
         return SessionKVData([], *self._kv.kv_cache.gather([], 0))
 
-    def _idle(self, session_id: str) -> Session:
-        session = self.get(session_id)
+    def _idle(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> Session:
+        session = self.get(session_id, kind)
         if session.busy:
             raise SessionBusyError(f"session {session_id!r} is busy with another request; retry when it is done")
         return session
 
     def _disk_lock(self, session_id: str) -> asyncio.Lock:
         return self._disk_locks.setdefault(session_id, asyncio.Lock())
-

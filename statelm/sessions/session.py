@@ -19,6 +19,14 @@ class SessionState(enum.StrEnum):
     BUSY = "busy"
 
 
+class SessionKind(enum.StrEnum):
+    """Which API a session belongs to: the sessions API, or /v1/responses (a chain of stored responses, which only
+    that API reaches)."""
+
+    SESSION = "session"
+    RESPONSES = "responses"
+
+
 @dataclass
 class SessionSettings:
     """What a session was created with."""
@@ -45,13 +53,15 @@ class Session:
     settings: SessionSettings
     transcript: list[dict[str, Any]] = field(default_factory=list)
     owner: str = LOCAL_OWNER  # hash of the API key that created it
+    kind: SessionKind = SessionKind.SESSION
+    annotations: dict[str, Any] = field(default_factory=dict)  # what the API it belongs to keeps with it, saved too
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.time)
     busy: bool = False
     spilled_kv: SessionKVData | None = None  # KV taken out of the pool and not yet written to disk
     stored_tokens: int = 0  # tokens of the KV outside the pool (in spilled_kv or on disk)
     on_disk: bool = False  # its directory under the sessions dir holds its latest spilled KV
-    disk_stale: bool = False  # transcript or settings changed since the directory was written
+    disk_stale: bool = False  # transcript, settings or annotations changed since the directory was written
 
     def touch(self) -> None:
         """Record a use."""
@@ -71,6 +81,8 @@ class Session:
                 "created": self.created,
                 "last_used": self.last_used,
                 "owner": self.owner,
+                "kind": self.kind.value,
+                "annotations": self.annotations,
                 **self.settings.to_dict(),
             }
         }

@@ -151,3 +151,26 @@ def detect_reasoning_tags(template: str | None) -> ReasoningTags | None:
 def prompt_opens_reasoning(prompt: str, tags: ReasoningTags) -> bool:
     """Whether a rendered prompt ends by opening a think block, so the output starts inside it."""
     return prompt.rstrip().endswith(tags.start)
+
+
+@dataclass(frozen=True)
+class ReasoningSpan:
+    """Where a think block is in an output's token ids: from its start tag (or from the first token, when the
+    prompt opened it) up to and including its end tag, each tag as the tokenizer encodes it alone."""
+
+    start: tuple[int, ...]
+    end: tuple[int, ...]
+    opened_by_prompt: bool
+
+    def count(self, token_ids: list[int]) -> int:
+        """How many of the output's tokens the think block takes, its tags included (all of them if unclosed)."""
+        begin = 0
+        if not self.opened_by_prompt:
+            if tuple(token_ids[: len(self.start)]) != self.start:
+                return 0
+            begin = len(self.start)
+        width = len(self.end)
+        for position in range(begin, len(token_ids) - width + 1):
+            if tuple(token_ids[position : position + width]) == self.end:
+                return position + width
+        return len(token_ids)

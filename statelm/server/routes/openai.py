@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-from collections.abc import AsyncIterator, Awaitable
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
@@ -70,13 +70,9 @@ async def chat_completions(
 ) -> ChatCompletionResponse | EventSourceResponse:
     """Create a chat completion, streamed as server-sent events when `stream` is true."""
     service = chat_service(request)
-    try:
-        if not body.stream:
-            return await cancel_on_disconnect(request, service.complete(body))
-        chunks = await service.stream(body)
-    except EngineError as exc:
-        raise APIError(str(exc), status=500, type="server_error") from exc
-    return EventSourceResponse(_sse(chunks), ping=request.app.state.sse_keepalive)
+    return await generation_response(
+        request, body.stream, lambda: service.complete(body), lambda: service.stream(body), _sse
+    )
 
 
 @router.get("/v1/chat/completions/{completion_id}", tags=["openai"])
@@ -96,13 +92,9 @@ async def delete_stored_completion(completion_id: str, request: Request) -> Dele
 async def completions(body: CompletionRequest, request: Request) -> CompletionResponse | EventSourceResponse:
     """Create a text completion of one or more prompts, streamed as server-sent events when `stream` is true."""
     service = CompletionService(serving_context(request))
-    try:
-        if not body.stream:
-            return await cancel_on_disconnect(request, service.complete(body))
-        chunks = await service.stream(body)
-    except EngineError as exc:
-        raise APIError(str(exc), status=500, type="server_error") from exc
-    return EventSourceResponse(_sse(chunks), ping=request.app.state.sse_keepalive)
+    return await generation_response(
+        request, body.stream, lambda: service.complete(body), lambda: service.stream(body), _sse
+    )
 
 
 @router.post("/tokenize", tags=["tokens"])
@@ -115,6 +107,24 @@ async def tokenize_route(body: TokenizeRequest, request: Request) -> TokenizeRes
 async def detokenize_route(body: DetokenizeRequest, request: Request) -> DetokenizeResponse:
     """The text of token ids."""
     return detokenize(serving_context(request), body)
+
+
+async def generation_response(
+    request: Request,
+    streamed: bool,
+    whole: Callable[[], Awaitable[T]],
+    start_stream: Callable[[], Awaitable[AsyncIterator[Any]]],
+    as_events: Callable[[AsyncIterator[Any]], AsyncIterator[dict[str, str]]],
+) -> T | EventSourceResponse:
+    """A generation route's answer: the whole body (cancelled if the client leaves first), or its stream as
+    server-sent events; an engine failure before either is a 500."""
+    try:
+        if not streamed:
+            return await cancel_on_disconnect(request, whole())
+        items = await start_stream()
+    except EngineError as exc:
+        raise APIError(str(exc), status=500, type="server_error") from exc
+    return EventSourceResponse(as_events(items), ping=request.app.state.sse_keepalive)
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -1,0 +1,118 @@
+"""Stored responses, each a record in the annotations of the response-chain session that holds its conversation.
+
+A chain is a session of kind `responses` whose transcript only grows while it is extended: a stored response
+records `count`, the number of transcript messages up to its own output, so its id names that prefix of the
+transcript even after later responses extend the chain. Records are saved, spilled and resumed with their
+session; this index finds them by id and keeps each key's in creation order for the retention.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from statelm.sessions.ownership import Principal
+from statelm.sessions.session import Session
+
+ANNOTATION = "responses"  # the session annotation that holds a chain's records, by response id
+
+
+@dataclass(frozen=True)
+class ResponseRetention:
+    """How many stored responses one key keeps (the oldest dropped past it) and for how long; None: no bound."""
+
+    max_per_key: int | None = 1000
+    max_age: float | None = 30 * 86400.0  # seconds
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    """A stored response's record and the session holding its conversation."""
+
+    id: str
+    session: Session
+    record: dict[str, Any]  # count, created_at, response, input_items
+
+    @property
+    def count(self) -> int:
+        """Transcript messages up to and including this response's output."""
+        return int(self.record["count"])
+
+
+def records(session: Session) -> dict[str, dict[str, Any]]:
+    """A chain session's records, by response id."""
+    return session.annotations.setdefault(ANNOTATION, {})
+
+
+def last_count(session: Session) -> int:
+    """The transcript length of the chain's latest stored response (0: none is stored)."""
+    return max((int(record["count"]) for record in records(session).values()), default=0)
+
+
+class ResponseChains:
+    """Every stored response by id, and each key's in creation order."""
+
+    def __init__(self, retention: ResponseRetention) -> None:
+        self.retention = retention
+        self._sessions: dict[str, Session] = {}
+        self._by_owner: dict[str, OrderedDict[str, float]] = {}  # owner → response id → created_at
+
+    def resume(self, sessions: Iterable[Session]) -> None:
+        """Index the records of chain sessions resumed from disk."""
+        found = [
+            (record["created_at"], rid, session) for session in sessions for rid, record in records(session).items()
+        ]
+        for created_at, response_id, session in sorted(found, key=lambda entry: entry[0]):
+            self._index(response_id, session, created_at)
+
+    def find(self, response_id: str, principal: Principal, now: float) -> StoredResponse | None:
+        """The stored response, if principal may see it (another key's is as good as missing) and it has not
+        outlived the retention."""
+        session = self._sessions.get(response_id)
+        if session is None or not principal.may_access(session.owner):
+            return None
+        record = records(session)[response_id]
+        max_age = self.retention.max_age
+        return (
+            None
+            if max_age is not None and record["created_at"] < now - max_age
+            else StoredResponse(response_id, session, record)
+        )
+
+    def put(self, session: Session, response_id: str, record: dict[str, Any]) -> None:
+        """Store a response in its chain session, dropping the key's oldest past the retention's count."""
+        records(session)[response_id] = record
+        session.disk_stale = True
+        owned = self._index(response_id, session, record["created_at"])
+        limit = self.retention.max_per_key
+        for dropped in list(owned)[: max(len(owned) - limit, 0)] if limit is not None else []:
+            self.drop(dropped)
+
+    def drop(self, response_id: str) -> None:
+        """Forget a stored response (its chain session is left for the caller to tidy)."""
+        session = self._sessions.pop(response_id, None)
+        if session is None:
+            return
+        records(session).pop(response_id, None)
+        session.disk_stale = True
+        self._by_owner[session.owner].pop(response_id, None)
+
+    def expired(self, now: float) -> list[str]:
+        """Ids of every key's responses older than the retention's age."""
+        if self.retention.max_age is None:
+            return []
+        oldest = now - self.retention.max_age
+        return [
+            response_id
+            for owned in self._by_owner.values()
+            for response_id, _ in itertools.takewhile(lambda entry: entry[1] < oldest, owned.items())
+        ]
+
+    def _index(self, response_id: str, session: Session, created_at: float) -> OrderedDict[str, float]:
+        self._sessions[response_id] = session
+        owned = self._by_owner.setdefault(session.owner, OrderedDict())
+        owned[response_id] = created_at
+        return owned

@@ -1,0 +1,285 @@
+"""/v1/responses served from resident KV: a stored response is the head of a response-chain session.
+
+`previous_response_id` continues from its chain's KV by longest common prefix, as a session turn does:
+
+- continuing a chain's latest response extends that session (a turn on it, committed into it);
+- continuing an older one (a branch), or one whose chain is busy, reads the chain's KV and commits into a new
+  chain session, which shares the prefix's KV blocks;
+- `store: false` reads the chain's KV and commits nothing; without `previous_response_id` it is a plain
+  generation, and with `store: true` a new chain.
+
+Retention (count per key, age) and deletions drop records; a chain left without records is deleted and one whose
+latest record went is cut back to the one before (its KV tail then goes at its next turn).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from statelm.api.chat_output import ChoiceEvent
+from statelm.api.conversation import ConversationService, TurnPlan
+from statelm.api.errors import APIError
+from statelm.api.generation import ReleasedToken
+from statelm.api.logprobs import chat_logprobs
+from statelm.api.protocol import ChatCompletionRequest, ChatMessage
+from statelm.api.responses.chains import ResponseChains, ResponseRetention, StoredResponse, last_count, records
+from statelm.api.responses.items import chat_messages, input_items, listed_items, new_id
+from statelm.api.responses.objects import (
+    DeletedResponse,
+    InputItemList,
+    ReasoningSettings,
+    ResponseObject,
+    TextSettings,
+    output_logprobs,
+)
+from statelm.api.responses.output import Event, ResponseBuilder
+from statelm.api.responses.protocol import ResponsesRequest, TextFormatText
+from statelm.api.responses.translate import chat_request, responses_errors
+from statelm.api.serving import effective_defaults, served_tier
+from statelm.engine.async_engine import EngineError
+from statelm.sessions.errors import SessionLimitError
+from statelm.sessions.ownership import LOCAL, acting_as, current_principal
+from statelm.sessions.session import Session, SessionKind, SessionSettings
+
+CHAIN = SessionKind.RESPONSES
+
+
+@dataclass
+class ResponseRun:
+    """A response being generated: its builder, its generation, and what keeps it once complete (store: true)."""
+
+    builder: ResponseBuilder
+    generation: AsyncIterator[ChoiceEvent]
+    keep: Callable[[], None] | None
+
+    def add(self, event: ChoiceEvent) -> list[Event]:
+        """The stream events of one generation event; a finished stored response is kept before any goes out.
+
+        Its turn committed just before this event arrived, in the same step of the event loop, so a client never
+        sees a response complete that is not stored, nor a chain extended by one that is not.
+        """
+        events = self.builder.add(event)
+        if self.builder.finished and self.keep is not None:
+            self.keep()
+        return events
+
+
+class ResponsesService:
+    """Serves /v1/responses from the conversation core and the response chains."""
+
+    def __init__(self, conversations: ConversationService, retention: ResponseRetention | None = None) -> None:
+        self.conversations = conversations
+        self.context = conversations.context
+        self.chains = ResponseChains(retention or ResponseRetention())
+
+    async def start(self) -> None:
+        """Index the chains resumed with the sessions, then apply the retention."""
+        sessions = self.conversations.sessions
+        if sessions is not None:
+            self.chains.resume(session for session in sessions.sessions.values() if session.kind == CHAIN)
+        await self.sweep()
+
+    async def create(self, request: ResponsesRequest) -> ResponseObject:
+        """Generate a whole response."""
+        run = await self._start(request)
+        async for event in run.generation:
+            run.add(event)
+        return run.builder.response
+
+    async def stream(self, request: ResponsesRequest) -> AsyncIterator[Event]:
+        """The response's stream events; errors before the first one are raised, an engine failure ends it."""
+        run = await self._start(request)
+        return self._events(run)
+
+    async def _events(self, run: ResponseRun) -> AsyncIterator[Event]:
+        for event in run.builder.started():
+            yield event
+        try:
+            async for generated in run.generation:
+                for event in run.add(generated):
+                    yield event
+        except EngineError as exc:
+            for event in run.builder.failed(str(exc)):
+                yield event
+
+    def get(self, response_id: str) -> ResponseObject:
+        """A stored response."""
+        return ResponseObject.model_validate(self._stored(response_id).record["response"])
+
+    async def delete(self, response_id: str) -> DeletedResponse:
+        """Forget a stored response and free what only it held."""
+        stored = self._stored(response_id)
+        self.chains.drop(response_id)
+        await self._tidy(stored.session)
+        return DeletedResponse(id=response_id)
+
+    def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
+        """A page of a stored response's input items, in order (`asc`) or latest first (`desc`)."""
+        items = list(self._stored(response_id).record["input_items"])
+        if order == "desc":
+            items.reverse()
+        ids = [item["id"] for item in items]
+        if after is not None:
+            if after not in ids:
+                raise APIError(f"No input item with id '{after}' in response '{response_id}'.", param="after")
+            items = items[ids.index(after) + 1 :]
+        page = items[:limit]
+        return InputItemList(
+            data=page,
+            first_id=page[0]["id"] if page else None,
+            last_id=page[-1]["id"] if page else None,
+            has_more=len(items) > limit,
+        )
+
+    async def sweep(self) -> None:
+        """Drop every key's responses past the retention, and free what only they held."""
+        for response_id in self.chains.expired(time.time()):
+            self.chains.drop(response_id)
+        sessions = self.conversations.sessions
+        if sessions is None:
+            return
+        for session in [session for session in sessions.sessions.values() if session.kind == CHAIN]:
+            await self._tidy(session)
+
+    async def _tidy(self, session: Session) -> None:
+        """Delete an idle chain without records; cut one back to its latest record (the KV follows at its next turn)."""
+        manager = self.conversations.manager()
+        if session.busy or manager.sessions.get(session.id) is not session:  # busy, or deleted meanwhile
+            return
+        kept = last_count(session)
+        with acting_as(LOCAL):  # the retention acts for every key
+            if not records(session):
+                await manager.delete(session.id, CHAIN)
+            elif len(session.transcript) > kept:
+                manager.rollback(session.id, kept, CHAIN)
+
+    async def _start(self, request: ResponsesRequest) -> ResponseRun:
+        """Validate, render and admit the request; the response's run, its generation not yet started."""
+        await self.sweep()
+        response_id = new_id("resp")
+        with responses_errors():
+            items = input_items(request.input)
+            messages = chat_messages(items)
+            chat = chat_request(request, messages)
+            self.conversations.admit(chat, response_id)
+            previous_id = request.previous_response_id
+            previous = self._stored(previous_id, "previous_response_id") if previous_id is not None else None
+            preamble = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
+            plan = await self._plan(request.store, previous)
+            if plan is None:
+                generation = await self.conversations.generate(chat, response_id, [*preamble, *messages])
+            else:
+                generation = await self.conversations.turn(chat, response_id, plan, messages, preamble=preamble)
+        builder = ResponseBuilder(
+            self._skeleton(request, chat, response_id),
+            logprobs=self._logprobs if request.logprobs() else None,
+            obfuscate=request.stream and request.obfuscated(),
+        )
+        keep = None
+        if plan is not None and plan.target is not None:
+            target, listed = plan.target, listed_items(items)
+            keep = functools.partial(self._keep, target, builder, listed)
+        return ResponseRun(builder, generation, keep)
+
+    async def _plan(self, store: bool, previous: StoredResponse | None) -> TurnPlan | None:
+        """Where the response's turn reads and commits (None: a plain generation, with nothing to read or keep)."""
+        manager = self.conversations.manager()
+        if previous is None:
+            return TurnPlan(source=None, history=[], target=await self._new_chain(None), fresh=True) if store else None
+        chain, count = previous.session, previous.count
+        history = chain.transcript[:count]
+        if not store:
+            return TurnPlan(source=chain, history=history, target=None)
+        if not chain.busy and last_count(chain) == count:
+            manager.rollback(chain.id, count, CHAIN)  # what a response dropped meanwhile left after it goes
+            manager.begin_turn(chain.id, CHAIN)
+            return TurnPlan(source=chain, history=chain.transcript, target=chain)
+        return TurnPlan(source=chain, history=history, target=await self._new_chain(chain), fresh=True)
+
+    async def _new_chain(self, source: Session | None) -> Session:
+        """A new chain session, busy for the turn that fills it.
+
+        At the key's session limit its least recently used idle chain (not source) is dropped to make room.
+        """
+        manager = self.conversations.manager()
+        try:
+            session = manager.create(None, SessionSettings(), CHAIN)
+        except SessionLimitError:
+            owner = current_principal().owner
+            chains = [
+                session
+                for session in manager.sessions.values()
+                if session.kind == CHAIN and session.owner == owner and not session.busy and session is not source
+            ]
+            if not chains:
+                raise
+            oldest = min(chains, key=lambda session: session.last_used)
+            for response_id in list(records(oldest)):
+                self.chains.drop(response_id)
+            await self._tidy(oldest)
+            session = manager.create(None, SessionSettings(), CHAIN)
+        return manager.begin_turn(session.id, CHAIN)
+
+    def _keep(self, session: Session, builder: ResponseBuilder, listed: list[dict[str, Any]]) -> None:
+        """Store a complete response as the head of the chain it was committed into."""
+        response = builder.response
+        record = {
+            "count": len(session.transcript),
+            "created_at": time.time(),
+            "response": response.model_dump(mode="json"),
+            "input_items": listed,
+        }
+        self.chains.put(session, response.id, record)
+
+    def _stored(self, response_id: str, param: str = "response_id") -> StoredResponse:
+        """The caller's stored response; 404 naming param otherwise (another key's is as good as missing)."""
+        stored = self.chains.find(response_id, current_principal(), time.time())
+        if stored is None:
+            what = param.removesuffix("_id")  # response, previous_response
+            raise APIError(
+                f"{what.replace('_', ' ').capitalize()} with id '{response_id}' not found.",
+                status=404,
+                type="not_found_error",
+                param=param,
+                code=f"{what}_not_found",
+            )
+        return stored
+
+    def _skeleton(self, request: ResponsesRequest, chat: ChatCompletionRequest, response_id: str) -> ResponseObject:
+        """The response before any output: the request's settings as they are served."""
+        defaults = effective_defaults(self.context.defaults)
+        text_format = request.text.format if request.text is not None else None
+        return ResponseObject(
+            id=response_id,
+            created_at=int(time.time()),
+            status="in_progress",
+            model=request.model,
+            instructions=request.instructions,
+            output=[],
+            output_text="",
+            previous_response_id=request.previous_response_id,
+            store=request.store,
+            max_output_tokens=request.max_output_tokens,
+            parallel_tool_calls=request.parallel_tool_calls,
+            temperature=request.temperature if request.temperature is not None else defaults.temperature,
+            top_p=request.top_p if request.top_p is not None else defaults.top_p,
+            top_logprobs=request.top_logprobs,
+            tools=request.tools or [],
+            tool_choice=request.tool_choice or "auto",
+            text=TextSettings(format=text_format or TextFormatText(type="text")),
+            reasoning=ReasoningSettings(effort=request.reasoning.effort if request.reasoning is not None else None),
+            service_tier=served_tier(chat),
+            metadata=request.metadata or {},
+            user=request.user,
+            safety_identifier=request.safety_identifier,
+            prompt_cache_key=request.prompt_cache_key,
+            prompt_cache_retention=request.prompt_cache_retention,
+            usage=None,
+        )
+
+    def _logprobs(self, tokens: list[ReleasedToken]) -> list[dict[str, Any]]:
+        return output_logprobs(chat_logprobs(tokens, self.context.strings))
