@@ -155,8 +155,9 @@ def test_an_assistant_prefill_ends_the_prompt(api: httpx.Client) -> None:
     rendered = api.post("/tokenize", json={"model": "default", "messages": HELLO, "add_generation_prompt": True}).json()
     assert plain["input_tokens"] == rendered["count"] and count["input_tokens"] > plain["input_tokens"]
     usage = create(api, {"messages": prefilled})["usage"]
-    assert sum(usage[name] for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")) == (
-        count["input_tokens"]
+    assert (
+        sum(usage[name] for name in ("input_tokens", "cache_read_input_tokens", "cache_creation_input_tokens"))
+        == (count["input_tokens"])
     )
 
 

@@ -157,6 +157,20 @@ class ThinkingDisabled(TypedModel):
 Thinking = Annotated[ThinkingEnabled | ThinkingDisabled, Field(discriminator="type")]
 
 
+class JSONOutputFormat(TypedModel):
+    """`output_config.format`: the reply is JSON valid under `schema`."""
+
+    type: Literal["json_schema"]
+    json_schema: JSONObject = Field(alias="schema")
+
+
+class OutputConfig(TypedModel):
+    """`output_config`: the reply's format and how much the model reasons."""
+
+    format: JSONOutputFormat | None = None
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
+
+
 class Metadata(TypedModel):
     """`metadata`: the end user's id, logged with the request."""
 
@@ -172,6 +186,8 @@ class MessagesInput(TypedModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: Thinking | None = None
+    output_config: OutputConfig | None = None
+    cache_control: CacheControl | None = None  # automatic caching: a breakpoint after the whole conversation
 
     def system_blocks(self) -> list[TextBlock]:
         """`system` as text blocks."""

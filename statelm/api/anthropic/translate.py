@@ -28,6 +28,8 @@ from statelm.api.protocol import (
     FunctionCall,
     FunctionChoice,
     FunctionDefinition,
+    JSONSchemaResponseFormat,
+    JSONSchemaSpec,
     NamedToolChoice,
     ToolCallMessage,
     ToolDefinition,
@@ -40,6 +42,7 @@ PARAMETERS = {
     "thinking_budget": "thinking.budget_tokens",
     "reasoning_effort": "thinking",
     "user": "metadata.user_id",
+    "response_format": "output_config.format",
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
 }
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
@@ -174,6 +177,9 @@ def breakpoints(request: MessagesInput) -> list[Breakpoint]:
     with the system prompt); one on a message block covers the conversation up to and including that block.
     """
     found: list[Breakpoint] = []
+    if request.cache_control is not None:
+        whole = chat_messages(request, with_prefill=False)[0]
+        found.append(Breakpoint(TTL_SECONDS[request.cache_control.ttl], whole))
     system = request.system_blocks()
     head = [block for block in [*(request.tools or ()), *system] if block.cache_control is not None]
     if head:
@@ -223,6 +229,12 @@ def _chat(request: MessagesInput, messages: list[ChatMessage], support: Thinking
             fields["reasoning_effort"] = "high"
     elif thinking is not None and support.thinks:
         fields["reasoning_effort"] = "none"
+    output = request.output_config
+    if output is not None and output.effort is not None:
+        fields["reasoning_effort"] = output.effort
+    if output is not None and output.format is not None:
+        spec = JSONSchemaSpec(name="output", schema=output.format.json_schema)
+        fields["response_format"] = JSONSchemaResponseFormat(type="json_schema", json_schema=spec)
     if isinstance(request, MessagesRequest):
         fields |= {
             "max_tokens": request.max_tokens,
