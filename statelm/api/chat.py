@@ -295,6 +295,7 @@ class SessionTurn:
                     if event.finish_reason is not None:
                         message = reply.message().model_dump(exclude_none=True)
                         self.end([*new_messages, message])
+                        await self.sessions.settled(self.session)  # the client sees the end once it is durable
                     yield event
             finally:
                 self.end(None)
