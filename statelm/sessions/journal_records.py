@@ -1,8 +1,8 @@
 """What a session journal's records say: made when a session changes, replayed onto it at recovery.
 
 Every record carries `lsn`, the log sequence number of the change: numbers grow across all sessions and
-runs, and a session's saved directory records the number it is current to, so replay applies exactly the
-records newer than the directory (a crash between writing the directory and compacting the journal
+runs, and a session's saved directory records the number it is current to, so recovery replays exactly
+the records newer than the directory (a crash between writing the directory and compacting the journal
 leaves older records behind, which are skipped).
 
 ```
@@ -56,19 +56,18 @@ def record_lsn(record: dict[str, Any]) -> int:
     return lsn
 
 
-def replay(session_id: str, session: Session | None, records: list[dict[str, Any]]) -> tuple[Session | None, int]:
-    """session (None: nothing saved) after the records newer than it, and how many records applied."""
-    base = session.lsn if session is not None else 0
-    applied = 0
+def replay(session_id: str, session: Session | None, records: list[dict[str, Any]]) -> Session | None:
+    """session (None: nothing before the records) after the records, in order; None if they delete it."""
     for record in records:
-        lsn = record_lsn(record)
-        if lsn <= base:
-            continue
         session = _apply(session_id, session, record)
         if session is not None:
-            session.lsn = lsn
-        applied += 1
-    return session, applied
+            session.lsn = record_lsn(record)
+    return session
+
+
+def supersedes(record: dict[str, Any]) -> bool:
+    """Whether a record states the whole session, so that nothing before it matters."""
+    return record.get("type") in (SESSION, DELETE)
 
 
 def _apply(session_id: str, session: Session | None, record: dict[str, Any]) -> Session | None:
@@ -77,7 +76,7 @@ def _apply(session_id: str, session: Session | None, record: dict[str, Any]) -> 
         fields = record.get("session")
         if not isinstance(fields, dict):
             raise JournalCorruptError("a session record has no session section")
-        return Session.restored(session_id, fields, _messages(record.get("transcript")))
+        return Session.restored(session_id, fields, list(_messages(record.get("transcript"))))
     if kind == DELETE:
         return None
     if session is None:

@@ -65,8 +65,8 @@ def test_records_round_trip_and_replay_to_the_session(tmp_path: Path) -> None:
     write_journal(path, records)
     contents = read_journal(path)
     assert contents.records == records and contents.torn_bytes == 0 and contents.valid_bytes == path.stat().st_size
-    session, applied = replay("s", None, contents.records)
-    assert session is not None and applied == 5 and session.lsn == 5
+    session = replay("s", None, contents.records)
+    assert session is not None and session.lsn == 5
     assert session.transcript == [{"role": "system", "content": "Be brief."}, USER, REPLY, {"role": "user",
                                   "content": "last"}, REPLY]  # fmt: skip
     assert session.owner == "owner-hash" and session.settings.max_tokens == 99
@@ -103,17 +103,13 @@ def test_a_damaged_last_record_is_torn_but_a_damaged_earlier_one_is_corruption(t
                 read_journal(copy)
 
 
-def test_replay_applies_only_records_newer_than_the_saved_directory() -> None:
+def test_replay_deletes_and_refuses_a_change_with_no_session_before_it() -> None:
     records = history_records()
-    base, _ = replay("s", None, records[:3])  # what a directory written after the third change holds
-    whole, _ = replay("s", None, records)
-    assert base is not None and whole is not None and base.lsn == 3
-    session, applied = replay("s", base, records)
-    assert applied == 2 and session is base and session.lsn == 5 and session.transcript == whole.transcript
-    deleted, _ = replay("s", new_session(lsn=5), [*records, delete_record(6)])
-    assert deleted is None
+    assert replay("s", new_session(lsn=5), [*records, delete_record(6)]) is None
+    recreated = replay("s", None, [*records, delete_record(6), {**records[0], "lsn": 7}])
+    assert recreated is not None and recreated.transcript == [{"role": "system", "content": "Be brief."}]
     with pytest.raises(JournalCorruptError):
-        replay("s", None, records[1:])  # a turn with no session before it
+        replay("s", None, records[1:])
 
 
 def saved_directory(sessions_dir: Path, session: Session, tokens: int = 4) -> None:
@@ -131,7 +127,7 @@ def test_recovery_from_directory_plus_journal_journal_alone_and_deletions(
     sessions_dir.mkdir()
     journal_dir.mkdir()
     records = history_records("both")
-    directory_session, _ = replay("both", None, records[:3])
+    directory_session = replay("both", None, records[:3])  # written after the third change
     assert directory_session is not None
     saved_directory(sessions_dir, directory_session)
     write_journal(journal_dir / "both.journal", records)
@@ -139,11 +135,11 @@ def test_recovery_from_directory_plus_journal_journal_alone_and_deletions(
     write_journal(journal_dir / "alone.journal", alone)
     with (journal_dir / "alone.journal").open("ab") as file:
         file.write(encode_record(delete_record(99))[:-4])  # torn
-    gone, _ = replay("gone", None, history_records("gone"))
+    gone = replay("gone", None, history_records("gone"))
     assert gone is not None
     saved_directory(sessions_dir, gone)
     write_journal(journal_dir / "gone.journal", [delete_record(7)])
-    current, _ = replay("current", None, history_records("current"))
+    current = replay("current", None, history_records("current"))
     assert current is not None
     saved_directory(sessions_dir, current)
     write_journal(journal_dir / "current.journal", history_records("current"))  # compaction was missing
@@ -154,7 +150,7 @@ def test_recovery_from_directory_plus_journal_journal_alone_and_deletions(
 
     by_id = {session.id: session for session in recovered.sessions}
     assert sorted(by_id) == ["alone", "both", "current"]
-    expected, _ = replay("x", None, history_records())
+    expected = replay("x", None, history_records())
     assert expected is not None
     for session in by_id.values():
         assert session.transcript == expected.transcript and session.lsn == 5
@@ -225,3 +221,20 @@ def test_a_failed_write_breaks_the_journal_until_a_rewrite(tmp_path: Path, caplo
     with caplog.at_level(logging.ERROR):
         asyncio.run(scenario())
     assert "not durable until rewritten" in caplog.text
+
+
+def test_a_session_created_again_is_recovered_from_its_journal_without_the_old_directory(tmp_path: Path) -> None:
+    sessions_dir, journal_dir = tmp_path / "sessions", tmp_path / "journal"
+    old = new_session("reborn", lsn=2)
+    saved_directory(sessions_dir, old)
+    manifest = sessions_dir / "reborn" / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"weights": "w"', '"weights": "another model"'))
+    records = [delete_record(3), {**history_records("reborn")[0], "lsn": 4}, {**history_records("reborn")[1], "lsn": 5}]
+    journal_dir.mkdir()
+    write_journal(journal_dir / "reborn.journal", records)
+    (session,) = recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions
+    assert session.transcript == [{"role": "system", "content": "Be brief."}, USER, REPLY] and not session.on_disk
+    old.lsn = 6
+    saved_directory(sessions_dir, old)  # the same directory, now newer than the journal, but of another model
+    manifest.write_text(manifest.read_text().replace('"weights": "w"', '"weights": "another model"'))
+    assert recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions == []
