@@ -219,7 +219,7 @@ def main() -> None:
     parser.add_argument("--records", type=int, default=300)
     parser.add_argument("--turns", type=int, default=44)
     parser.add_argument("--sessions", type=int, default=100)
-    parser.add_argument("--port", type=int, default=8019)
+    parser.add_argument("--port", type=int, default=8037)
     parser.add_argument("--serve-args", default="--kv-cache-memory 1GiB", help="extra `statelm serve` flags")
     parser.add_argument("--skip-server", action="store_true", help="only (a) and (d): no server is started")
     args = parser.parse_args()
