@@ -1,17 +1,18 @@
 """Session journal (`--session-durability turn`): per-turn cost, turn latency and decode against `spill`, recovery.
 
-Usage: .venv/bin/python -m bench.journal [--records 300] [--turns 40] [--sessions 100] [--dir /tmp]
+Usage: .venv/bin/python -m bench.journal [--records 300] [--turns 60] [--reps 5] [--sessions 100] [--dir /tmp]
 
 (a) Journal writes alone, through the server's SessionJournal, in a temporary directory under --dir (its
     file system is printed): a turn record (a 200-character question and a 400-character reply) appended
     and fsynced, timed from the event loop's request to its `settled` (what a turn's answer waits for),
     one at a time; the bare write + fsync of the same bytes (the storage's floor); and 64 sessions'
     records asked for at once (turns of a batch ending together), until the last is durable.
-(b) End to end: `statelm serve --model default` started once with `--session-durability turn` and once
-    with `spill` (temporary state dirs; --settings gives the order); --turns greedy session turns of 8
-    tokens, one at a time, over 4 sessions: median and p90 latency of the whole request.
-(c) Decode throughput under each setting: 8 sessions each take one 128-token turn (ignore_eos) at once;
-    completion tokens per second of wall time, best of 2.
+(b) End to end: two `statelm serve --model default` side by side, one with `--session-durability turn`
+    and one with `spill` (temporary state dirs), measured one after the other, --reps rounds (so that
+    both see the same load from the rest of the machine); --turns greedy session turns of 8 tokens per
+    setting, one at a time over 4 sessions: median and p90 latency of the whole request.
+(c) Decode throughput under each setting, once per round: 8 sessions each take one 128-token turn
+    (ignore_eos) at once; completion tokens per second of wall time.
 (d) Recovery: --sessions sessions of 10 turns each written as the server writes them (half also with a
     saved directory as of their 5th turn, so their journal holds the 5 turns after it), then the start-up
     recovery (recover_sessions) timed, files in the page cache.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import tempfile
@@ -111,7 +113,7 @@ def turn_latency(http: httpx.Client, turns: int, tag: str) -> list[float]:
     for index in range(4):
         http.post("/v1/sessions", json={"session_id": f"{tag}-{index}", "system": "Answer briefly."})
     latencies = []
-    for turn in range(turns):
+    for turn in range(turns + 4):  # the first turn of each session prefills the system prompt: not counted
         session_id = f"{tag}-{turn % 4}"
         if turn >= 4 and turn % 4 == 0:  # keep the sessions short: every turn sees about the same prompt
             for index in range(4):
@@ -121,25 +123,22 @@ def turn_latency(http: httpx.Client, turns: int, tag: str) -> list[float]:
         started = time.perf_counter()
         http.post("/v1/chat/completions", json=body).raise_for_status()
         latencies.append(time.perf_counter() - started)
-    return latencies[4:]  # the first turn of each session prefills the system prompt
+    return latencies[4:]
 
 
 def decode_throughput(http: httpx.Client, tag: str) -> float:
-    """(c) for one server: completion tokens per second of 8 concurrent 128-token session turns, best of 2."""
-    best = 0.0
-    for attempt in range(2):
-        ids = [f"{tag}-decode-{attempt}-{index}" for index in range(8)]
-        for session_id in ids:
-            http.post("/v1/sessions", json={"session_id": session_id})
-        tokens: list[int] = []
-        threads = [threading.Thread(target=long_turn, args=(http, session_id, tokens)) for session_id in ids]
-        started = time.perf_counter()
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        best = max(best, sum(tokens) / (time.perf_counter() - started))
-    return best
+    """(c) for one server: completion tokens per second of wall time of 8 concurrent 128-token session turns."""
+    ids = [f"{tag}-decode-{index}" for index in range(8)]
+    for session_id in ids:
+        http.post("/v1/sessions", json={"session_id": session_id})
+    tokens: list[int] = []
+    threads = [threading.Thread(target=long_turn, args=(http, session_id, tokens)) for session_id in ids]
+    started = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return sum(tokens) / (time.perf_counter() - started)
 
 
 def long_turn(http: httpx.Client, session_id: str, tokens: list[int]) -> None:
@@ -150,25 +149,34 @@ def long_turn(http: httpx.Client, session_id: str, tokens: list[int]) -> None:
 
 
 def end_to_end(args: argparse.Namespace) -> None:
-    """(b) and (c), a server per setting."""
-    results = {}
-    for durability in args.settings.split(","):
-        with tempfile.TemporaryDirectory() as state_dir:
+    """(b) and (c): a server per setting, all started first, then measured in turn, --reps times over."""
+    settings = args.settings.split(",")
+    latencies: dict[str, list[float]] = {durability: [] for durability in settings}
+    throughputs: dict[str, list[float]] = {durability: [] for durability in settings}
+    with contextlib.ExitStack() as stack:
+        clients = {}
+        for offset, durability in enumerate(settings):
+            state_dir = stack.enter_context(tempfile.TemporaryDirectory())
             serve_args = f"{args.serve_args} --state-dir {state_dir} --session-durability {durability}"
-            with (
-                server_for(None, args.port, serve_args) as target,
-                httpx.Client(base_url=target.url, timeout=600) as http,
-            ):
-                results[durability] = (turn_latency(http, args.turns, durability), decode_throughput(http, durability))
-    print(f"\n(b) session turn latency, {args.turns - 4} greedy turns of 8 tokens, one at a time")
-    for durability, (latencies, _) in results.items():
-        print(f"  --session-durability {durability:5}  {percentiles(latencies)}")
-    if {"turn", "spill"} <= results.keys():
-        difference = statistics.median(results["turn"][0]) - statistics.median(results["spill"][0])
-        print(f"  turn - spill (medians): {difference * 1000:+.1f} ms")
-    print("\n(c) decode throughput, 8 concurrent 128-token session turns (best of 2)")
-    for durability, (_, throughput) in results.items():
-        print(f"  --session-durability {durability:5}  {throughput:6.1f} tokens/s")
+            target = stack.enter_context(server_for(None, args.port + offset, serve_args))
+            clients[durability] = stack.enter_context(httpx.Client(base_url=target.url, timeout=600))
+        for rep in range(args.reps):
+            for durability, http in clients.items():
+                latencies[durability] += turn_latency(http, args.turns // args.reps, f"{durability}-{rep}")
+                throughputs[durability].append(decode_throughput(http, f"{durability}-{rep}"))
+    print(
+        f"\n(b) session turn latency, greedy turns of 8 tokens, one at a time, {args.reps} rounds alternating servers"
+    )
+    for durability in settings:
+        timed = latencies[durability]
+        print(f"  --session-durability {durability:5}  {percentiles(timed)}  ({len(timed)} turns)")
+    print("\n(c) decode throughput, 8 concurrent 128-token session turns, one run per round")
+    for durability in settings:
+        runs = throughputs[durability]
+        listed = ", ".join(f"{value:.1f}" for value in runs)
+        print(
+            f"  --session-durability {durability:5}  median {statistics.median(runs):6.1f} tokens/s  (runs: {listed})"
+        )
 
 
 def recovery(directory: Path, sessions: int) -> None:
@@ -218,7 +226,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="where the journal files of (a) and (d) go")
     parser.add_argument("--records", type=int, default=300)
-    parser.add_argument("--turns", type=int, default=44)
+    parser.add_argument("--turns", type=int, default=60, help="turns of (b) per setting, over all rounds")
+    parser.add_argument("--reps", type=int, default=5, help="rounds of (b) and (c), the servers alternating")
     parser.add_argument("--sessions", type=int, default=100)
     parser.add_argument("--port", type=int, default=8037)
     parser.add_argument("--serve-args", default="--kv-cache-memory 1GiB", help="extra `statelm serve` flags")
