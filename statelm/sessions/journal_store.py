@@ -46,14 +46,16 @@ class SessionJournal:
     still compacted away and deleted with their sessions.
     """
 
-    def __init__(self, directory: Path, appending: bool, counters: JournalCounters | None = None) -> None:
+    def __init__(
+        self, directory: Path, appending: bool, counters: JournalCounters | None = None, workers: int = WORKERS
+    ) -> None:
         self.directory = directory
         self.appending = appending
         self.counters = counters or JournalCounters()
         self.sizes: dict[str, int] = {}  # bytes of each session's journal on disk
         self._broken: set[str] = set()
         self._lock = threading.Lock()
-        self._executor = ThreadPoolExecutor(WORKERS, thread_name_prefix="statelm-journal")
+        self._executor = ThreadPoolExecutor(workers, thread_name_prefix="statelm-journal")
         self._tails: dict[str, asyncio.Task[None]] = {}
 
     def path(self, session_id: str) -> Path:
