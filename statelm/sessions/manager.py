@@ -1,8 +1,9 @@
 """Sessions on the event loop's side: create, list, turn bookkeeping, fork, rollback, spill, persist, snapshot.
 
-The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, and moves
-KV between the pool and disk. Blocking disk I/O runs in worker threads; engine work goes through
-AsyncEngine.call/submit, which the engine thread runs in order between steps.
+The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, moves KV
+between the pool and disk, and journals every change of a session (statelm.sessions.journal_store).
+Blocking disk I/O runs in worker threads; engine work goes through AsyncEngine.call/submit, which the
+engine thread runs in order between steps.
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class SessionManager:
         return views
 
     async def delete(self, session_id: str) -> None:
-        """Forget a session, its KV and its saved copy."""
+        """Forget a session, its KV, its saved copy and its journal (which first records the deletion durably)."""
         session = self._idle(session_id)
         del self.sessions[session.id]
         self.engine.submit(lambda: self._kv.release(session.id))
