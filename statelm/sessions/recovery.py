@@ -6,8 +6,8 @@ gives the whole session, and so does one whose first newer record states the who
 created again with the id of an older one): the directory is then not read. A torn last record is dropped
 with one warning and cut off the file. A session whose directory or journal is damaged, or whose
 directory (when needed) was made with another model, is skipped with a warning and its files are left
-alone. Leftovers are cleaned: temporaries, the files of deleted sessions, journals their directory has
-caught up with.
+alone. Leftovers are cleaned: temporaries, the files of deleted sessions (a directory a crash left half removed
+included), journals their directory has caught up with.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from statelm.sessions.errors import SessionError, check_id
 from statelm.sessions.journal import SUFFIX, TEMP_PREFIX, read_journal, remove_journal, truncate_journal
 from statelm.sessions.journal_records import record_lsn, replay, supersedes
 from statelm.sessions.session import Session
-from statelm.sessions.snapshot_format import read_manifest, read_transcript, recover_directory
+from statelm.sessions.snapshot_format import MANIFEST, read_manifest, read_transcript, recover_directory
 
 log = logging.getLogger(__name__)
 
@@ -67,10 +67,9 @@ def _recover_one(
     session_id: str, directory: Path | None, journal: Path | None, fingerprint: ModelFingerprint, into: Recovered
 ) -> Session | None:
     """One session from its directory and journal (either may be None); None if the journal deleted it."""
-    saved_lsn = _lsn(read_manifest(directory)) if directory is not None else 0
-    into.last_lsn = max(into.last_lsn, saved_lsn)
     records = _journal_records(session_id, journal) if journal is not None else []
-    into.last_lsn = max([into.last_lsn, *map(record_lsn, records)])
+    saved_lsn = _saved_lsn(directory, records) if directory is not None else 0
+    into.last_lsn = max([into.last_lsn, saved_lsn, *map(record_lsn, records)])
     newer = [record for record in records if record_lsn(record) > saved_lsn]
     session = None
     if directory is not None and not (newer and supersedes(newer[0])):
@@ -89,6 +88,21 @@ def _recover_one(
         into.journal_sizes[session_id] = journal.stat().st_size
         session.disk_stale = True
     return session
+
+
+def _saved_lsn(directory: Path, records: list[dict[str, Any]]) -> int:
+    """The lsn a saved directory is current to.
+
+    A directory without its manifest while the journal states the whole session or its deletion from its first
+    record is what a crash left of a deletion (the `delete` record is durable before the directory is removed):
+    0, so that the journal alone decides. Any other unreadable manifest is damage (SessionError).
+    """
+    try:
+        return _lsn(read_manifest(directory))
+    except SessionError:
+        if (directory / MANIFEST).exists() or not (records and supersedes(records[0])):
+            raise
+        return 0
 
 
 def _journal_records(session_id: str, journal: Path) -> list[dict[str, Any]]:

@@ -310,3 +310,24 @@ def test_annotation_records_set_and_remove_one_entry_and_refuse_nonsense() -> No
     for damaged in ({**put, "value": [1]}, {**put, "key": 7}, {**put, "name": None}):
         with pytest.raises(JournalCorruptError, match="annotation"):
             replay("c", new_chain("c"), [damaged])
+
+
+def test_a_deletion_cut_short_by_a_crash_is_finished_at_recovery(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    sessions_dir, journal_dir = tmp_path / "sessions", tmp_path / "journal"
+    journal_dir.mkdir()
+    for session_id in ("deleted", "reborn", "damaged"):  # each directory half removed: its manifest went first
+        saved_directory(sessions_dir, new_session(session_id, lsn=5))
+        (sessions_dir / session_id / "manifest.json").unlink()
+    write_journal(journal_dir / "deleted.journal", [delete_record(6)])  # durable before the directory went
+    write_journal(journal_dir / "reborn.journal", [delete_record(6), {**history_records("reborn")[0], "lsn": 7}])
+
+    with caplog.at_level(logging.WARNING):
+        (reborn,) = recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions
+
+    assert reborn.id == "reborn" and reborn.lsn == 7 and not reborn.on_disk
+    assert reborn.transcript == [{"role": "system", "content": "Be brief."}]
+    assert sorted(path.name for path in sessions_dir.iterdir()) == ["damaged", "reborn"]  # reborn's: replaced later
+    assert sorted(path.name for path in journal_dir.iterdir()) == ["reborn.journal"]
+    assert "not resuming session damaged" in caplog.text and "deleted" not in caplog.text
