@@ -1,9 +1,11 @@
 """Sessions survive SIGKILL: a real server on a tiny model is killed at random (seeded) moments while worker
-threads take turns, roll back, fork, snapshot, create and delete sessions, over several rounds on one state dir.
+threads take turns, roll back, fork, snapshot, create and delete sessions, and store and delete responses (each
+worker grows a response chain), over several rounds on one state dir.
 
 The test keeps a ledger of what the server answered. After each restart every session holds exactly its
 answered changes (a change whose answer the kill cut off may or may not be there, whole), no other session
-exists, a turn at temperature 0 gives the stateless reply to the same history, and every snapshot is whole.
+exists, a turn at temperature 0 gives the stateless reply to the same history, every snapshot is whole, every
+stored response answered is there as it was answered (a deleted one is gone) and its chain goes on.
 The KV pool is small, so sessions spill (and their journals are compacted) while this goes on.
 """
 
@@ -34,6 +36,8 @@ POOL_BYTES = 64 * 4096  # 64 blocks of the tiny model's KV (2 layers, K and V, 1
 MAX_OWN = 4  # sessions a worker holds at most (forks and creations beyond are turns instead)
 SYSTEM = {"role": "system", "content": "Answer briefly."}
 KINDS, WEIGHTS = ("turn", "rollback", "fork", "snapshot", "delete", "create"), (52, 8, 12, 13, 8, 7)
+RESPONSE_SHARE, UNRESPOND_SHARE = 0.15, 0.25  # steps that are responses; of those, deletions of one
+CHAIN_LENGTH = 4  # responses a chain grows to before a worker starts another (each fits the small pool)
 
 Messages = list[dict[str, Any]]
 
@@ -60,6 +64,9 @@ class Ledger:
     loaded: set[str] = field(default_factory=set)  # snapshots loaded and checked
     in_flight: dict[int, Change] = field(default_factory=dict)  # by worker
     failures: list[str] = field(default_factory=list)
+    responses: dict[str, dict[str, Any]] = field(default_factory=dict)  # stored responses as answered, by id
+    deleted: set[str] = field(default_factory=set)  # responses whose deletion was answered
+    chains: dict[int, list[str]] = field(default_factory=dict)  # each worker's chain: its stored responses' ids
 
 
 def chat_turn(http: httpx.Client, session_id: str, message: dict[str, Any], stream: bool) -> dict[str, Any]:
@@ -125,6 +132,14 @@ class Worker:
 
     def step(self, http: httpx.Client) -> None:
         """One change, picked at random."""
+        if self.rng.random() < RESPONSE_SHARE:
+            chain = self.ledger.chains.setdefault(self.index, [])
+            if chain and self.rng.random() < UNRESPOND_SHARE:
+                self.send(http, Change("unrespond", self.rng.choice(chain), []))
+            else:
+                message = {"role": "user", "content": f"Note {self.rng.randrange(1000)}."}
+                self.send(http, Change("respond", "", [], message))
+            return
         if not self.own:
             self.send(http, Change("create", self.new_id(), []))
             return
@@ -186,10 +201,47 @@ class Worker:
         del self.ledger.transcripts[change.session_id]
         self.own.remove(change.session_id)
 
+    def respond(self, http: httpx.Client, change: Change) -> None:
+        assert change.message is not None
+        chain = self.ledger.chains.setdefault(self.index, [])
+        if len(chain) >= CHAIN_LENGTH:
+            chain.clear()
+        respond(http, self.ledger, chain, change.message["content"])
+
+    def unrespond(self, http: httpx.Client, change: Change) -> None:
+        expect(http.delete(f"/v1/responses/{change.session_id}"), 200)
+        forget_response(self.ledger, change.session_id)
+
+
+def respond(http: httpx.Client, ledger: Ledger, chain: list[str], text: str) -> None:
+    """Store a response continuing a chain (starting one if it is empty), noted in the ledger and the chain."""
+    body = {"model": "default", "input": text, "max_output_tokens": TURN_TOKENS, "temperature": 0,
+            "previous_response_id": chain[-1] if chain else None}  # fmt: skip
+    response = expect(http.post("/v1/responses", json=body), 200)
+    ledger.responses[response["id"]] = response
+    chain.append(response["id"])
+
+
+def forget_response(ledger: Ledger, response_id: str) -> None:
+    """A response deleted: gone from the ledger and its chain."""
+    del ledger.responses[response_id]
+    ledger.deleted.add(response_id)
+    for chain in ledger.chains.values():
+        if response_id in chain:
+            chain.remove(response_id)
+
 
 def settle(http: httpx.Client, ledger: Ledger, change: Change) -> None:
     """Take into the ledger what became of a change the kill cut off: it happened whole or not at all."""
     transcripts = ledger.transcripts
+    if change.kind == "respond":
+        return  # its id never came back: nothing known to check (the chain it continued is checked)
+    if change.kind == "unrespond":
+        response = http.get(f"/v1/responses/{change.session_id}")
+        assert response.status_code == 404 or response.json() == ledger.responses[change.session_id], response.text
+        if response.status_code == 404:
+            forget_response(ledger, change.session_id)
+        return
     found = history(http, change.session_id)
     if change.kind == "turn":
         assert found is not None and found[: len(change.before)] == change.before, (change, found)
@@ -235,6 +287,13 @@ def check_recovered(http: httpx.Client, ledger: Ledger, state: Path) -> None:
         ledger.loaded.add(snapshot_id)
     if unchecked:
         expect(http.delete("/v1/sessions/loaded"), 200)
+    for response_id, response in ledger.responses.items():
+        assert expect(http.get(f"/v1/responses/{response_id}"), 200) == response, response_id
+    for response_id in ledger.deleted:
+        assert http.get(f"/v1/responses/{response_id}").status_code == 404, response_id
+    for chain in ledger.chains.values():
+        if chain:
+            respond(http, ledger, chain, "And then?")  # the chain goes on from its head
     for session_id, transcript in ledger.transcripts.items():
         message = {"role": "user", "content": "And what comes next?"}
         reply = chat_turn(http, session_id, message, stream=False)
