@@ -121,6 +121,7 @@ class ChoiceEvent:
     repetition_detected: bool = False
     tool_calls: list[ToolCallMessage] | None = None  # at the finish: every call the choice made
     reasoning_tokens: int = 0  # at the finish: the tokens its think block took
+    stop_string: str | None = None  # at the finish: the stop string that ended it
     stats: GenerationStats | None = None  # on the generation's very last event
 
 
@@ -146,6 +147,7 @@ async def chat_events(
             if event.tool_calls and delta.finish_reason == FinishReason.STOP.value:
                 event.finish_reason = TOOL_CALLS_FINISH
             event.repetition_detected = delta.repetition_detected
+            event.stop_string = delta.stop_string
         yield event
 
 
@@ -159,6 +161,7 @@ class ChoiceMessage:
     tokens: list[ReleasedToken] = field(default_factory=list)
     finish_reason: str | None = None
     repetition_detected: bool = False
+    stop_string: str | None = None
 
     def add(self, event: ChoiceEvent) -> None:
         """Take in the choice's next event."""
@@ -169,6 +172,7 @@ class ChoiceMessage:
             self.finish_reason = event.finish_reason
             self.tool_calls = event.tool_calls or []
             self.repetition_detected = event.repetition_detected
+            self.stop_string = event.stop_string
 
     def message(self) -> AssistantMessage:
         """The choice as the assistant message of a response."""

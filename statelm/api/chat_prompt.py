@@ -84,9 +84,11 @@ class ChatPrompter:
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
         check_text: Callable[[str], None] | None = None,
+        prefill: str = "",
     ) -> RenderedPrompt:
         """The conversation (and tools) as the template renders it; 400 if the template refuses it.
 
+        `prefill` is the start of the reply, which the output continues (after the generation prompt).
         `check_text` sees the rendered text before it is tokenized (and may refuse it by raising).
         """
         prepared = template_messages(messages, tools, self.features)
@@ -96,6 +98,7 @@ class ChatPrompter:
             )
         except ChatTemplateError as exc:
             raise APIError(f"cannot render the conversation: {exc}", param="messages") from exc
+        text += prefill
         if check_text is not None:
             check_text(text)
         opens = self.reasoning_tags is not None and prompt_opens_reasoning(text, self.reasoning_tags)

@@ -132,11 +132,24 @@ class ConversationService:
         log_request(request_id, request)
 
     async def generate(
-        self, request: ChatCompletionRequest, request_id: str, messages: list[ChatMessage]
+        self, request: ChatCompletionRequest, request_id: str, messages: list[ChatMessage], prefill: str = ""
     ) -> AsyncIterator[ChoiceEvent]:
-        """The (not yet started) generation of a reply to messages, without a session."""
+        """The (not yet started) generation of a reply to messages, continuing `prefill`, without a session."""
+        prompt = await self.prompt(request, messages, prefill)
+        return await self.generate_prompt(request, request_id, prompt)
+
+    async def prompt(
+        self, request: ChatCompletionRequest, messages: list[ChatMessage], prefill: str = ""
+    ) -> RenderedPrompt:
+        """The prompt of a reply to messages (continuing `prefill`), without a session."""
+        kwargs = self.context.prompter.template_kwargs(request, {})
+        return await self.context.render(messages, request.tools, kwargs, prefill=prefill)
+
+    async def generate_prompt(
+        self, request: ChatCompletionRequest, request_id: str, prompt: RenderedPrompt
+    ) -> AsyncIterator[ChoiceEvent]:
+        """The (not yet started) generation of a reply to a rendered prompt, without a session."""
         prompter = self.context.prompter
-        prompt = await self.context.render(messages, request.tools, prompter.template_kwargs(request, {}))
         params = await self.params(request, prompt, self.context.model.max_model_len)
         parsers = prompter.output_parsers(request, prompt)
         deltas = self.context.generate(

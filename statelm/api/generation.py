@@ -62,6 +62,7 @@ class TextDelta:
     repetition_detected: bool = False  # with the finish reason: a loop in the output ended it
     stats: GenerationStats | None = None
     token_ids: list[int] = field(default_factory=list)  # with the finish reason: every token the choice generated
+    stop_string: str | None = None  # with the finish reason: the stop string that ended the choice
 
 
 class ChoiceText:
@@ -125,7 +126,15 @@ class ChoiceText:
         self.released += len(text)
         finished = self.finish_reason is not None
         ids = list(self.token_ids) if finished else []
-        return TextDelta(output.index, text, tokens, self.finish_reason, self.repetition_detected, token_ids=ids)
+        return TextDelta(
+            output.index,
+            text,
+            tokens,
+            self.finish_reason,
+            self.repetition_detected,
+            token_ids=ids,
+            stop_string=self.matcher.matched,
+        )
 
     def _text(self, piece: str) -> str:
         """Text that may be given out now, once the stop strings have seen it."""

@@ -211,9 +211,10 @@ class ServingContext:
         context: int | None = None,
         add_generation_prompt: bool = True,
         add_special_tokens: bool = False,
+        prefill: str = "",
     ) -> RenderedPrompt:
-        """The conversation rendered and tokenized in a worker thread; a rendering too long for `context` tokens
-        (default: the model's) is refused before it is tokenized."""
+        """The conversation (and the start of its reply, `prefill`) rendered and tokenized in a worker thread; a
+        rendering too long for `context` tokens (default: the model's) is refused before it is tokenized."""
         check = functools.partial(self.check_fits, context=context or self.model.max_model_len, param="messages")
         return await asyncio.to_thread(
             self.prompter.render,
@@ -223,6 +224,7 @@ class ServingContext:
             add_generation_prompt=add_generation_prompt,
             add_special_tokens=add_special_tokens,
             check_text=check,
+            prefill=prefill,
         )
 
     async def encode(self, text: str, param: str, *, add_special_tokens: bool) -> list[int]:

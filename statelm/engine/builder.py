@@ -16,6 +16,7 @@ from statelm.engine.engine import Engine
 from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
+from statelm.kernels.build import use_kernel_threads
 from statelm.models.layers import RowChunking
 from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 
@@ -91,6 +92,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         loaded.fingerprint.parts["compute_path"] = model.compute_path  # KV rounding depends on it
     elif not model.batch_invariant and loaded.device.type == "cuda":
         model.use_compute_path(model.compute_paths()[0])  # no probe: the fastest path (Triton attention)
+    threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
     loaded.fingerprint.parts["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")  # snapshots hold this KV
     model_config = loaded.config
@@ -127,7 +129,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         max_model_len,
         loaded.dtype,
         loaded.device,
-        torch.get_num_threads(),
+        threads,
     )
     cuda_graphs = loaded.device.type == "cuda" and model.compute_path == "triton" and not config.enforce_eager
     return Engine(

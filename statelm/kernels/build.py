@@ -73,6 +73,22 @@ def load_kernels(verbose: bool = False) -> None:
         _loaded = True
 
 
+def use_kernel_threads() -> int:
+    """Give statelm's kernels torch's intra-op threads and leave torch's own ops on the calling thread; returns
+    the kernels' thread count.
+
+    Two thread pools on the same cores fight: torch's OpenMP workers spin after each small torch op of a step
+    and take the core a kernel's worker needs (39% of a prefill profile was libgomp spinning). On the kernels
+    path torch's ops are small, so they run on the engine thread and the kernels own the cores.
+    """
+    load_kernels()
+    threads = torch.get_num_threads()
+    if threads > 1:
+        torch.ops.statelm.set_num_threads(threads)
+        torch.set_num_threads(1)
+    return int(torch.ops.statelm.get_num_threads())
+
+
 def kernels_available() -> bool:
     """Whether the kernels are loaded (building them on first call); logs the reason once when not."""
     try:

@@ -20,7 +20,7 @@ class FusedDecoder:
 
     The op makes the same kernel calls as LlamaForCausalLM.forward on the kernels path, in the same order, so its
     hidden states are the same bit for bit; it only serves forwards whose rows all take one kind of activations
-    (every step under `float32` or `int8`, steps of generated rows only under `int8-decode`).
+    (every step under `float32` or `int8`; under `int8-decode`, steps of prompt rows only or generated rows only).
     """
 
     def __init__(self, model: LlamaForCausalLM, weights: list[torch.Tensor | None], dims: list[int]) -> None:

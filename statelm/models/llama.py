@@ -188,12 +188,23 @@ class LlamaForCausalLM(nn.Module):
             ops=self.ops,
         )
         x, residual = self.embed_tokens(input_ids), None
-        if self.fused is not None and (self.activations != "int8-decode" or self.chunking.prompt_rows is None):
-            return self.fused(x, step.rope, kv_cache, meta, int8=self.activations != "float32")
+        int8 = self._int8_rows()
+        if self.fused is not None and int8 is not None:
+            return self.fused(x, step.rope, kv_cache, meta, int8=int8)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, kv_cache.k[i], kv_cache.v[i], step)
         assert residual is not None
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
+
+    def _int8_rows(self) -> bool | None:
+        """Whether this forward's packed matmuls quantize activations to int8: one answer for all rows, or None
+        for a step that mixes prompt and generated rows under `int8-decode`."""
+        if self.activations != "int8-decode":
+            return self.activations == "int8"
+        chunking = self.chunking
+        if chunking.prompt_rows is None:
+            return True  # all rows generated
+        return False if chunking.generated_rows is None else None
 
     def compute_paths(self) -> list[str]:
         """The compute paths this model can run, fastest first (the start-up self-check picks one).

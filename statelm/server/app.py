@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
+from statelm.api.anthropic.service import MessagesService
 from statelm.api.chat import ChatService
 from statelm.api.limits import GenerationLimits
 from statelm.api.responses.service import ResponsesService
@@ -21,7 +22,8 @@ from statelm.server.drain import DrainGate, DrainMiddleware
 from statelm.server.errors import install_error_handlers
 from statelm.server.limits import RequestLimitMiddleware
 from statelm.server.openapi import install_openapi
-from statelm.server.routes import health, metrics, openai, sessions
+from statelm.server.request_id import RequestIdMiddleware
+from statelm.server.routes import anthropic, health, metrics, openai, sessions
 from statelm.server.routes import responses as responses_routes
 
 HEALTH_PATH = "/health"
@@ -76,6 +78,8 @@ def create_app(
     app.state.chat = chat
     app.state.sessions = session_service
     app.state.responses = responses
+    app.state.messages = MessagesService(chat.conversations)
+    app.state.noted_betas = set()  # anthropic-beta names already logged as ignored
     app.state.metrics = serving_metrics
     app.state.drain = guards.drain
     app.state.sse_keepalive = sse_keepalive
@@ -85,6 +89,7 @@ def create_app(
     app.include_router(metrics.router)
     app.include_router(openai.router)
     app.include_router(responses_routes.router)
+    app.include_router(anthropic.router)
     app.include_router(sessions.router)
     install_openapi(app, keyed=guards.keys is not None, public_paths=guards.public_paths())
 
@@ -101,6 +106,7 @@ def create_app(
         serving_metrics.http_responses.labels(path, str(response.status_code)).inc()
         return response
 
+    app.add_middleware(RequestIdMiddleware)  # every answer, 401s and 413s too
     if allowed_origins:  # outermost: a preflight carries no key, and every answer (401s too) needs the headers
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])
     return app

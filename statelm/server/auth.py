@@ -143,4 +143,4 @@ class AuthMiddleware:
         )
         code = "invalid_api_key" if key is not None else "missing_api_key"
         error = APIError(message, status=401, type="authentication_error", code=code)
-        await error_response(error, {"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        await error_response(error, scope["path"], {"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -55,7 +55,7 @@ class DrainMiddleware:
                 type="server_error",
                 code="server_shutting_down",
             )
-            await error_response(error, {"Retry-After": self.gate.retry_after()})(scope, receive, send)
+            await error_response(error, scope["path"], {"Retry-After": self.gate.retry_after()})(scope, receive, send)
             return
         self.gate.in_flight += 1
         try:

@@ -1,4 +1,5 @@
-"""One place that turns every error into OpenAI's error shape with the right status."""
+"""One place that turns every error into the error shape of the protocol its route speaks, with the right status:
+Anthropic's on /v1/messages, OpenAI's everywhere else."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
 from starlette.routing import Match
 
+from statelm.api.anthropic.errors import anthropic_error, anthropic_status
 from statelm.api.errors import APIError
 from statelm.api.sessions import session_api_error
 from statelm.sessions.errors import SessionError
@@ -20,12 +22,24 @@ log = logging.getLogger(__name__)
 
 _UNION_MEMBER_TAGS = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
 REQUEST_PARTS = frozenset({"body", "query", "path", "header", "cookie"})  # where FastAPI says a value was
+ANTHROPIC_PREFIX = "/v1/messages"
 _HTTP_ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 404: "not_found_error"}
 
 
-def error_response(error: APIError, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """JSON response for an APIError."""
-    return JSONResponse(error.to_dict(), status_code=error.status, headers=headers)
+def speaks_anthropic(path: str) -> bool:
+    """Whether the route at path is one of Anthropic's (its errors then take Anthropic's shape)."""
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_body(error: APIError, path: str) -> dict[str, Any]:
+    """An error's body in the shape of the route at path (the body of a stream's error event too)."""
+    return anthropic_error(error) if speaks_anthropic(path) else error.to_dict()
+
+
+def error_response(error: APIError, path: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
+    """JSON response for an APIError on the route at path."""
+    status = anthropic_status(error) if speaks_anthropic(path) else error.status
+    return JSONResponse(error_body(error, path), status_code=status, headers=headers)
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]], body: Any = None) -> APIError:
@@ -84,27 +98,27 @@ def allowed_methods(request: Request) -> str:
 
 
 def install_error_handlers(app: FastAPI) -> None:
-    """Register the handlers that keep every error in OpenAI's shape."""
+    """Register the handlers that keep every error in its route's shape."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(SessionError)
-    async def _session_error(_: Request, exc: SessionError) -> JSONResponse:
-        return error_response(session_api_error(exc))
+    async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
+        return error_response(session_api_error(exc), request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid_request(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(validation_error(exc.errors(), exc.body))
+    async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return error_response(validation_error(exc.errors(), exc.body), request.url.path)
 
     @app.exception_handler(HTTPException)
     async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
         kind = _HTTP_ERROR_TYPES.get(exc.status_code, "invalid_request_error")
         headers = {"Allow": allowed_methods(request)} if exc.status_code == 405 else exc.headers
-        return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind), headers)
+        return error_response(APIError(str(exc.detail), status=exc.status_code, type=kind), request.url.path, headers)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error")
-        return error_response(APIError(f"internal error: {exc}", status=500, type="server_error"))
+        return error_response(APIError(f"internal error: {exc}", status=500, type="server_error"), request.url.path)

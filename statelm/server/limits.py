@@ -14,7 +14,16 @@ from statelm.api.errors import APIError
 from statelm.api.limits import GenerationLimits
 from statelm.server.errors import error_response
 
-CAPPED_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses", "/tokenize"})  # generation bodies
+CAPPED_PATHS = frozenset(  # generation bodies
+    {
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/v1/responses",
+        "/v1/messages",
+        "/v1/messages/count_tokens",
+        "/tokenize",
+    }
+)
 OFF_LOOP_BYTES = 2**20  # bodies larger than this are checked in a worker thread
 SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's \uD800-\uDFFF, pairs included
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what is left of one once JSON has joined the pairs
@@ -40,7 +49,7 @@ class RequestLimitMiddleware:
             else:
                 self._check_body(scope, body)
         except APIError as error:
-            await error_response(error)(scope, receive, send)
+            await error_response(error, scope["path"])(scope, receive, send)
             return
         await self.app(scope, _replay(body, receive), send)
 

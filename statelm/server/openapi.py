@@ -1,4 +1,5 @@
-"""The OpenAPI schema as the server really answers: OpenAI-shaped errors on every route, and its API keys."""
+"""The OpenAPI schema as the server really answers: each route's errors in its protocol's shape (Anthropic's on
+/v1/messages, OpenAI's elsewhere), and its API keys."""
 
 from __future__ import annotations
 
@@ -7,6 +8,9 @@ from typing import Any
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
+
+from statelm.api.anthropic.errors import OVERLOADED
+from statelm.server.errors import speaks_anthropic
 
 ERROR_STATUSES = {
     400: "Invalid request",
@@ -20,6 +24,12 @@ ERROR_STATUSES = {
     500: "Internal error",
     503: "Shutting down: retry after the Retry-After seconds",
     507: "Out of room: KV pool or snapshot quota",
+}
+SSE_EVENT = {  # a stream's event: its data, or (when it has an `event:` line: Responses, Anthropic) both
+    "anyOf": [
+        {"type": "string"},
+        {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"}}},
+    ]
 }
 SECURITY_SCHEMES = {
     "bearer": {"type": "http", "scheme": "bearer"},
@@ -37,9 +47,23 @@ class ErrorDetail(BaseModel):
 
 
 class ErrorResponse(BaseModel):
-    """Every error the server answers with."""
+    """Every error the server answers with on OpenAI's and statelm's routes."""
 
     error: ErrorDetail
+
+
+class AnthropicErrorDetail(BaseModel):
+    """Anthropic's error fields."""
+
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error the server answers with on Anthropic's routes."""
+
+    type: str
+    error: AnthropicErrorDetail
 
 
 def install_openapi(app: FastAPI, keyed: bool, public_paths: frozenset[str]) -> None:
@@ -59,18 +83,22 @@ def _schema(app: FastAPI, keyed: bool, public_paths: frozenset[str]) -> dict[str
     models = components.setdefault("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):  # FastAPI's 422 body, which this server never sends
         models.pop(unused, None)
-    error_schema = ErrorResponse.model_json_schema(ref_template="#/components/schemas/{model}")
-    models.update(error_schema.pop("$defs"))
-    models["ErrorResponse"] = error_schema
-    error_content = {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}
+    for model in (ErrorResponse, AnthropicErrorResponse):
+        error_schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+        models.update(error_schema.pop("$defs"))
+        models[model.__name__] = error_schema
     if keyed:
         components["securitySchemes"] = SECURITY_SCHEMES
     for path, operations in schema["paths"].items():
+        anthropic = speaks_anthropic(path)
+        model = AnthropicErrorResponse if anthropic else ErrorResponse
+        error_content = {"application/json": {"schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}
+        statuses = {OVERLOADED if anthropic and s == 503 else s: d for s, d in ERROR_STATUSES.items()}
         for operation in operations.values():
             responses = operation["responses"]
             if _streams(operation, models) and "200" in responses:
-                responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": {"type": "string"}}
-            for status, description in ERROR_STATUSES.items():
+                responses["200"].setdefault("content", {})["text/event-stream"] = {"schema": SSE_EVENT}
+            for status, description in statuses.items():
                 if status == 401 and (not keyed or path in public_paths):
                     continue
                 if str(status) not in responses or status == 422:

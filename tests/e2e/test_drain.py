@@ -64,7 +64,7 @@ def test_sigterm_lets_a_stream_finish_refuses_new_requests_and_saves_sessions(tm
     a = httpx.Client(base_url=url, headers={"X-Api-Key": KEY_A}, timeout=60)
     try:
         assert a.post("/v1/sessions", json={"session_id": "drained"}).status_code == 201
-        stream = Stream(url, "drained", max_tokens=40)
+        stream = Stream(url, "drained", max_tokens=400)  # still running while the drain is checked
         process.terminate()
         time.sleep(0.5)
         refused = a.get("/v1/models")

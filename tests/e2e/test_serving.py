@@ -87,18 +87,18 @@ def test_health_answers_fast_while_sixteen_streams_generate(server_url: str, mod
     async def run() -> list[float]:
         client = openai.AsyncOpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=300)
         streams = [
-            asyncio.create_task(ask(client, model_name, topic, extra_body={"ignore_eos": True}, max_tokens=64))
+            asyncio.create_task(ask(client, model_name, topic, extra_body={"ignore_eos": True}, max_tokens=128))
             for topic in TOPICS
         ]
         latencies = []
         async with httpx.AsyncClient() as http:
             await asyncio.sleep(1.0)  # let the batch form
+            assert metric(server_url, "statelm_requests_running") > 1
             while len(latencies) < 20:
                 started = time.perf_counter()
                 assert (await http.get(f"{server_url}/health")).status_code == 200
                 latencies.append(time.perf_counter() - started)
                 await asyncio.sleep(0.1)
-            assert metric(server_url, "statelm_requests_running") > 1
         await asyncio.gather(*streams)
         return latencies
 

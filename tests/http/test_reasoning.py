@@ -144,3 +144,26 @@ def test_a_model_without_think_tags_refuses_reasoning_controls(api: httpx.Client
         response = api.post("/v1/chat/completions", json={**base, field: value})
         assert response.status_code == 400, response.text
         assert response.json()["error"]["param"] == field
+
+
+def test_anthropic_thinking_blocks_are_streamed_signed_and_taken_back(raw: httpx.Client) -> None:
+    body = {
+        "model": "tiny",
+        "max_tokens": 12,
+        "messages": QUESTION,
+        "thinking": {"type": "enabled", "budget_tokens": 6},
+        "temperature": 0,
+    }
+    whole = raw.post("/v1/messages", json=body).json()
+    kinds = [block["type"] for block in whole["content"]]
+    assert kinds[0] == "thinking" and whole["content"][0]["signature"], whole
+    with raw.stream("POST", "/v1/messages", json={**body, "stream": True}) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: ")]
+    deltas = [event["delta"] for event in events if event["type"] == "content_block_delta"]
+    thought = "".join(delta["thinking"] for delta in deltas if delta["type"] == "thinking_delta")
+    assert thought == whole["content"][0]["thinking"]
+    assert [d["signature"] for d in deltas if d["type"] == "signature_delta"] == [whole["content"][0]["signature"]]
+    again = [*QUESTION, {"role": "assistant", "content": whole["content"]}, {"role": "user", "content": "More?"}]
+    assert raw.post("/v1/messages", json={**body, "messages": again}).status_code == 200
+    off = raw.post("/v1/messages", json={**body, "thinking": {"type": "disabled"}}).json()
+    assert all(block["type"] != "thinking" for block in off["content"])

@@ -60,7 +60,11 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[
 @pytest.mark.parametrize("activations", ["float32", "int8", "int8-decode"])
 def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str) -> None:
     loaded.model.use_activations(activations)
-    kinds = {"generated": torch.zeros(11, dtype=torch.bool), "mixed": torch.tensor([True] * 9 + [False] * 2)}
+    kinds = {
+        "generated": torch.zeros(11, dtype=torch.bool),
+        "prompt": torch.ones(11, dtype=torch.bool),
+        "mixed": torch.tensor([True] * 9 + [False] * 2),
+    }
     try:
         for is_prompt in kinds.values():
             expected, expected_cache = forward(loaded, False, is_prompt)

@@ -7,6 +7,7 @@ import torch
 
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.models.layers import KernelLayerOps, LayerOps, RotaryEmbedding
+from tests.unit.kernel_threads import kernel_threads
 
 try:
     load_kernels()
@@ -65,9 +66,7 @@ def test_rope_rejects_a_position_outside_the_table() -> None:
 @pytest.mark.invariance
 @pytest.mark.parametrize("threads", [1, 2])
 def test_each_row_gets_the_same_bits_alone_and_in_any_batch(threads: int) -> None:
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with kernel_threads(threads):
         x, delta, weight = rows(65, 576, 7), rows(65, 576, 8), rows(1, 576, 9)[0]
         for count in (1, 2, 7, 16, 65):
             assert torch.equal(KERNELS.rms_norm(x[:count], weight, 1e-5)[0], KERNELS.rms_norm(x[:1], weight, 1e-5)[0])
@@ -78,5 +77,3 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(threads: int) -> Non
                 KERNELS.add_rms_norm(residual, delta[:count], weight, 1e-5)[-1],
                 KERNELS.add_rms_norm(alone, delta[count - 1 : count], weight, 1e-5)[0],
             )
-    finally:
-        torch.set_num_threads(previous)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
 from statelm.engine.attention.base import AttentionMetadata
 from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
 from statelm.kernels.build import KernelBuildError, load_kernels
+from tests.unit.kernel_threads import kernel_threads
 
 try:
     load_kernels()
@@ -167,17 +166,8 @@ def test_rejects_block_ids_outside_the_cache() -> None:
         torch.ops.statelm.paged_attention(q, cache, cache, torch.tensor([[5]]), lengths, starts, 1.0, 0)
 
 
-@pytest.fixture
-def restore_threads() -> Iterator[None]:
-    """Put torch's intra-op thread count back after a test that changes it."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("window", [None, 37])
-@pytest.mark.usefixtures("restore_threads")
 def test_a_row_is_bitwise_the_same_whatever_shares_its_call(cache_dtype: torch.dtype, window: int | None) -> None:
     heads, kv_heads, head_dim, block_size, length = 9, 3, 64, 16, 150
     gen = torch.Generator().manual_seed(3)
@@ -212,14 +202,14 @@ def test_a_row_is_bitwise_the_same_whatever_shares_its_call(cache_dtype: torch.d
             window or 0,
         )
 
-    torch.set_num_threads(1)
-    prefill = attend(0, length)
-    torch.set_num_threads(2)
-    assert torch.equal(attend(0, length), prefill)
-    mismatched = [row for row in range(length) if not torch.equal(attend(row, row + 1)[0], prefill[row])]
-    assert mismatched == []
-    for first in (16, 32, 117, 133, 149):  # a prompt whose first rows came from the prefix cache
-        assert torch.equal(attend(first, length), prefill[first:])
+    with kernel_threads(1):
+        prefill = attend(0, length)
+    with kernel_threads(2):
+        assert torch.equal(attend(0, length), prefill)
+        mismatched = [row for row in range(length) if not torch.equal(attend(row, row + 1)[0], prefill[row])]
+        assert mismatched == []
+        for first in (16, 32, 117, 133, 149):  # a prompt whose first rows came from the prefix cache
+            assert torch.equal(attend(first, length), prefill[first:])
     for row in (0, 31, 32, 100, 149):  # beside another sequence's prefill, and beside its decodes
         assert torch.equal(attend(row, row + 1, other=(0, 40))[0], prefill[row])
         assert torch.equal(attend(row, row + 1, other=(39, 40))[0], prefill[row])

@@ -13,6 +13,7 @@ from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.kernels.quant import PackedWeight, pack_gguf
 from statelm.kernels.quant import quantize as quantize_float
 from tests.models.test_gguf import _random_k_blocks
+from tests.unit.kernel_threads import kernel_threads
 
 try:
     load_kernels()
@@ -105,14 +106,10 @@ def test_float_weights_quantize_at_load(kind: str) -> None:
 def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int, int8: bool) -> None:
     weight = pack_gguf(qtype, gguf_tensor(qtype, 200, 576, seed=5), (200, 576))
     x = torch.randn(65, 576, generator=torch.Generator().manual_seed(6))
-    previous = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with kernel_threads(threads):
         alone = torch.cat([weight.matmul(x[i : i + 1], int8) for i in range(65)])
         for count in (2, 3, 5, 7, 16, 64, 65):
             assert torch.equal(weight.matmul(x[:count], int8), alone[:count]), count
-    finally:
-        torch.set_num_threads(previous)
 
 
 def test_rows_select_concat_embed_and_round_trip_their_state() -> None:

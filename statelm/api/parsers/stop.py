@@ -10,14 +10,16 @@ class StopStringMatcher:
         self.stop_strings = [s for s in stop_strings if s]
         self._held = ""
         self.stopped = False
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, text: str) -> str:
         """Add text; return what may be emitted now (after a match, `stopped` is set and the rest dropped)."""
         if self.stopped:
             return ""
         buffer = self._held + text
-        match = min((i for s in self.stop_strings if (i := buffer.find(s)) >= 0), default=-1)
-        if match >= 0:
+        found = [(i, s) for s in self.stop_strings if (i := buffer.find(s)) >= 0]
+        if found:
+            match, self.matched = min(found, key=lambda hit: hit[0])
             self.stopped = True
             self._held = ""
             return buffer[:match]

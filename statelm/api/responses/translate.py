@@ -3,12 +3,8 @@ the core's errors named by the responses fields (the one place that maps them)."
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
-from pydantic import ValidationError
-
-from statelm.api.errors import APIError
 from statelm.api.protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -31,6 +27,8 @@ from statelm.api.responses.protocol import (
     TextFormatJSONObject,
     TextFormatJSONSchema,
 )
+from statelm.api.translation import chat_request as chat_request_of
+from statelm.api.translation import renamed_parameters
 
 # The core's (chat's) parameter names and the responses fields they come from
 PARAMETERS = {
@@ -44,25 +42,9 @@ PARAMETERS = {
 SHARED_FIELDS = frozenset(SamplingOptions.model_fields) | frozenset(ReasoningControls.model_fields)
 
 
-def responses_parameter(param: str | None) -> str | None:
-    """A core parameter's name as /v1/responses calls it (`max_tokens` → `max_output_tokens`)."""
-    if param is None:
-        return None
-    head, dot, rest = param.partition(".")
-    return PARAMETERS.get(head, head) + dot + rest
-
-
-@contextmanager
-def responses_errors() -> Iterator[None]:
+def responses_errors() -> AbstractContextManager[None]:
     """Name the parameter of any APIError raised inside by the responses field that set it."""
-    try:
-        yield
-    except APIError as error:
-        head = (error.param or "").partition(".")[0]
-        if head in PARAMETERS and head != "messages":  # a field name in the message too ("plus max_tokens 9000")
-            error.message = error.message.replace(head, PARAMETERS[head])
-        error.param = responses_parameter(error.param)
-        raise
+    return renamed_parameters(PARAMETERS, keep_in_message=frozenset({"messages"}))
 
 
 def chat_request(request: ResponsesRequest, messages: list[ChatMessage]) -> ChatCompletionRequest:
@@ -80,8 +62,8 @@ def chat_request(request: ResponsesRequest, messages: list[ChatMessage]) -> Chat
     ]
     text_format = request.text.format if request.text is not None else None
     logprobs = request.logprobs()
-    try:
-        return ChatCompletionRequest(
+    return chat_request_of(
+        dict(
             **shared,
             model=request.model,
             messages=messages,
@@ -96,11 +78,9 @@ def chat_request(request: ResponsesRequest, messages: list[ChatMessage]) -> Chat
             logprobs=logprobs,
             top_logprobs=request.top_logprobs if logprobs else None,
             metadata=request.metadata,
-        )
-    except ValidationError as exc:  # the responses model checks what chat's does: a translation that fails is a bug
-        problem = exc.errors()[0]
-        param = responses_parameter(".".join(str(part) for part in problem["loc"]) or None)
-        raise APIError(f"Invalid value for '{param}': {problem['msg']}", param=param) from exc
+        ),
+        PARAMETERS,
+    )
 
 
 def response_format(text_format: TextFormat) -> ResponseFormat:

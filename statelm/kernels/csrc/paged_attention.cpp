@@ -710,7 +710,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   }
   if (tokens == 0) return out;
 
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = statelm::num_threads();
   std::vector<Item> items = plan_items(pb, num_seqs, threads);
   switch (k_cache.scalar_type()) {
     case at::kBFloat16: run_items<at::BFloat16>(pb, items, threads); break;

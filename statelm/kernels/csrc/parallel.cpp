@@ -8,6 +8,7 @@
 #include "parallel.h"
 
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -37,6 +38,7 @@ constexpr int kPausesPerRound = 16;
 constexpr int64_t kChunksPerThread = 4;
 
 thread_local bool inside_chunk = false;
+std::atomic<int64_t> configured_threads{0};  // 0: follow at::get_num_threads()
 
 uint64_t pack(uint64_t generation, uint64_t chunks, uint64_t next) {
   return ((generation & kGenerationMask) << (2 * kChunkBits)) | (chunks << kChunkBits) | next;
@@ -139,9 +141,19 @@ Pool& pool() {
 
 }  // namespace
 
+void set_num_threads(int64_t n) {
+  TORCH_CHECK(n > 0, "set_num_threads: n must be positive");
+  configured_threads.store(n);
+}
+
+int64_t num_threads() {
+  const int64_t configured = configured_threads.load();
+  return configured > 0 ? configured : at::get_num_threads();
+}
+
 void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
   if (n <= 0) return;
-  const int64_t threads = at::get_num_threads();
+  const int64_t threads = num_threads();
   // a few chunks per thread balance the load; more only add claims, each a contended compare-and-swap
   grain = std::max<int64_t>({1, grain, (n + kChunksPerThread * threads - 1) / (kChunksPerThread * threads)});
   if (threads <= 1 || n <= grain || inside_chunk) {
@@ -152,3 +164,8 @@ void parallel_for(int64_t n, int64_t grain, const Fn& fn) {
 }
 
 }  // namespace statelm
+
+TORCH_LIBRARY_FRAGMENT(statelm, m) {
+  m.def("set_num_threads(int n) -> ()", [](int64_t n) { statelm::set_num_threads(n); });
+  m.def("get_num_threads() -> int", []() { return statelm::num_threads(); });
+}

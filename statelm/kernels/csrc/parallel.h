@@ -17,8 +17,12 @@
 
 namespace statelm {
 
+// The number of threads kernels use, the caller included: set_num_threads(n) (n > 0), else at::get_num_threads().
+void set_num_threads(int64_t n);
+int64_t num_threads();
+
 // Calls fn(begin, end) over [0, n) in chunks of at most `grain`, on the calling thread and up to
-// at::get_num_threads() - 1 pool threads. Runs inline when there is one chunk, one thread, or it is called from
+// num_threads() - 1 pool threads. Runs inline when there is one chunk, one thread, or it is called from
 // inside a chunk. Rethrows the first exception a chunk threw, after every started chunk has finished.
 void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
 

@@ -4,7 +4,8 @@
 // the chains are added as (c0 + c1) + (c2 + c3), and the block joins the column's result as
 //   acc = fma(sum, d, acc)              then, q4 only,   acc = fma(m, sum_k x_k, acc)
 // with sum_k x_k summed in K order. On AVX2 a vector holds the four chains of two columns, so a quad of the
-// interleaved layout widens with plain byte-to-float conversions, and two rows share each widened quad.
+// interleaved layout widens with plain byte-to-float conversions, and two rows (four where AVX-512's 32 vector
+// registers hold their chains) share each widened quad: the same operations per lane either way.
 
 #include <ATen/Parallel.h>
 
@@ -97,7 +98,12 @@ void output_tile(const Weights& w, const Activations& a, int64_t m0, int64_t row
     const int64_t at = w.at(group, b);
     const uint8_t* values = w.values + at * w.block_bytes();
     __m256 sums[kRowsPerTile];
-    for (int64_t r = 0; r < rows; r += 2) {  // two rows share each widened quad: eight chains in flight
+    int64_t r = 0;
+#if defined(__AVX512F__)
+    // 32 vector registers: four rows share each widened quad (sixteen chains in flight)
+    for (; r + 4 <= rows; r += 4) block_sums_of_rows<kQ4, 4>(values, a, m0 + r, b, sums + r);
+#endif
+    for (; r < rows; r += 2) {  // two rows share each widened quad: eight chains in flight
       if (r + 1 < rows) {
         block_sums_of_rows<kQ4, 2>(values, a, m0 + r, b, sums + r);
       } else {

@@ -10,7 +10,7 @@ from typing import Any, TypeVar
 
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
-from sse_starlette import EventSourceResponse
+from sse_starlette import EventSourceResponse, ServerSentEvent
 
 from statelm.api.chat import ChatService
 from statelm.api.completions import CompletionService
@@ -115,16 +115,18 @@ async def generation_response(
     whole: Callable[[], Awaitable[T]],
     start_stream: Callable[[], Awaitable[AsyncIterator[Any]]],
     as_events: Callable[[AsyncIterator[Any]], AsyncIterator[dict[str, str]]],
+    ping: Callable[[], ServerSentEvent] | None = None,
 ) -> T | EventSourceResponse:
     """A generation route's answer: the whole body (cancelled if the client leaves first), or its stream as
-    server-sent events; an engine failure before either is a 500."""
+    server-sent events with `ping` (default: a comment) as keep-alive; an engine failure before either is a 500."""
     try:
         if not streamed:
             return await cancel_on_disconnect(request, whole())
         items = await start_stream()
     except EngineError as exc:
         raise APIError(str(exc), status=500, type="server_error") from exc
-    return EventSourceResponse(as_events(items), ping=request.app.state.sse_keepalive)
+    keepalive = request.app.state.sse_keepalive
+    return EventSourceResponse(as_events(items), ping=keepalive, ping_message_factory=ping)
 
 
 async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
