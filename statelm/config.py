@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,14 @@ class EngineConfig:
     default_sampling: dict[str, Any] = field(default_factory=dict)  # request field defaults over the model's own
 
 
+class SessionDurability(enum.StrEnum):
+    """What of a session survives a crash: every completed turn, what was last spilled or saved, or nothing."""
+
+    TURN = "turn"  # a journal record per change, fsynced before the change is answered
+    SPILL = "spill"  # sessions written when spilled and at a graceful stop
+    OFF = "off"  # sessions kept in memory only, neither saved nor resumed
+
+
 @dataclass
 class ServerConfig:
     """Where and how the HTTP server listens."""
@@ -46,7 +55,7 @@ class ServerConfig:
     served_model_name: str | None = None
     log_level: str = "info"
     state_dir: Path = field(default_factory=default_state_dir)  # sessions and snapshots live here
-    persist_sessions: bool = True  # save live sessions on shutdown and resume them on start
+    session_durability: SessionDurability = SessionDurability.TURN
     api_keys: list[str] = field(default_factory=list)  # none (and no file, no admin key): no authentication
     api_key_file: Path | None = None  # one key a line, read again when it changes
     admin_keys: list[str] = field(default_factory=list)  # may see and manage every key's sessions and snapshots

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
+from prometheus_client.registry import Collector
 
 from statelm.engine.engine import Engine
+from statelm.sessions.journal_store import JournalCounters
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
@@ -47,6 +52,8 @@ class ServingMetrics:
         }
         for name, (description, read) in gauges.items():
             Gauge(name, description, registry=registry).set_function(read)
+        self.journal = JournalCounters()
+        registry.register(JournalCollector(self.journal))
 
     def record_finished(self, finish_reasons: list[str], prompt: int, cached: int, completion: int) -> None:
         """Account for one generation that has ended: how each of its choices ended, and its tokens."""
@@ -59,3 +66,22 @@ class ServingMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)
+
+
+class JournalCollector(Collector):
+    """The session journals' counters, read at scrape time (worker threads update them)."""
+
+    def __init__(self, counters: JournalCounters) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """One counter per figure."""
+        counters = self.counters
+        yield CounterMetricFamily("statelm_journal_appends", "Session journal records written", counters.appends)
+        yield CounterMetricFamily("statelm_journal_bytes", "Bytes of session journal records written", counters.bytes)
+        yield CounterMetricFamily(
+            "statelm_journal_recoveries", "Sessions brought up to date by their journals at start", counters.recoveries
+        )
+        yield CounterMetricFamily(
+            "statelm_journal_failures", "Session journal writes that failed or were skipped", counters.failures
+        )

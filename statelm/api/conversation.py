@@ -3,15 +3,16 @@
 Chat completions and responses both serve from it; each wire protocol translates its request into a
 `ChatCompletionRequest` and the events below into its own objects. A session turn renders its history and new
 messages, starts from the KV of the session it reads (longest common prefix) and, when its final event arrives and
-before that event is passed on, commits into its target session; a turn dropped before that (an error, a client
-gone, a stream closed) commits nothing.
+before that event is passed on, commits into its target session and waits until that session's changes are durable
+(its journal records written and fsynced, under `--session-durability turn`), so a client never sees a turn end that
+a crash could lose; a turn dropped before that (an error, a client gone, a stream closed) commits nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,12 +79,17 @@ class ConversationTurn:
             self.sessions.forget_unused(target)
 
     def follow(
-        self, events: AsyncIterator[ChoiceEvent], new_messages: list[dict[str, Any]]
+        self,
+        events: AsyncIterator[ChoiceEvent],
+        new_messages: list[dict[str, Any]],
+        on_commit: Callable[[ChoiceEvent], None] | None = None,
     ) -> AsyncIterator[ChoiceEvent]:
         """events, committing the turn (the reply with its reasoning and tool calls) at the final one, before it.
 
-        A generation dropped before that drops the turn. The template decides whether later prompts show the
-        reasoning; the session's cache follows whatever it renders (longest common prefix).
+        At the final event the turn commits into the plan's target, on_commit (what the caller keeps with the turn,
+        such as a stored response) runs with that event in the same step, and the event is passed on once the
+        target's changes are durable. A generation dropped before that drops the turn. The template decides whether
+        later prompts show the reasoning; the session's cache follows whatever it renders (longest common prefix).
         """
         plan = self.plan
 
@@ -95,6 +101,9 @@ class ConversationTurn:
                     if event.finish_reason is not None and plan.target is not None:
                         message = reply.message().model_dump(exclude_none=True)
                         self.end([*(plan.history if plan.fresh else ()), *new_messages, message])
+                        if on_commit is not None:
+                            on_commit(event)
+                        await self.sessions.settled(plan.target)  # the client sees the end once it is durable
                     yield event
             finally:
                 self.end(None)
@@ -156,10 +165,12 @@ class ConversationService:
         new_messages: list[ChatMessage],
         *,
         preamble: Sequence[ChatMessage] = (),
+        on_commit: Callable[[ChoiceEvent], None] | None = None,
     ) -> AsyncIterator[ChoiceEvent]:
         """The (not yet started) turn of plan: preamble (rendered, never kept), history and new messages.
 
-        The plan's target is ended whatever happens: committed by the final event, dropped on any failure.
+        The plan's target is ended whatever happens: committed by the final event (on_commit then runs with it,
+        before the wait for durability; see `ConversationTurn.follow`), dropped on any failure.
         """
         sessions = self.manager()
         turn = ConversationTurn(sessions, plan, request_id)
@@ -188,7 +199,7 @@ class ConversationService:
             keep_special_tokens=prompter.keep_special_tokens,
         )
         new = [message.for_transcript() for message in new_messages]
-        return turn.follow(chat_events(deltas, parsers), new)
+        return turn.follow(chat_events(deltas, parsers), new, on_commit)
 
     async def params(self, request: ChatCompletionRequest, prompt: RenderedPrompt, context: int) -> SamplingParams:
         """Sampling parameters with the request's constraint, forced tool call and reasoning budget."""

@@ -148,5 +148,7 @@ class SessionService:
         return await self._object(await self.manager.load_snapshot(snapshot_id, body.session_id, body.overwrite))
 
     async def _object(self, session: Session) -> SessionObject:
+        """The session's object, once its changes are durable."""
+        await self.manager.settled(session)
         (view,) = await self.manager.view([session])
         return session_object(view)

@@ -13,7 +13,7 @@ from statelm.cli.chat_repl import chat
 from statelm.cli.docs import docs
 from statelm.cli.server_control import server_app
 from statelm.cli.sessions import session_app, snapshot_app
-from statelm.config import EngineConfig, ServerConfig
+from statelm.config import EngineConfig, ServerConfig, SessionDurability
 from statelm.paths import default_state_dir
 
 app = typer.Typer(
@@ -63,6 +63,15 @@ def parse_sampling_defaults(text: str) -> dict[str, Any]:
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
         raise typer.BadParameter(f"{problems} (fields: {', '.join(SamplerSettings.model_fields)})") from None
+
+
+def session_durability(chosen: SessionDurability | None, persist_sessions: bool) -> SessionDurability:
+    """--session-durability (default turn); --no-persist-sessions is `off`, and contradicts any other choice."""
+    if persist_sessions:
+        return chosen or SessionDurability.TURN
+    if chosen not in (None, SessionDurability.OFF):
+        raise typer.BadParameter(f"--no-persist-sessions means off; it contradicts --session-durability {chosen}")
+    return SessionDurability.OFF
 
 
 @app.callback()
@@ -140,8 +149,22 @@ def serve(
     state_dir: Annotated[
         Path | None, typer.Option(help="Where sessions and snapshots are kept (default: the user state dir).")
     ] = None,
+    session_durability_choice: Annotated[
+        SessionDurability | None,
+        typer.Option(
+            "--session-durability",
+            show_default=False,
+            help="What a crash may lose: turn (nothing answered: every change is journalled and fsynced first;"
+            " default) | spill (changes since a session was last spilled or saved at a graceful stop) | off"
+            " (every session: kept in memory only, neither saved nor resumed).",
+        ),
+    ] = None,
     persist_sessions: Annotated[
-        bool, typer.Option(help="Save live sessions on shutdown and resume them on the next start.")
+        bool,
+        typer.Option(
+            help="Save sessions and resume them on the next start; --no-persist-sessions is the same as"
+            " --session-durability off."
+        ),
     ] = True,
     api_key: Annotated[
         list[str] | None,
@@ -233,7 +256,7 @@ def serve(
         served_model_name=served_model_name,
         log_level=log_level,
         state_dir=state_dir or default_state_dir(),
-        persist_sessions=persist_sessions,
+        session_durability=session_durability(session_durability_choice, persist_sessions),
         api_keys=with_keys_from_environment(api_key, "STATELM_API_KEY"),
         api_key_file=api_key_file,
         admin_keys=with_keys_from_environment(admin_key, "STATELM_ADMIN_KEY"),

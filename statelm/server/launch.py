@@ -65,8 +65,9 @@ def build_services(
         built.loaded.name,
         built.loaded.fingerprint,
         server_config.state_dir,
-        server_config.persist_sessions,
+        server_config.session_durability,
         SessionLimits(server_config.max_sessions_per_key, server_config.snapshot_quota),
+        metrics.journal,
     )
     try:
         chat = ChatService(

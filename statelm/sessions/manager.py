@@ -1,21 +1,26 @@
 """Sessions on the event loop's side: create, list, turn bookkeeping, fork, rollback, spill, persist, snapshot.
 
-The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, and moves
-KV between the pool and disk. Blocking disk I/O runs in worker threads; engine work goes through
-AsyncEngine.call/submit, which the engine thread runs in order between steps.
+The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, moves KV
+between the pool and disk, and journals every change of a session (statelm.sessions.journal_store).
+Blocking disk I/O runs in worker threads; engine work goes through AsyncEngine.call/submit, which the
+engine thread runs in order between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import logging
 import os
 import shutil
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from statelm.config import SessionDurability
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.session_kv import SessionKVData, SessionKVError
 from statelm.models.loader import ModelFingerprint
@@ -27,15 +32,12 @@ from statelm.sessions.errors import (
     SessionLimitError,
     check_id,
 )
-from statelm.sessions.ownership import current_principal, recorded_owner
+from statelm.sessions.journal_records import annotation_record, rollback_record, session_record, turn_record
+from statelm.sessions.journal_store import JournalCounters, SessionJournal
+from statelm.sessions.ownership import current_principal
+from statelm.sessions.recovery import recover_sessions
 from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
-from statelm.sessions.snapshot_format import (
-    SnapshotContent,
-    read_snapshot,
-    read_transcript,
-    recover_directory,
-    write_snapshot,
-)
+from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.snapshots import SnapshotStore
 
 log = logging.getLogger(__name__)
@@ -77,16 +79,23 @@ class SessionManager:
         model_name: str,
         fingerprint: ModelFingerprint,
         state_dir: Path,
-        persist: bool,
+        durability: SessionDurability,
         limits: SessionLimits | None = None,
+        journal_counters: JournalCounters | None = None,
     ) -> None:
         self.engine = engine
         self.limits = limits or SessionLimits()
         self.model_name = model_name
         self.fingerprint = fingerprint
-        self.persist = persist
+        self.persist = durability is not SessionDurability.OFF
         self.sessions: dict[str, Session] = {}
-        self.sessions_dir = state_dir / "sessions" if persist else state_dir / f".spill-{os.getpid()}"
+        self.sessions_dir = state_dir / "sessions" if self.persist else state_dir / f".spill-{os.getpid()}"
+        self.journal = (
+            SessionJournal(state_dir / "journal", durability is SessionDurability.TURN, journal_counters)
+            if self.persist
+            else None
+        )
+        self._last_lsn = 0  # log sequence number of the latest change of any session
         self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint)
         self._kv = engine.engine.sessions
         self._disk_locks: dict[str, asyncio.Lock] = {}
@@ -94,15 +103,24 @@ class SessionManager:
         self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        """Take spilled KV from the engine from now on, and resume the sessions saved by the last run."""
+        """Take spilled KV from the engine from now on, and resume the sessions the last run left."""
         loop = asyncio.get_running_loop()
         self._kv.spill_handler = lambda session_id, data: loop.call_soon_threadsafe(self._spilled, session_id, data)
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
-        if self.persist:
-            resumed = await asyncio.to_thread(self._read_saved_sessions)
-            self.sessions.update((session.id, session) for session in resumed)
-            if resumed:
-                log.info("resumed %d sessions from %s", len(resumed), self.sessions_dir)
+        if self.journal is not None:
+            await self._resume(self.journal)
+
+    async def _resume(self, journal: SessionJournal) -> None:
+        """Take in the sessions the last run left, each as of its last change."""
+        started = time.perf_counter()
+        found = await asyncio.to_thread(recover_sessions, self.sessions_dir, journal.directory, self.fingerprint)
+        self.sessions.update((session.id, session) for session in found.sessions)
+        self._last_lsn = found.last_lsn
+        journal.sizes.update(found.journal_sizes)
+        journal.counters.recoveries += found.from_journal
+        if found.sessions:
+            log.info("resumed %d sessions (%d brought up to date by their journals) in %.0f ms",
+                     len(found.sessions), found.from_journal, (time.perf_counter() - started) * 1000)  # fmt: skip
 
     async def close(self) -> None:
         """Save every session (when persisting) or remove the spill directory; the engine must still run."""
@@ -119,14 +137,22 @@ class SessionManager:
             except (OSError, SessionError) as exc:
                 log.error("could not save session %s: %s", session.id, exc)
         log.info("saved %d sessions to %s", saved, self.sessions_dir)
+        if self.journal is not None:
+            await self.journal.close()
 
     # --- session CRUD -------------------------------------------------------------------------------
 
     def create(
-        self, session_id: str | None, settings: SessionSettings, kind: SessionKind = SessionKind.SESSION
+        self,
+        session_id: str | None,
+        settings: SessionSettings,
+        transcript: list[dict[str, Any]] | None = None,
+        kind: SessionKind = SessionKind.SESSION,
     ) -> Session:
-        """A new, empty session (with the system message, if given) owned by the caller; sessions of every kind
-        count toward the caller's limit."""
+        """A new session of kind owned by the caller: with transcript, or empty but for the system message if given.
+
+        Sessions of every kind count toward the caller's limit.
+        """
         session_id = check_id(session_id, "session_id") if session_id is not None else new_session_id()
         if session_id in self.sessions:
             raise AlreadyExistsError(f"session {session_id!r} already exists", param="session_id")
@@ -134,9 +160,11 @@ class SessionManager:
         limit = self.limits.max_sessions_per_key
         if limit is not None and sum(session.owner == owner for session in self.sessions.values()) >= limit:
             raise SessionLimitError(f"this key already has {limit} sessions, the most it may have; delete some first")
-        transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
+        if transcript is None:
+            transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
         session = Session(session_id, settings, transcript, owner=owner, kind=kind)
         self.sessions[session_id] = session
+        self._changed(session, session_record)
         return session
 
     def get(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> Session:
@@ -167,12 +195,17 @@ class SessionManager:
         return views
 
     async def delete(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> None:
-        """Forget a session, its KV and its saved copy."""
+        """Forget a session, its KV, its saved copy and its journal (which first records the deletion durably)."""
         session = self._idle(session_id, kind)
         del self.sessions[session.id]
         self.engine.submit(lambda: self._kv.release(session.id))
+        lsn = self._next_lsn()
+        if self.journal is not None:
+            await self.journal.delete(session.id, lsn)
         async with self._disk_lock(session.id):
             await asyncio.to_thread(shutil.rmtree, self.sessions_dir / session.id, True)
+        if self.journal is not None:
+            self.journal.forget(session.id, lsn)
 
     def rollback(self, session_id: str, keep_messages: int, kind: SessionKind = SessionKind.SESSION) -> Session:
         """Cut the transcript to its first keep_messages messages; the KV is trimmed by LCP on the next turn."""
@@ -183,15 +216,15 @@ class SessionManager:
                 param="keep_messages",
             )
         session.transcript = session.transcript[:keep_messages]
-        session.disk_stale = True
         session.touch()
+        self._changed(session, lambda changed: rollback_record(changed, keep_messages))
         return session
 
     async def fork(self, session_id: str, child_id: str | None) -> Session:
         """A new session with the parent's transcript, sharing its KV blocks (copied on write)."""
         parent = self._idle(session_id)
-        child = self.create(child_id, SessionSettings.from_dict(parent.settings.to_dict()))
-        child.transcript = [dict(message) for message in parent.transcript]
+        settings = SessionSettings.from_dict(parent.settings.to_dict())
+        child = self.create(child_id, settings, [dict(message) for message in parent.transcript])
         child.busy = parent.busy = True
         try:
             if not await self.engine.call(lambda: self._kv.fork(parent.id, child.id)):
@@ -223,23 +256,58 @@ class SessionManager:
     def end_turn(self, session: Session | None, request_id: str, messages: list[dict[str, Any]] | None) -> None:
         """Commit a completed turn (its messages and KV) into session or, with messages None, drop it; never awaits.
 
-        A turn may read one session's KV and commit into another (a branch); session None commits nothing.
+        A turn may read one session's KV and commit into another (a branch); session None commits nothing. The
+        session stays busy until the turn's journal record is durable (`settled`).
         """
-        if messages is not None and session is not None:
+        if session is None:
+            self.engine.submit(lambda: self.engine.engine.discard_turn(request_id))
+            return
+        session.touch()
+        if messages is not None:
             session.transcript.extend(messages)
-            session.disk_stale = True
             session.spilled_kv = None
+            self._changed(session, lambda changed: turn_record(changed, messages))
             self.engine.submit(lambda: self.engine.engine.commit_turn(request_id, session.id))
         else:
             self.engine.submit(lambda: self.engine.engine.discard_turn(request_id))
-        if session is not None:
+
+        def idle() -> None:
             session.busy = False
-            session.touch()
+
+        if self.journal is None:
+            idle()
+        else:
+            self.journal.when_settled(session.id, idle)
 
     def forget_unused(self, session: Session) -> None:
-        """Remove a session made for a turn that was dropped: it never held KV nor was written; never awaits."""
+        """Remove a session made for a turn that was dropped: it never held KV nor was saved; never awaits.
+
+        Its journal (the record of its creation) goes too; one a crash leaves behind resumes an empty session.
+        """
+        if self.sessions.get(session.id) is not session:
+            return
+        del self.sessions[session.id]
+        if self.journal is not None and self.journal.appending:
+            self.journal.discard(session.id)
+
+    def annotate(self, session: Session, name: str, key: str, value: dict[str, Any] | None) -> None:
+        """Set one entry of one of session's annotations (value None: remove it), a change journalled as a turn is.
+
+        A session no longer the manager's (deleted meanwhile) only changes in memory; never awaits.
+        """
+        entries = session.annotations.setdefault(name, {})
+        if value is None:
+            if entries.pop(key, None) is None:
+                return
+        else:
+            entries[key] = value
         if self.sessions.get(session.id) is session:
-            del self.sessions[session.id]
+            self._changed(session, lambda changed: annotation_record(changed, name, key, value))
+
+    async def settled(self, session: Session) -> None:
+        """Wait until the session's changes so far are durable (at once unless turns are journalled)."""
+        if self.journal is not None:
+            await self.journal.settled(session.id)
 
     # --- snapshots ----------------------------------------------------------------------------------
 
@@ -256,6 +324,9 @@ class SessionManager:
         owner, quota = current_principal().owner, self.limits.snapshot_quota
         async with self._quota_locks.setdefault(owner, asyncio.Lock()):
             room = None if quota is None else quota - await asyncio.to_thread(self.snapshots.usage, owner)
+            if room is not None and self.journal is not None:  # the key's session journals count as well
+                room -= sum(self.journal.sizes.get(other.id, 0) for other in self.sessions.values()
+                            if other.owner == owner)  # fmt: skip
             return await asyncio.to_thread(
                 self.snapshots.create, content, session.manifest_fields(), metadata, owner, room
             )
@@ -274,8 +345,7 @@ class SessionManager:
                     f"session {target!r} already exists; pass overwrite=true to replace it", param="session_id"
                 )
             await self.delete(target)
-        session = self.create(target, SessionSettings.from_dict(manifest.get("session", {})))
-        session.transcript = content.transcript
+        session = self.create(target, SessionSettings.from_dict(manifest.get("session", {})), content.transcript)
         await self._place(session, content.kv)
         return session
 
@@ -354,49 +424,37 @@ class SessionManager:
             if self.sessions.get(session.id) is not session:
                 return False
             transcript = [dict(message) for message in session.transcript]
+            lsn = session.lsn
             manifest = {
                 "id": session.id,
                 "created": session.created,
+                "lsn": lsn,
                 "model": {"name": self.model_name, "fingerprint": self.fingerprint.parts},
-                **session.manifest_fields(),
+                **copy.deepcopy(session.manifest_fields()),  # annotations may change while a worker writes it
             }
             content = SnapshotContent(transcript, data)
             await asyncio.to_thread(write_snapshot, self.sessions_dir / session.id, manifest, content)
             session.on_disk = True
-            session.disk_stale = False
+            session.disk_stale = session.lsn != lsn
+            if not session.disk_stale and self.journal is not None and self.sessions.get(session.id) is session:
+                self.journal.compact(session.id)
             return True
 
-    def _read_saved_sessions(self) -> list[Session]:
-        """Sessions saved by the last run (KV left on disk until their next turn); unusable ones are skipped."""
-        recover_directory(self.sessions_dir)
-        sessions = []
-        for directory in sorted(self.sessions_dir.iterdir()):
-            if directory.name.startswith(".") or not directory.is_dir():
-                continue
-            try:
-                check_id(directory.name, "session_id")
-                manifest, transcript = read_transcript(directory, self.fingerprint)
-            except SessionError as exc:
-                log.warning("not resuming session %s: %s", directory.name, exc.message)
-                continue
-            fields = manifest.get("session", {})
-            if fields.get("kind", SessionKind.SESSION) not in tuple(SessionKind):
-                log.warning("not resuming session %s: unknown kind %r", directory.name, fields.get("kind"))
-                continue
-            session = Session(
-                directory.name,
-                SessionSettings.from_dict(fields),
-                transcript,
-                created=fields.get("created", manifest.get("created", 0.0)),
-                last_used=fields.get("last_used", manifest.get("created", 0.0)),
-                owner=recorded_owner(fields),
-                kind=SessionKind(fields.get("kind", SessionKind.SESSION)),
-                annotations=dict(fields.get("annotations") or {}),
-                stored_tokens=int(manifest.get("num_tokens", 0)),
-                on_disk=True,
-            )
-            sessions.append(session)
-        return sessions
+    def _changed(self, session: Session, record: Callable[[Session], dict[str, Any]]) -> None:
+        """A change of session: a new lsn, its directory stale, and a journal record when turns are durable."""
+        session.lsn = self._next_lsn()
+        session.disk_stale = True
+        journal = self.journal
+        if journal is None or not journal.appending:
+            return
+        if record is session_record or journal.needs_rewrite(session.id):
+            journal.rewrite(session.id, session_record(session))
+        else:
+            journal.append(session.id, record(session))
+
+    def _next_lsn(self) -> int:
+        self._last_lsn += 1
+        return self._last_lsn
 
     def _empty_kv(self) -> SessionKVData:
         return SessionKVData([], *self._kv.kv_cache.gather([], 0))

@@ -8,7 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from statelm.engine.session_kv import SessionKVData
-from statelm.sessions.ownership import LOCAL_OWNER
+from statelm.sessions.errors import SessionError
+from statelm.sessions.ownership import LOCAL_OWNER, recorded_owner
 
 
 class SessionState(enum.StrEnum):
@@ -62,6 +63,32 @@ class Session:
     stored_tokens: int = 0  # tokens of the KV outside the pool (in spilled_kv or on disk)
     on_disk: bool = False  # its directory under the sessions dir holds its latest spilled KV
     disk_stale: bool = False  # transcript, settings or annotations changed since the directory was written
+    lsn: int = 0  # log sequence number of its last change: journal records and its directory carry it
+
+    @classmethod
+    def restored(
+        cls, session_id: str, fields: dict[str, Any], transcript: list[dict[str, Any]], default_time: float = 0.0
+    ) -> Session:
+        """The session a manifest's or a journal record's `session` section describes.
+
+        SessionError if the section names a kind this server does not know or annotations that are not an object.
+        """
+        kind = fields.get("kind", SessionKind.SESSION)
+        if kind not in tuple(SessionKind):
+            raise SessionError(f"unknown kind {kind!r}")
+        annotations = fields.get("annotations") or {}
+        if not isinstance(annotations, dict):
+            raise SessionError("its annotations are not an object")
+        return cls(
+            session_id,
+            SessionSettings.from_dict(fields),
+            transcript,
+            owner=recorded_owner(fields),
+            kind=SessionKind(kind),
+            annotations=dict(annotations),
+            created=fields.get("created", default_time),
+            last_used=fields.get("last_used", default_time),
+        )
 
     def touch(self) -> None:
         """Record a use."""

@@ -31,6 +31,7 @@ from safetensors.torch import save as save_tensors
 from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError, SnapshotQuotaError
+from statelm.sessions.synced_files import fsync_directory, write_synced
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "statelm-snapshot"
@@ -84,8 +85,8 @@ def write_snapshot(
     temporary.mkdir(parents=True)
     try:
         for name, data in files.items():
-            _write_synced(temporary / name, data)
-        _fsync_directory(temporary)
+            write_synced(temporary / name, data)
+        fsync_directory(temporary)
         _replace_directory(temporary, target)
     finally:
         shutil.rmtree(temporary, ignore_errors=True)
@@ -95,9 +96,9 @@ def write_snapshot(
 def rewrite_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Replace a snapshot's manifest atomically (temporary file, fsync, rename)."""
     temporary = directory / f"{TEMP_PREFIX}{MANIFEST}-{uuid.uuid4().hex}"
-    _write_synced(temporary, json.dumps(manifest, indent=2, ensure_ascii=False).encode())
+    write_synced(temporary, json.dumps(manifest, indent=2, ensure_ascii=False).encode())
     os.replace(temporary, directory / MANIFEST)
-    _fsync_directory(directory)
+    fsync_directory(directory)
 
 
 def read_manifest(directory: Path) -> dict[str, Any]:
@@ -210,21 +211,6 @@ def _file_entry(data: bytes) -> dict[str, Any]:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with path.open("wb") as file:
-        file.write(data)
-        file.flush()
-        os.fsync(file.fileno())
-
-
-def _fsync_directory(directory: Path) -> None:
-    descriptor = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(descriptor)
-    finally:
-        os.close(descriptor)
-
-
 def _replace_directory(source: Path, target: Path) -> None:
     """Rename source to target; an existing target is moved aside first and removed after."""
     if not target.exists():
@@ -234,4 +220,4 @@ def _replace_directory(source: Path, target: Path) -> None:
         target.rename(old)
         source.rename(target)
         shutil.rmtree(old, ignore_errors=True)
-    _fsync_directory(target.parent)
+    fsync_directory(target.parent)

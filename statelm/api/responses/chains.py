@@ -3,7 +3,8 @@
 A chain is a session of kind `responses` whose transcript only grows while it is extended: a stored response
 records `count`, the number of transcript messages up to its own output, so its id names that prefix of the
 transcript even after later responses extend the chain. Records are saved, spilled and resumed with their
-session; this index finds them by id and keeps each key's in creation order for the retention.
+session, and every record kept or dropped is a change of the session the manager journals (`annotate`), as a
+turn is; this index finds them by id and keeps each key's in creation order for the retention.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from statelm.sessions.manager import SessionManager
 from statelm.sessions.ownership import Principal
 from statelm.sessions.session import Session
 
@@ -55,8 +57,9 @@ def last_count(session: Session) -> int:
 class ResponseChains:
     """Every stored response by id, and each key's in creation order."""
 
-    def __init__(self, retention: ResponseRetention) -> None:
+    def __init__(self, retention: ResponseRetention, manager: SessionManager | None) -> None:
         self.retention = retention
+        self.manager = manager  # None: a server without sessions, which stores no response
         self._sessions: dict[str, Session] = {}
         self._by_owner: dict[str, OrderedDict[str, float]] = {}  # owner → response id → created_at
 
@@ -84,8 +87,7 @@ class ResponseChains:
 
     def put(self, session: Session, response_id: str, record: dict[str, Any]) -> None:
         """Store a response in its chain session, dropping the key's oldest past the retention's count."""
-        records(session)[response_id] = record
-        session.disk_stale = True
+        self._annotate(session, response_id, record)
         owned = self._index(response_id, session, record["created_at"])
         limit = self.retention.max_per_key
         for dropped in list(owned)[: max(len(owned) - limit, 0)] if limit is not None else []:
@@ -96,8 +98,7 @@ class ResponseChains:
         session = self._sessions.pop(response_id, None)
         if session is None:
             return
-        records(session).pop(response_id, None)
-        session.disk_stale = True
+        self._annotate(session, response_id, None)
         self._by_owner[session.owner].pop(response_id, None)
 
     def expired(self, now: float) -> list[str]:
@@ -110,6 +111,12 @@ class ResponseChains:
             for owned in self._by_owner.values()
             for response_id, _ in itertools.takewhile(lambda entry: entry[1] < oldest, owned.items())
         ]
+
+    def _annotate(self, session: Session, response_id: str, record: dict[str, Any] | None) -> None:
+        """Keep (None: drop) a record in its chain session's annotations, a journalled change of the session."""
+        if self.manager is None:
+            raise RuntimeError("responses are stored only on a server with sessions")
+        self.manager.annotate(session, ANNOTATION, response_id, record)
 
     def _index(self, response_id: str, session: Session, created_at: float) -> OrderedDict[str, float]:
         self._sessions[response_id] = session

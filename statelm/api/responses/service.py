@@ -10,6 +10,10 @@
 
 Retention (count per key, age) and deletions drop records; a chain left without records is deleted and one whose
 latest record went is cut back to the one before (its KV tail then goes at its next turn).
+
+Every change of a chain is a journalled change of its session (statelm.sessions.journal_store): a response is stored
+in the step its turn commits, and both are durable before the response's last event goes out, as a session turn is
+(`ConversationTurn.follow`); a deletion is durable before it is answered.
 """
 
 from __future__ import annotations
@@ -50,22 +54,27 @@ CHAIN = SessionKind.RESPONSES
 
 @dataclass
 class ResponseRun:
-    """A response being generated: its builder, its generation, and what keeps it once complete (store: true)."""
+    """A response being generated: its builder, and what keeps it once complete (store: true)."""
 
     builder: ResponseBuilder
-    generation: AsyncIterator[ChoiceEvent]
-    keep: Callable[[], None] | None
+    keep: Callable[[], None] | None = None
+    _final: list[Event] | None = None  # the final event's stream events, made when its turn committed
+
+    def commit(self, event: ChoiceEvent) -> None:
+        """The final event, as its turn commits (ConversationTurn.follow): the response is finished and kept now.
+
+        Kept in the step of the event loop the turn commits in, before the durability wait, so its record is
+        journalled with the turn, no request sees the chain extended by a response not yet stored, and a client never
+        sees a response complete that is not stored (durably).
+        """
+        self._final = self.builder.add(event)
+        if self.keep is not None:
+            self.keep()
 
     def add(self, event: ChoiceEvent) -> list[Event]:
-        """The stream events of one generation event; a finished stored response is kept before any goes out.
-
-        Its turn committed just before this event arrived, in the same step of the event loop, so a client never
-        sees a response complete that is not stored, nor a chain extended by one that is not.
-        """
-        events = self.builder.add(event)
-        if self.builder.finished and self.keep is not None:
-            self.keep()
-        return events
+        """The stream events of one generation event (of the final one: those made when its turn committed)."""
+        final, self._final = self._final, None
+        return final if final is not None else self.builder.add(event)
 
 
 class ResponsesService:
@@ -74,7 +83,7 @@ class ResponsesService:
     def __init__(self, conversations: ConversationService, retention: ResponseRetention | None = None) -> None:
         self.conversations = conversations
         self.context = conversations.context
-        self.chains = ResponseChains(retention or ResponseRetention())
+        self.chains = ResponseChains(retention or ResponseRetention(), conversations.sessions)
 
     async def start(self) -> None:
         """Index the chains resumed with the sessions, then apply the retention."""
@@ -85,21 +94,21 @@ class ResponsesService:
 
     async def create(self, request: ResponsesRequest) -> ResponseObject:
         """Generate a whole response."""
-        run = await self._start(request)
-        async for event in run.generation:
+        run, generation = await self._start(request)
+        async for event in generation:
             run.add(event)
         return run.builder.response
 
     async def stream(self, request: ResponsesRequest) -> AsyncIterator[Event]:
         """The response's stream events; errors before the first one are raised, an engine failure ends it."""
-        run = await self._start(request)
-        return self._events(run)
+        run, generation = await self._start(request)
+        return self._events(run, generation)
 
-    async def _events(self, run: ResponseRun) -> AsyncIterator[Event]:
+    async def _events(self, run: ResponseRun, generation: AsyncIterator[ChoiceEvent]) -> AsyncIterator[Event]:
         for event in run.builder.started():
             yield event
         try:
-            async for generated in run.generation:
+            async for generated in generation:
                 for event in run.add(generated):
                     yield event
         except EngineError as exc:
@@ -115,6 +124,7 @@ class ResponsesService:
         stored = self._stored(response_id)
         self.chains.drop(response_id)
         await self._tidy(stored.session)
+        await self.conversations.manager().settled(stored.session)  # answered once durable
         return DeletedResponse(id=response_id)
 
     def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
@@ -157,8 +167,8 @@ class ResponsesService:
             elif len(session.transcript) > kept:
                 manager.rollback(session.id, kept, CHAIN)
 
-    async def _start(self, request: ResponsesRequest) -> ResponseRun:
-        """Validate, render and admit the request; the response's run, its generation not yet started."""
+    async def _start(self, request: ResponsesRequest) -> tuple[ResponseRun, AsyncIterator[ChoiceEvent]]:
+        """Validate, render and admit the request; the response's run and its generation, not yet started."""
         await self.sweep()
         response_id = new_id("resp")
         with responses_errors():
@@ -169,21 +179,23 @@ class ResponsesService:
             previous_id = request.previous_response_id
             previous = self._stored(previous_id, "previous_response_id") if previous_id is not None else None
             preamble = [ChatMessage(role="system", content=request.instructions)] if request.instructions else []
-            plan = await self._plan(request.store, previous)
+            run = ResponseRun(
+                ResponseBuilder(
+                    self._skeleton(request, chat, response_id),
+                    logprobs=self._logprobs if request.logprobs() else None,
+                    obfuscate=request.stream and request.obfuscated(),
+                )
+            )
+            plan = await self._plan(request.store, previous)  # the plan's target is ended by the turn below
             if plan is None:
                 generation = await self.conversations.generate(chat, response_id, [*preamble, *messages])
             else:
-                generation = await self.conversations.turn(chat, response_id, plan, messages, preamble=preamble)
-        builder = ResponseBuilder(
-            self._skeleton(request, chat, response_id),
-            logprobs=self._logprobs if request.logprobs() else None,
-            obfuscate=request.stream and request.obfuscated(),
-        )
-        keep = None
-        if plan is not None and plan.target is not None:
-            target, listed = plan.target, listed_items(items)
-            keep = functools.partial(self._keep, target, builder, listed)
-        return ResponseRun(builder, generation, keep)
+                if plan.target is not None:
+                    run.keep = functools.partial(self._keep, plan.target, run.builder, listed_items(items))
+                generation = await self.conversations.turn(
+                    chat, response_id, plan, messages, preamble=preamble, on_commit=run.commit
+                )
+        return run, generation
 
     async def _plan(self, store: bool, previous: StoredResponse | None) -> TurnPlan | None:
         """Where the response's turn reads and commits (None: a plain generation, with nothing to read or keep)."""
@@ -195,7 +207,8 @@ class ResponsesService:
         if not store:
             return TurnPlan(source=chain, history=history, target=None)
         if not chain.busy and last_count(chain) == count:
-            manager.rollback(chain.id, count, CHAIN)  # what a response dropped meanwhile left after it goes
+            if len(chain.transcript) > count:  # what a response dropped meanwhile left after it goes
+                manager.rollback(chain.id, count, CHAIN)
             manager.begin_turn(chain.id, CHAIN)
             return TurnPlan(source=chain, history=chain.transcript, target=chain)
         return TurnPlan(source=chain, history=history, target=await self._new_chain(chain), fresh=True)
@@ -207,7 +220,7 @@ class ResponsesService:
         """
         manager = self.conversations.manager()
         try:
-            session = manager.create(None, SessionSettings(), CHAIN)
+            session = manager.create(None, SessionSettings(), kind=CHAIN)
         except SessionLimitError:
             owner = current_principal().owner
             chains = [
@@ -221,7 +234,7 @@ class ResponsesService:
             for response_id in list(records(oldest)):
                 self.chains.drop(response_id)
             await self._tidy(oldest)
-            session = manager.create(None, SessionSettings(), CHAIN)
+            session = manager.create(None, SessionSettings(), kind=CHAIN)
         return manager.begin_turn(session.id, CHAIN)
 
     def _keep(self, session: Session, builder: ResponseBuilder, listed: list[dict[str, Any]]) -> None:
