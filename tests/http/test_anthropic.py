@@ -17,6 +17,7 @@ from pydantic import TypeAdapter
 
 from tests.e2e.test_tools import TOOLS
 from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
+from tests.http.typed_events import typed_events
 
 ANTHROPIC_TOOLS = [
     {"name": f["name"], "description": f["description"], "input_schema": f["parameters"]}
@@ -52,13 +53,7 @@ def create(api: httpx.Client, body: dict[str, Any], status: int = 200) -> dict[s
 
 def stream_events(api: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The events of a streamed message, each checked against the SDK's event models and its `event:` line."""
-    body = {"model": "default", "max_tokens": 6, "temperature": 0, **body, "stream": True}
-    with api.stream("POST", "/v1/messages", json=body) as response:
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        lines = list(response.iter_lines())
-    named = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
-    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
-    assert [event["type"] for event in events] == named
+    events = typed_events(api, "/v1/messages", {"model": "default", "max_tokens": 6, "temperature": 0, **body})
     for event in events:
         if event["type"] not in ("error", "ping"):
             EVENTS.validate_python(event)

@@ -28,6 +28,7 @@ from tests.e2e.test_responses import TEXT_STREAM_END, TEXT_STREAM_START
 from tests.e2e.test_tools import TOOLS
 from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 from tests.http.test_chat import assert_openai_error
+from tests.http.typed_events import typed_events
 from tests.models.tiny_model_dir import make_tiny_thinking_model_dir
 
 FUNCTION_TOOLS = [{"type": "function", **tool["function"]} for tool in TOOLS]
@@ -49,13 +50,7 @@ def create(api: httpx.Client, body: dict[str, Any]) -> dict[str, Any]:
 
 def stream_events(api: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any]]:
     """The events of a streamed response, each checked against the SDK's event models, numbered 0, 1, 2 …"""
-    body = {"model": "default", "temperature": 0, "max_output_tokens": 6, **body, "stream": True}
-    with api.stream("POST", "/v1/responses", json=body) as response:
-        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
-        lines = list(response.iter_lines())
-    named = [line.removeprefix("event: ") for line in lines if line.startswith("event: ")]
-    events = [json.loads(line.removeprefix("data: ")) for line in lines if line.startswith("data: ")]
-    assert [event["type"] for event in events] == named
+    events = typed_events(api, "/v1/responses", {"model": "default", "temperature": 0, "max_output_tokens": 6, **body})
     for event in events:
         EVENTS.validate_python(event)
     assert [event["sequence_number"] for event in events] == list(range(len(events)))
