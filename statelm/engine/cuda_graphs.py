@@ -57,8 +57,8 @@ class DecodeGraphs:
         self.positions = torch.zeros(size, dtype=torch.int64, device=device)
         self.slot_mapping = torch.full((size,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(size, self.max_blocks, dtype=torch.int64, device=device)
-        self.seq_lens = torch.zeros(size, dtype=torch.int32, device=device)
-        self.query_start = torch.arange(size + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.zeros(size, dtype=torch.int64, device=device)
+        self.query_start = torch.arange(size + 1, dtype=torch.int64, device=device)
         self.replays: dict[int, Callable[[], None]] = {}  # by bucket
         self.logits: dict[int, torch.Tensor] = {}  # each bucket's output buffer
         self._graphs: list[torch.cuda.CUDAGraph] = []
@@ -118,8 +118,8 @@ class DecodeGraphs:
         pos[:count] = torch.tensor(positions, dtype=torch.int64)
         slots = torch.full((size,), -1, dtype=torch.int64)
         slots[:count] = tables[torch.arange(count), pos[:count] // block_size] * block_size + pos[:count] % block_size
-        lens = torch.zeros(size, dtype=torch.int32)
-        lens[:count] = torch.tensor(seq_lens, dtype=torch.int32)
+        lens = torch.zeros(size, dtype=torch.int64)
+        lens[:count] = torch.tensor(seq_lens, dtype=torch.int64)
         for target, host in (
             (self.input_ids[:size], ids),
             (self.positions[:size], pos),

@@ -26,17 +26,17 @@ class AttentionMetadata:
     query_lens: list[int]  # [B] new tokens per sequence this step
     seq_lens: list[int]  # [B] context length per sequence after this step
     query_start: list[int]  # [B + 1] cumulative offsets into the flat batch
-    seq_lens_tensor: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [B] int32, on the device
-    query_start_tensor: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [B + 1] int32
+    seq_lens_tensor: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [B] int64, on the device
+    query_start_tensor: torch.Tensor = field(default=None)  # type: ignore[assignment]  # [B + 1] int64
     max_query_len: int = 0  # bounds for sizing kernel grids (a graph's max_seq_len is the model's max length)
     max_seq_len: int = 0
 
     def __post_init__(self) -> None:
         device = self.block_tables.device
         if self.seq_lens_tensor is None:
-            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int32, device=device)
+            self.seq_lens_tensor = torch.tensor(self.seq_lens, dtype=torch.int64, device=device)
         if self.query_start_tensor is None:
-            self.query_start_tensor = torch.tensor(self.query_start, dtype=torch.int32, device=device)
+            self.query_start_tensor = torch.tensor(self.query_start, dtype=torch.int64, device=device)
         self.max_query_len = self.max_query_len or max(self.query_lens, default=0)
         self.max_seq_len = self.max_seq_len or max(self.seq_lens, default=0)
 

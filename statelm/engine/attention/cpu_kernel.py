@@ -20,9 +20,6 @@ class CpuKernelAttentionBackend:
     def __init__(self, sliding_window: int | None = None) -> None:
         load_kernels()
         self.sliding_window = sliding_window
-        self._plan_meta: AttentionMetadata | None = None
-        self._seq_lens = torch.empty(0, dtype=torch.int64)
-        self._query_start = torch.empty(0, dtype=torch.int64)
 
     def forward(
         self,
@@ -38,17 +35,13 @@ class CpuKernelAttentionBackend:
         kv_heads, head_dim = k.shape[1], k.shape[2]
         k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
-        if meta is not self._plan_meta:  # one step's layers share the metadata: build its tensors once
-            self._seq_lens = torch.tensor(meta.seq_lens, dtype=torch.int64)
-            self._query_start = torch.tensor(meta.query_start, dtype=torch.int64)
-            self._plan_meta = meta
         return torch.ops.statelm.paged_attention(
             q,
             k_cache,
             v_cache,
             meta.block_tables,
-            self._seq_lens,
-            self._query_start,
+            meta.seq_lens_tensor,
+            meta.query_start_tensor,
             scale,
             self.sliding_window or 0,
         )
