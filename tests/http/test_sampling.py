@@ -41,12 +41,18 @@ def test_session_turns_take_logprobs_but_one_choice(client: openai.OpenAI, model
     assert info.value.body["param"] == "n"
     reply = chat(client, model_name, CAPITAL, max_tokens=4, logprobs=True, extra_body={"session_id": "sampling-turns"})
     tokens = reply.choices[0].logprobs.content
-    assert len(tokens) == reply.usage.completion_tokens
+    # every generated token is counted; the one that ended the reply (EOS, a stop token) has no logprob entry
+    ended_by_token = reply.choices[0].finish_reason == "stop"
+    assert len(tokens) == reply.usage.completion_tokens - ended_by_token
     # a token may hold part of a character (its text alone is U+FFFD): the tokens' bytes make the reply
     text = bytes(byte for token in tokens for byte in token.bytes).decode("utf-8", errors="replace")
     assert text == reply.choices[0].message.content
     history = api.get("/v1/sessions/sampling-turns/history").json()["messages"]
     assert history[-1] == {"role": "assistant", "content": reply.choices[0].message.content}
+    ending = {"logit_bias": {"42": 100}, "extra_body": {"stop_token_ids": [42], "min_tokens": 1}}
+    ended = chat(client, model_name, CAPITAL, max_tokens=4, logprobs=True, **ending)
+    assert ended.choices[0].finish_reason == "stop" and ended.usage.completion_tokens == 2
+    assert len(ended.choices[0].logprobs.content) == 1  # the stop token is counted, not reported
     api.delete("/v1/sessions/sampling-turns").raise_for_status()  # its KV blocks go back to the pool
 
 
