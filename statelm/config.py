@@ -1,4 +1,8 @@
-"""Flat settings for the engine and the server; each field also says how `statelm serve` sets it."""
+"""Flat settings for the engine and the server.
+
+Each field is also a `statelm serve` option: `name: type = setting(default, help="...")` is `--name` with that default
+and help (statelm/cli/settings.py makes the options), so a new setting is one field here.
+"""
 
 from __future__ import annotations
 
