@@ -65,8 +65,19 @@ inline __m256i quad_bytes(const uint8_t* values, int t) {
   }
 }
 
+// Per row, the four chains of each column added (c0 + c1) + (c2 + c3) by two horizontal adds, in column order.
+template <int R>
+inline void column_sums(const __m256 chains[][4], __m256* sums) {
+  const __m256i column_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int r = 0; r < R; ++r) {
+    const __m256 pairs01 = _mm256_hadd_ps(chains[r][0], chains[r][1]);  // columns 0,2 (low) and 1,3 (high)
+    const __m256 pairs23 = _mm256_hadd_ps(chains[r][2], chains[r][3]);  // columns 4,6 and 5,7
+    sums[r] = _mm256_permutevar8x32_ps(_mm256_hadd_ps(pairs01, pairs23), column_order);
+  }
+}
+
 // The block sums of R rows (m, m+1): lane (column c, chain i) sums q[4t+i][c] * x[4t+i] over t in order; the
-// chains are then added (c0 + c1) + (c2 + c3) per column by two horizontal adds, and put in column order.
+// chains are then added per column (column_sums).
 template <bool kQ4, int R>
 inline void block_sums_of_rows(const uint8_t* values, const Activations& a, int64_t m, int64_t b, __m256* sums) {
   __m256 chains[R][4];
@@ -81,17 +92,14 @@ inline void block_sums_of_rows(const uint8_t* values, const Activations& a, int6
       for (int j = 0; j < 4; ++j) chains[r][j] = _mm256_fmadd_ps(x, w[j], chains[r][j]);
     }
   }
-  const __m256i column_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  for (int r = 0; r < R; ++r) {
-    const __m256 pairs01 = _mm256_hadd_ps(chains[r][0], chains[r][1]);  // columns 0,2 (low) and 1,3 (high)
-    const __m256 pairs23 = _mm256_hadd_ps(chains[r][2], chains[r][3]);  // columns 4,6 and 5,7
-    sums[r] = _mm256_permutevar8x32_ps(_mm256_hadd_ps(pairs01, pairs23), column_order);
-  }
+  column_sums<R>(chains, sums);
 }
 #endif
 
 #if defined(__AVX512F__)
 constexpr int kWideRowsPerTile = 8;  // rows sharing each widened quad: 16 chain vectors of the 32 registers
+constexpr int64_t kWidenOnceRows = 16;  // calls with this many rows widen each group's blocks once for all
+constexpr int kWidenedTileRows = 12;     // rows of a tile on widened blocks: 24 chain vectors
 
 // Quad t's 32 bytes as two vectors of 4 columns x 4 values: columns 0-3, then columns 4-7.
 template <bool kSigned>
@@ -113,16 +121,27 @@ inline __m512 both_halves(const float* lanes) {
   return _mm512_shuffle_f32x4(low, low, _MM_SHUFFLE(1, 0, 1, 0));
 }
 
+// A block's quads, widened in registers from its bytes, or read from the block's 16 vectors widened before.
+struct BlockQuads {
+  const uint8_t* values;
+  const __m512* widened;  // quad t: widened[2t], widened[2t + 1]; null: widen from values
+};
+
 // The block sums of R rows from m: sums[p] holds rows m+2p (lanes 0-7) and m+2p+1 (lanes 8-15, a copy of
 // row m+2p when R is odd and it is the last) in column order. Lane (column c, chain i) of a row's two chain
 // vectors sums q[4t+i][c] * x[4t+i] over t in order; three pair additions make (c0 + c1) + (c2 + c3).
-template <bool kQ4, int R>
-inline void block_sums_of_rows_wide(const uint8_t* values, const Activations& a, int64_t m, int64_t b, __m512* sums) {
+template <bool kQ4, int R, bool kWidened>
+inline void block_sums_of_rows_wide(const BlockQuads& quads, const Activations& a, int64_t m, int64_t b, __m512* sums) {
   __m512 chains[R][2];
   for (int r = 0; r < R; ++r) chains[r][0] = chains[r][1] = _mm512_setzero_ps();
   for (int t = 0; t < 8; ++t) {
     __m512 w[2];
-    widen_quad_wide<!kQ4>(quad_bytes<kQ4>(values, t), w);
+    if constexpr (kWidened) {
+      w[0] = quads.widened[2 * t];
+      w[1] = quads.widened[2 * t + 1];
+    } else {
+      widen_quad_wide<!kQ4>(quad_bytes<kQ4>(quads.values, t), w);
+    }
     for (int r = 0; r < R; ++r) {
       const __m512 x = _mm512_broadcast_f32x4(_mm_loadu_ps(a.x + (m + r) * a.stride + b * kBlock + 4 * t));
       chains[r][0] = _mm512_fmadd_ps(x, w[0], chains[r][0]);
@@ -138,16 +157,19 @@ inline void block_sums_of_rows_wide(const uint8_t* values, const Activations& a,
   }
 }
 
-// Rows m0..m0+R-1 of one group of 8 columns, two rows to a vector.
-template <bool kQ4, int R>
-void output_tile_wide(const Weights& w, const Activations& a, int64_t m0, int64_t group, float* y) {
+// Rows m0..m0+R-1 of one group of 8 columns, two rows to a vector; with kWidened, from the group's blocks
+// widened before (16 vectors a block).
+template <bool kQ4, int R, bool kWidened = false>
+void output_tile_wide(const Weights& w, const Activations& a, int64_t m0, int64_t group, float* y,
+                      const __m512* widened = nullptr) {
   constexpr int kPairs = (R + 1) / 2;
   __m512 acc[kPairs];
   for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_setzero_ps();
   for (int64_t b = 0; b < a.blocks; ++b) {
     const int64_t at = w.at(group, b);
     __m512 sums[kPairs];
-    block_sums_of_rows_wide<kQ4, R>(w.values + at * w.block_bytes(), a, m0, b, sums);
+    const BlockQuads quads{w.values + at * w.block_bytes(), kWidened ? widened + b * 16 : nullptr};
+    block_sums_of_rows_wide<kQ4, R, kWidened>(quads, a, m0, b, sums);
     const __m512 scales = both_halves(w.scales + at * kGroup);
     for (int p = 0; p < kPairs; ++p) acc[p] = _mm512_fmadd_ps(sums[p], scales, acc[p]);
     if constexpr (kQ4) {
@@ -181,8 +203,104 @@ void output_tile(const Weights& w, const Activations& a, int64_t m0, int64_t row
     default: output_tile_wide<kQ4, 1>(w, a, m0, group, y); break;
   }
 }
+
+// All rows of the groups [begin, end), each group's blocks widened once for all row tiles.
+template <bool kQ4>
+void widened_groups(const Weights& w, const Activations& a, int64_t rows, int64_t begin, int64_t end, float* y) {
+  std::vector<__m512> widened(w.blocks * 16);
+  for (int64_t group = begin; group < end; ++group) {
+    for (int64_t b = 0; b < w.blocks; ++b) {
+      const uint8_t* values = w.values + w.at(group, b) * w.block_bytes();
+      for (int t = 0; t < 8; ++t) widen_quad_wide<!kQ4>(quad_bytes<kQ4>(values, t), widened.data() + b * 16 + 2 * t);
+    }
+    int64_t m0 = 0;
+    for (; m0 + kWidenedTileRows <= rows; m0 += kWidenedTileRows) {
+      output_tile_wide<kQ4, kWidenedTileRows, true>(w, a, m0, group, y, widened.data());
+    }
+    for (; m0 < rows; m0 += kWideRowsPerTile) output_tile<kQ4>(w, a, m0, std::min<int64_t>(kWideRowsPerTile, rows - m0), group, y);
+  }
+}
 #else
 constexpr int kWideRowsPerTile = kRowsPerTile;
+
+#if defined(STATELM_QMATMUL_AVX2)
+// Adds block b's sums of rows m0..m0+rows-1 to their accumulators: acc = fma(sum, d, acc), q4 then
+// acc = fma(m, sum_k x_k, acc).
+template <bool kQ4>
+inline void add_block(const Weights& w, const Activations& a, int64_t at, int64_t m0, int64_t rows, int64_t b,
+                      const __m256* sums, __m256* acc) {
+  const __m256 scales = _mm256_loadu_ps(w.scales + at * kGroup);
+  for (int64_t r = 0; r < rows; ++r) {
+    acc[r] = _mm256_fmadd_ps(sums[r], scales, acc[r]);
+    if constexpr (kQ4) {
+      const __m256 mins = _mm256_loadu_ps(w.mins + at * kGroup);
+      acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sums[(m0 + r) * a.blocks + b]), acc[r]);
+    }
+  }
+}
+
+inline void store_rows(const __m256* acc, const Weights& w, int64_t m0, int64_t rows, int64_t group, float* y) {
+  alignas(32) float lanes[kGroup];
+  for (int64_t r = 0; r < rows; ++r) {
+    _mm256_store_ps(lanes, acc[r]);
+    store_columns(lanes, y + (m0 + r) * w.n, group * kGroup, w.n);
+  }
+}
+
+// Calls with at least this many rows widen each column group's blocks once for all of them (below, two rows
+// share each quad widened in registers).
+constexpr int64_t kWidenOnceRows = 8;
+constexpr int kWidenedTileRows = 3;  // 12 chains of the 16 vector registers
+constexpr int64_t kVectorsPerBlock = 32;  // 8 quads x 4 vectors of 2 columns x 4 values
+
+// Every block of one column group widened: block b's quad t is widened[(b * 8 + t) * 4 + j], as widen_quad.
+template <bool kQ4>
+void widen_group(const Weights& w, int64_t group, __m256* widened) {
+  for (int64_t b = 0; b < w.blocks; ++b) {
+    const uint8_t* values = w.values + w.at(group, b) * w.block_bytes();
+    for (int t = 0; t < 8; ++t) widen_quad<!kQ4>(quad_bytes<kQ4>(values, t), widened + (b * 8 + t) * 4);
+  }
+}
+
+// Rows m0..m0+R-1 of one column group from its widened blocks: block_sums_of_rows's operations, lane for lane.
+template <bool kQ4, int R>
+void widened_tile(const Weights& w, const Activations& a, const __m256* widened, int64_t m0, int64_t group, float* y) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < a.blocks; ++b) {
+    __m256 chains[R][4];
+    for (int r = 0; r < R; ++r) {
+      for (int j = 0; j < 4; ++j) chains[r][j] = _mm256_setzero_ps();
+    }
+    const __m256* quads = widened + b * kVectorsPerBlock;
+    for (int t = 0; t < 8; ++t) {
+      for (int r = 0; r < R; ++r) {
+        const __m256 x = _mm256_broadcast_ps(reinterpret_cast<const __m128*>(a.x + (m0 + r) * a.stride + b * kBlock + 4 * t));
+        for (int j = 0; j < 4; ++j) chains[r][j] = _mm256_fmadd_ps(x, quads[t * 4 + j], chains[r][j]);
+      }
+    }
+    __m256 sums[R];
+    column_sums<R>(chains, sums);
+    add_block<kQ4>(w, a, w.at(group, b), m0, R, b, sums, acc);
+  }
+  store_rows(acc, w, m0, R, group, y);
+}
+
+// All rows of the groups [begin, end), each group widened once.
+template <bool kQ4>
+void widened_groups(const Weights& w, const Activations& a, int64_t rows, int64_t begin, int64_t end, float* y) {
+  std::vector<__m256> widened(w.blocks * kVectorsPerBlock);
+  for (int64_t group = begin; group < end; ++group) {
+    widen_group<kQ4>(w, group, widened.data());
+    int64_t m0 = 0;
+    for (; m0 + kWidenedTileRows <= rows; m0 += kWidenedTileRows) {
+      widened_tile<kQ4, kWidenedTileRows>(w, a, widened.data(), m0, group, y);
+    }
+    if (rows - m0 == 2) widened_tile<kQ4, 2>(w, a, widened.data(), m0, group, y);
+    if (rows - m0 == 1) widened_tile<kQ4, 1>(w, a, widened.data(), m0, group, y);
+  }
+}
+#endif
 
 // Rows m0..m0+rows-1 of one group of 8 columns.
 template <bool kQ4>
@@ -201,20 +319,9 @@ void output_tile(const Weights& w, const Activations& a, int64_t m0, int64_t row
         block_sums_of_rows<kQ4, 1>(values, a, m0 + r, b, sums + r);
       }
     }
-    const __m256 scales = _mm256_loadu_ps(w.scales + at * kGroup);
-    for (int64_t r = 0; r < rows; ++r) {
-      acc[r] = _mm256_fmadd_ps(sums[r], scales, acc[r]);
-      if constexpr (kQ4) {
-        const __m256 mins = _mm256_loadu_ps(w.mins + at * kGroup);
-        acc[r] = _mm256_fmadd_ps(mins, _mm256_set1_ps(a.sums[(m0 + r) * a.blocks + b]), acc[r]);
-      }
-    }
+    add_block<kQ4>(w, a, at, m0, rows, b, sums, acc);
   }
-  alignas(32) float lanes[kGroup];
-  for (int64_t r = 0; r < rows; ++r) {
-    _mm256_store_ps(lanes, acc[r]);
-    store_columns(lanes, y + (m0 + r) * w.n, group * kGroup, w.n);
-  }
+  store_rows(acc, w, m0, rows, group, y);
 #else
   float acc[kRowsPerTile][kGroup] = {};
   for (int64_t b = 0; b < a.blocks; ++b) {
@@ -248,6 +355,18 @@ void matmul_float_activations(const at::Tensor& x, const Weights& w, float* y) {
   const std::vector<float> sums = w.q4 ? block_sums(x) : std::vector<float>();
   const Activations a{x.data_ptr<float>(), x.stride(0), sums.data(), w.blocks};
   const int64_t rows = x.size(0), groups = (w.n + kGroup - 1) / kGroup;
+#if defined(STATELM_QMATMUL_AVX2)
+  if (rows >= kWidenOnceRows) {
+    statelm::parallel_for(groups, 1, [&](int64_t begin, int64_t end) {
+      if (w.q4) {
+        widened_groups<true>(w, a, rows, begin, end, y);
+      } else {
+        widened_groups<false>(w, a, rows, begin, end, y);
+      }
+    });
+    return;
+  }
+#endif
   statelm::parallel_for(groups, kGroupGrain, [&](int64_t begin, int64_t end) {
     for_each_tile<kWideRowsPerTile>(rows, begin, end, [&](int64_t m0, int64_t tile, int64_t group) {
       if (w.q4) {
