@@ -195,6 +195,22 @@ inline void transpose8(__m256 r[8]) {
 }
 #endif
 
+// One vector of consecutive elements widened to float32 (values read in place from a narrower cache).
+inline Vec vload_widened(const float* p) { return vload(p); }
+#if defined(__AVX512F__)
+inline Vec vload_widened(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload_widened(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline Vec vload_widened(const at::Half* p) { return load8(p); }
+inline Vec vload_widened(const at::BFloat16* p) { return load8(p); }
+#else
+inline Vec vload_widened(const at::Half* p) { return to_float(*p); }
+inline Vec vload_widened(const at::BFloat16* p) { return to_float(*p); }
+#endif
+
 // The cache lines of a later chunk's K/V rows, requested a few at a time between the current chunk's loads
 // so that the requests never pile up.
 struct Prefetcher {
@@ -250,10 +266,11 @@ void widen_row(const T* row, int64_t dim, int64_t padded, float* out) {
 
 // ---------------------------------------------------------------------------------------------------------
 // C[i][j] = (accumulate ? C[i][j] : 0) + sum over k in order of A[i][k] * B[k][j]: one FMA chain per element,
-// so register blocking never changes a result. A is row-major (lda), B one row pointer per k, C row-major (ldc).
+// so register blocking never changes a result. A is row-major (lda), B one row pointer per k (elements of TB,
+// widened to float32 as they are loaded), C row-major (ldc).
 
-template <int MR, int NV>
-inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64_t col, int64_t depth, float* c,
+template <int MR, int NV, typename TB>
+inline void gemm_block(const float* a, int64_t lda, const TB* const* b, int64_t col, int64_t depth, float* c,
                        int64_t ldc, bool accumulate) {
   Vec acc[MR][NV];
 #pragma GCC unroll 8
@@ -262,11 +279,11 @@ inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64
     for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? vload(c + i * ldc + col + j * kLanes) : vset(0.0f);
   }
   for (int64_t k = 0; k < depth; ++k) {
-    const float* bk = b[k] + col;
+    const TB* bk = b[k] + col;
     if constexpr (NV + 1 + MR * NV <= kRegisters) {  // hold the B vectors, broadcast A one row at a time
       Vec bv[NV];
 #pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) bv[j] = vload(bk + j * kLanes);
+      for (int j = 0; j < NV; ++j) bv[j] = vload_widened(bk + j * kLanes);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const Vec av = vset(a[i * lda + k]);
@@ -279,7 +296,7 @@ inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64
       for (int i = 0; i < MR; ++i) av[i] = vset(a[i * lda + k]);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) {
-        const Vec bv = vload(bk + j * kLanes);
+        const Vec bv = vload_widened(bk + j * kLanes);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[i][j] = vfma(av[i], bv, acc[i][j]);
       }
@@ -293,8 +310,8 @@ inline void gemm_block(const float* a, int64_t lda, const float* const* b, int64
 }
 
 // The last `vecs` (< NV + 1) column vectors of a row block in one register block.
-template <int MR, int NV>
-void gemm_tail(int64_t vecs, const float* a, int64_t lda, const float* const* b, int64_t col, int64_t depth, float* c,
+template <int MR, int NV, typename TB>
+void gemm_tail(int64_t vecs, const float* a, int64_t lda, const TB* const* b, int64_t col, int64_t depth, float* c,
                int64_t ldc, bool accumulate) {
   if constexpr (NV > 1) {
     if (vecs < NV) return gemm_tail<MR, NV - 1>(vecs, a, lda, b, col, depth, c, ldc, accumulate);
@@ -302,8 +319,8 @@ void gemm_tail(int64_t vecs, const float* a, int64_t lda, const float* const* b,
   gemm_block<MR, NV>(a, lda, b, col, depth, c, ldc, accumulate);
 }
 
-template <int MR>
-void gemm_rows(const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth, float* c,
+template <int MR, typename TB>
+void gemm_rows(const float* a, int64_t lda, const TB* const* b, int64_t cols, int64_t depth, float* c,
                int64_t ldc, bool accumulate) {
   constexpr int kWide = std::min(4, std::max(1, kAccumulators / MR));
   int64_t col = 0;
@@ -316,8 +333,8 @@ void gemm_rows(const float* a, int64_t lda, const float* const* b, int64_t cols,
 }
 
 // Dispatches a block of at most MR rows to the kernel for exactly that many rows.
-template <int MR>
-void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth,
+template <int MR, typename TB>
+void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const TB* const* b, int64_t cols, int64_t depth,
                    float* c, int64_t ldc, bool accumulate) {
   if constexpr (MR > 1) {
     if (rows < MR) return gemm_dispatch<MR - 1>(rows, a, lda, b, cols, depth, c, ldc, accumulate);
@@ -326,7 +343,8 @@ void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const float* const
 }
 
 // cols is a multiple of kLanes.
-void gemm(int64_t rows, const float* a, int64_t lda, const float* const* b, int64_t cols, int64_t depth, float* c,
+template <typename TB>
+void gemm(int64_t rows, const float* a, int64_t lda, const TB* const* b, int64_t cols, int64_t depth, float* c,
           int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < rows; i += kMaxRowBlock) {
     gemm_dispatch<kMaxRowBlock>(std::min<int64_t>(kMaxRowBlock, rows - i), a + i * lda, lda, b, cols, depth,
@@ -433,7 +451,8 @@ void store_output(const Problem& pb, const float* acc, const float* sums, float*
 }
 
 // One online-softmax step of query vectors [m0, m0 + count) over the chunk's keys [lo, hi) (chunk offsets).
-void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, const float* const* value_rows,
+template <typename TV>
+void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, const TV* const* value_rows,
                   int64_t m0, int64_t count, int lo, int hi) {
   float* scores = s.scores + m0 * kChunk;
   gemm(count, s.queries + m0 * pb.padded, pb.padded, key_rows, kChunk, pb.dim, scores, kChunk, false);
@@ -492,11 +511,12 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
 
   const T* k_cache = static_cast<const T*>(pb.k_cache);
   const T* v_cache = static_cast<const T*>(pb.v_cache);
-  const bool values_in_place = std::is_same_v<T, float> && dim % kLanes == 0;
+  const bool values_in_place = dim % kLanes == 0;  // whole vectors: the PV products widen T as they load
   const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
   const T* key_src[kChunk];
   const float* key_rows[kMaxHeadDim];
-  const float* value_rows[kChunk];
+  const float* value_rows[kChunk];  // values widened into s.values (not in place)
+  const T* value_src[kChunk];       // values in the cache (in place)
   for (int64_t d = 0; d < dim; ++d) key_rows[d] = s.keys + d * kChunk;
 
   const auto first_key = [&](int64_t pos) { return pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0; };
@@ -544,18 +564,26 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
         if (pos < lo || pos >= hi) {
           key_src[j] = zero_row;
           value_rows[j] = kZeroRow;
+          value_src[j] = zero_row;
           continue;
         }
         const int64_t row = offset[pos - lo] + kv * dim;
         key_src[j] = k_cache + row;
         if (values_in_place) {
-          value_rows[j] = reinterpret_cast<const float*>(v_cache + row);
+          value_src[j] = v_cache + row;
         } else {
           widen_row(v_cache + row, dim, padded, s.values + j * padded);
           value_rows[j] = s.values + j * padded;
         }
       }
       transpose_keys(key_src, dim, s.keys, prefetcher, per_block);
+      const auto step = [&](int64_t m0, int64_t count, int lo, int hi) {
+        if (values_in_place) {
+          softmax_step(s, pb, key_rows, value_src, m0, count, lo, hi);
+        } else {
+          softmax_step(s, pb, key_rows, value_rows, m0, count, lo, hi);
+        }
+      };
       // Rows that see the whole chunk go together; a row that sees part of it goes alone, over its own keys.
       const int64_t base = kv * per_kv;
       int64_t r = 0;
@@ -567,11 +595,10 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
         } else if (a == c && b == c + kChunk) {
           int64_t end = r + 1;
           while (end < it.rows && first_key(first_pos + end) <= c && first_pos + end >= c + kChunk - 1) ++end;
-          softmax_step(s, pb, key_rows, value_rows, base + r * heads, (end - r) * heads, 0, kChunk);
+          step(base + r * heads, (end - r) * heads, 0, kChunk);
           r = end;
         } else {
-          softmax_step(s, pb, key_rows, value_rows, base + r * heads, heads, static_cast<int>(a - c),
-                       static_cast<int>(b - c));
+          step(base + r * heads, heads, static_cast<int>(a - c), static_cast<int>(b - c));
           ++r;
         }
       }
