@@ -28,6 +28,8 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     enable_prefix_caching: bool = True
+    pinned_kv_fraction: float = 0.5  # share of the KV blocks that cache pins (cache_control) may hold, all keys
+    pinned_kv_fraction_per_key: float = 0.25  # share of the KV blocks that one API key's cache pins may hold
     batch_invariant: bool = True  # fixed-size matmul row chunks: output independent of batch composition
     compute_path: str = "auto"  # auto (the start-up self-check picks) | kernels | torch | torch-per-row
     kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 (CPU kernels path only)

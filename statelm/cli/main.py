@@ -110,6 +110,15 @@ def serve(
     max_num_seqs: Annotated[int, typer.Option(help="Most sequences running at once.")] = 64,
     max_num_batched_tokens: Annotated[int, typer.Option(help="Token budget of one engine step.")] = 512,
     prefix_cache: Annotated[bool, typer.Option(help="Reuse cached KV blocks of shared prompt prefixes.")] = True,
+    pinned_kv_fraction: Annotated[
+        float,
+        typer.Option(
+            min=0.0, max=1.0, help="Share of the KV cache that cache_control pins may hold, all keys (0: no pins)."
+        ),
+    ] = 0.5,
+    pinned_kv_fraction_per_key: Annotated[
+        float, typer.Option(min=0.0, max=1.0, help="Share of the KV cache that one key's cache_control pins may hold.")
+    ] = 0.25,
     max_queue: Annotated[int, typer.Option(help="Requests that may wait for a slot; more get 429.")] = 256,
     batch_invariant: Annotated[
         bool, typer.Option(help="Same output for a request whatever else runs (fixed-size matmul chunks).")
@@ -240,6 +249,8 @@ def serve(
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens,
         enable_prefix_caching=prefix_cache,
+        pinned_kv_fraction=pinned_kv_fraction,
+        pinned_kv_fraction_per_key=pinned_kv_fraction_per_key,
         max_queue=max_queue,
         batch_invariant=batch_invariant,
         compute_path=compute_path,
