@@ -23,17 +23,8 @@ from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
 from statelm.engine.async_engine import EngineError
 from statelm.engine.pins import PinRequest
+from statelm.engine.session_kv import common_prefix_length
 from statelm.sessions.ownership import current_principal
-
-
-def common_prefix(first: list[int], second: list[int]) -> int:
-    """How many leading tokens two token lists share."""
-    count = 0
-    for a, b in zip(first, second, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
 
 
 @dataclass(frozen=True)
@@ -131,7 +122,8 @@ class MessagesService:
             rendered = await self.context.render(
                 breakpoint.messages, translated.chat.tools, kwargs, add_generation_prompt=False
             )
-            length = min(common_prefix(rendered.ids, prompt.ids), len(prompt.ids) - 1)  # the last token is computed
+            shared = common_prefix_length(rendered.ids, prompt.ids)
+            length = min(shared, len(prompt.ids) - 1)  # the cache leaves the prompt's last token to compute
             length -= length % pool.block_size
             if length:
                 ttls[length] = max(ttls.get(length, 0.0), breakpoint.ttl_s)
