@@ -157,10 +157,10 @@ class BlockPool:
 
     def pin(self, hashes: Sequence[int], ttl_s: float, owner: str) -> bool:
         """Pin the cached prefix whose full blocks have these chained hashes; False if not all cached or over a cap."""
-        blocks = [self._block_of_hash.get(digest) for digest in hashes]
-        if not hashes or None in blocks:
+        if not hashes or any(digest not in self._block_of_hash for digest in hashes):
             return False
-        newly_pinned = self.pins.pin(hashes[-1], blocks, ttl_s, owner)  # type: ignore[arg-type]  # no None left
+        blocks = [self._block_of_hash[digest] for digest in hashes]
+        newly_pinned = self.pins.pin(hashes[-1], blocks, ttl_s, owner)
         if newly_pinned is None:
             return False
         for block in newly_pinned:
