@@ -62,6 +62,7 @@ class Setting:
     zero_is_none: bool = False  # the option's 0 is the field's None (e.g. no limit)
     env: str | None = None  # an environment variable whose space-separated words are added to a list
     minimum: float | None = None
+    maximum: float | None = None
     cli: bool = True  # False: not a `statelm serve` option
 
 
@@ -79,10 +80,11 @@ def setting(
     zero_is_none: bool = False,
     env: str | None = None,
     minimum: float | None = None,
+    maximum: float | None = None,
     cli: bool = True,
 ) -> Any:
     """A dataclass field with a default (or a factory of one) and the `statelm serve` option that sets it."""
-    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, cli)}
+    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, maximum, cli)}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -116,6 +118,12 @@ class EngineConfig:
     max_num_batched_tokens: int = setting(512, help="Token budget of one engine step.")
     enable_prefix_caching: bool = setting(
         True, help="Reuse cached KV blocks of shared prompt prefixes.", flag="--prefix-cache"
+    )
+    pinned_kv_fraction: float = setting(
+        0.5, help="Share of the KV cache that cache_control pins may hold, all keys (0: no pins).", minimum=0, maximum=1
+    )
+    pinned_kv_fraction_per_key: float = setting(
+        0.25, help="Share of the KV cache that one key's cache_control pins may hold.", minimum=0, maximum=1
     )
     batch_invariant: bool = setting(
         True, help="Same output for a request whatever else runs (fixed-size matmul chunks)."

@@ -9,6 +9,7 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from statelm.engine.engine import Engine
+from statelm.engine.pins import PinCounters
 from statelm.sessions.journal_store import JournalCounters
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -45,6 +46,10 @@ class ServingMetrics:
             "statelm_requests_waiting": ("Sequences waiting for a slot", lambda: len(scheduler.waiting)),
             "statelm_kv_blocks_used": ("KV cache blocks held by sequences", lambda: pool.num_used_blocks),
             "statelm_kv_blocks_free": ("KV cache blocks free (cached or empty)", lambda: pool.num_free_blocks),
+            "statelm_kv_blocks_pinned": (
+                "KV cache blocks of prefixes pinned by cache_control (held or free)",
+                lambda: pool.pins.num_pinned_blocks,
+            ),
             "statelm_prefix_cache_hit_rate": (
                 "Share of queried prompt tokens found in the prefix cache",
                 lambda: pool.hit_tokens / pool.queried_tokens if pool.queried_tokens else 0.0,
@@ -54,6 +59,7 @@ class ServingMetrics:
             Gauge(name, description, registry=registry).set_function(read)
         self.journal = JournalCounters()
         registry.register(JournalCollector(self.journal))
+        registry.register(PinCollector(pool.pins.counters))
 
     def record_finished(self, finish_reasons: list[str], prompt: int, cached: int, completion: int) -> None:
         """Account for one generation that has ended: how each of its choices ended, and its tokens."""
@@ -84,4 +90,32 @@ class JournalCollector(Collector):
         )
         yield CounterMetricFamily(
             "statelm_journal_failures", "Session journal writes that failed or were skipped", counters.failures
+        )
+
+
+class PinCollector(Collector):
+    """The cache pins' counters, read at scrape time (the engine thread updates them)."""
+
+    def __init__(self, counters: PinCounters) -> None:
+        self.counters = counters
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        """One counter per figure."""
+        counters = self.counters
+        yield CounterMetricFamily("statelm_cache_pins_created", "Prefixes pinned by cache_control", counters.created)
+        yield CounterMetricFamily(
+            "statelm_cache_pin_hits", "Pinned prefixes a request found whole in the cache", counters.hits
+        )
+        yield CounterMetricFamily(
+            "statelm_cache_pins_expired", "Cache pins released at the end of their TTL", counters.expired
+        )
+        yield CounterMetricFamily(
+            "statelm_cache_pins_released_under_pressure",
+            "Cache pins released early because the KV pool had no unpinned free block left",
+            counters.released_under_pressure,
+        )
+        yield CounterMetricFamily(
+            "statelm_cache_pins_refused",
+            "cache_control breakpoints cached without a pin because the key's or the pool's pin cap was reached",
+            counters.refused,
         )

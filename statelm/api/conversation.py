@@ -25,6 +25,7 @@ from statelm.api.errors import APIError
 from statelm.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from statelm.api.serving import ServingContext
 from statelm.api.structured_output import forced_tool_constraint
+from statelm.engine.pins import PinRequest
 from statelm.engine.sequence import SamplingParams
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import Session, SessionSettings
@@ -146,11 +147,17 @@ class ConversationService:
         return await self.context.render(messages, request.tools, kwargs, prefill=prefill)
 
     async def generate_prompt(
-        self, request: ChatCompletionRequest, request_id: str, prompt: RenderedPrompt
+        self,
+        request: ChatCompletionRequest,
+        request_id: str,
+        prompt: RenderedPrompt,
+        cache_pins: tuple[PinRequest, ...] = (),
     ) -> AsyncIterator[ChoiceEvent]:
-        """The (not yet started) generation of a reply to a rendered prompt, without a session."""
+        """The (not yet started) generation of a reply to a rendered prompt, without a session, pinning the prompt
+        prefixes of cache_pins in the prefix cache."""
         prompter = self.context.prompter
         params = await self.params(request, prompt, self.context.model.max_model_len)
+        params = dataclasses.replace(params, cache_pins=cache_pins)
         parsers = prompter.output_parsers(request, prompt)
         deltas = self.context.generate(
             request_id, prompt.ids, params, request.stop_strings(), keep_special_tokens=prompter.keep_special_tokens

@@ -56,6 +56,7 @@ class Option:
             help=self.setting.help,
             parser=_reporting_errors(self.setting.parse, name) if self.setting.parse else None,
             min=self.setting.minimum,
+            max=self.setting.maximum,
             show_default=not repeatable,
             rich_help_panel=panel,
         )

@@ -135,9 +135,10 @@ class AsyncEngine:
                 log.exception("engine loop error")
 
     def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands; False when asked to stop."""
+        """Apply queued commands (waiting for one if block, until a cache pin may expire); False when asked to stop."""
         try:
-            command = self._commands.get(block=block)
+            timeout = self.engine.pool.pins.seconds_to_next_expiry() if block else None
+            command = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
         while True:

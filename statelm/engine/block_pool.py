@@ -4,6 +4,10 @@ A full block is identified by the hash of its tokens chained with the previous b
 hashes mean equal prefixes; the tokens are kept as well to rule out collisions. A block whose last user
 lets go keeps its contents and hash in the free LRU until it is handed out again, so a later request
 with the same prefix can take it back instead of recomputing it.
+
+Blocks of a pinned prefix (see `pins.py`) that nobody holds wait apart from that LRU: they are free, but handed
+out only when no unpinned free block is left, and then a whole pin is released first (the one closest to
+expiry), its blocks going to the front of the LRU, last block first, so that its prefix shrinks from the end.
 """
 
 from __future__ import annotations
@@ -13,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 
 import xxhash
+
+from statelm.engine.pins import PinTable
 
 ROOT_HASH = 0
 
@@ -29,12 +35,16 @@ def chain_hash(previous: int, tokens: Sequence[int]) -> int:
 class BlockPool:
     """Hands out KV block ids, takes them back, and finds cached blocks for a token prefix."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, pins: PinTable | None = None
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.pins = pins if pins is not None else PinTable(max_blocks=0, max_blocks_per_owner=0)  # None: no pins
         self._refcounts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_pinned: dict[int, None] = {}  # free blocks that a pin keeps: handed out after every other
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self._block_of_hash: dict[int, int] = {}
@@ -43,22 +53,24 @@ class BlockPool:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks that nobody holds (some may still hold reusable cached contents)."""
-        return len(self._free)
+        """Blocks that nobody holds (some may still hold reusable cached contents, some of them pinned)."""
+        return len(self._free) + len(self._free_pinned)
 
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one sequence."""
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Number of blocks that hold num_tokens tokens."""
         return -(-num_tokens // self.block_size)
 
     def allocate(self, count: int) -> list[int]:
-        """Take count free blocks, least recently released first, each with one reference."""
-        if count > len(self._free):
-            raise OutOfBlocksError(f"need {count} KV blocks, {len(self._free)} free")
+        """Take count free blocks, least recently released first and pinned ones last, each with one reference."""
+        if count > self.num_free_blocks:
+            raise OutOfBlocksError(f"need {count} KV blocks, {self.num_free_blocks} free")
+        while len(self._free) < count:
+            self._unpin(self.pins.release_under_pressure(self._free_pinned))
         blocks = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
@@ -77,18 +89,18 @@ class BlockPool:
         return sum(self._refcounts[block] == 1 for block in blocks)
 
     def release(self, blocks: list[int]) -> None:
-        """Drop one reference to each block; blocks nobody holds go to the end of the free LRU."""
+        """Drop one reference to each block; blocks nobody holds go to the end of the free LRU (or wait pinned)."""
         for block in blocks:
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
-                self._free[block] = None
+                (self._free_pinned if self.pins.is_pinned(block) else self._free)[block] = None
 
     def grow(self, block_table: list[int], num_tokens: int) -> bool:
         """Extend block_table in place to hold num_tokens tokens; False if the pool is too small now."""
         missing = self.blocks_needed(num_tokens) - len(block_table)
         if missing <= 0:
             return True
-        if missing > len(self._free):
+        if missing > self.num_free_blocks:
             return False
         block_table.extend(self.allocate(missing))
         return True
@@ -116,6 +128,10 @@ class BlockPool:
         for block in blocks:
             self._refcounts[block] += 1
             self._free.pop(block, None)
+            self._free_pinned.pop(block, None)
+        if self.pins:
+            for digest in hashes:
+                self.pins.hit(digest)
         self.queried_tokens += len(tokens)
         self.hit_tokens += len(blocks) * size
         return blocks, hashes
@@ -138,6 +154,33 @@ class BlockPool:
                 self._tokens_of[block] = chunk
             block_hashes.append(digest)
             previous = digest
+
+    def pin(self, hashes: Sequence[int], ttl_s: float, owner: str) -> bool:
+        """Pin the cached prefix whose full blocks have these chained hashes; False if not all cached or over a cap."""
+        if not hashes or any(digest not in self._block_of_hash for digest in hashes):
+            return False
+        blocks = [self._block_of_hash[digest] for digest in hashes]
+        newly_pinned = self.pins.pin(hashes[-1], blocks, ttl_s, owner)
+        if newly_pinned is None:
+            return False
+        for block in newly_pinned:
+            if block in self._free:  # a cached block nobody holds
+                del self._free[block]
+                self._free_pinned[block] = None
+        return True
+
+    def expire_pins(self) -> None:
+        """Release the pins whose TTL has run out (nothing to do, at once, without pins)."""
+        if self.pins:
+            self._unpin(self.pins.expire())
+
+    def _unpin(self, blocks: list[int]) -> None:
+        """Blocks no pin holds any more: the free ones go to the front of the LRU, last block of a prefix first."""
+        for block in blocks:
+            if block in self._free_pinned:
+                del self._free_pinned[block]
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
 
     def _forget(self, block: int) -> None:
         """Drop a block's cached identity before it is reused for other tokens."""

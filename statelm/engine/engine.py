@@ -97,6 +97,7 @@ class Engine:
             for index in range(params.n)
         ]
         first.forks = forks
+        first.pending_pins = sorted(params.cache_pins, key=lambda pin: pin.num_tokens)
         self.scheduler.add(first)
 
     def _seeded_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -131,6 +132,7 @@ class Engine:
 
     def step(self) -> list[StepOutput]:
         """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
+        self.pool.expire_pins()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -150,6 +152,8 @@ class Engine:
             # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
             published = min(seq.num_computed_tokens, len(seq.prompt_ids))
             self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, published)
+            if seq.pending_pins:
+                self._place_pins(seq)
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
@@ -179,6 +183,13 @@ class Engine:
             outputs.append(self._output(seq, [outcome.token_id], logprobs, produced_at))
         self.scheduler.add_forks([fork for fork in forks if not fork.is_finished])
         return outputs
+
+    def _place_pins(self, seq: Sequence) -> None:
+        """Pin each prefix seq asked for whose whole blocks are now in the cache (computed or found there)."""
+        size = self.pool.block_size
+        while seq.pending_pins and seq.pending_pins[0].num_tokens // size <= len(seq.block_hashes):
+            request = seq.pending_pins.pop(0)
+            self.pool.pin(seq.block_hashes[: request.num_tokens // size], request.ttl_s, request.owner)
 
     def _start_forks(self, seq: Sequence) -> list[Sequence]:
         """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""

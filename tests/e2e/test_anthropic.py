@@ -1,14 +1,17 @@
 """Anthropic's Messages API against a real server on the default model, through the official `anthropic` SDK and
 LangChain's ChatAnthropic: create, stream, count tokens, a tool-use round trip, stop sequences, a prefill, the
-errors the SDK raises, and usage that says what the prefix cache served."""
+errors the SDK raises, usage that says what the prefix cache served, and a stream whose client goes away."""
 
 from __future__ import annotations
 
 import json
+import re
+import time
 from collections.abc import Iterator
 from typing import Any
 
 import anthropic
+import httpx
 import pytest
 from langchain_anthropic import ChatAnthropic
 from langchain_core.tools import tool
@@ -16,6 +19,7 @@ from langchain_core.tools import tool
 from tests.e2e.conftest import start_server, stop_server
 from tests.e2e.test_chat import QUESTION
 from tests.e2e.test_langchain import Capital
+from tests.e2e.test_serving import metric
 
 KEY = "sk-ant-e2e-key"
 GREEDY = {"temperature": 0}  # the SDK no longer sends sampling fields itself
@@ -137,6 +141,36 @@ def test_a_repeated_system_prompt_is_read_from_the_cache(claude: anthropic.Anthr
     assert first.cache_creation_input_tokens > 0 and first.cache_read_input_tokens == 0
     assert second.cache_read_input_tokens >= first.cache_creation_input_tokens
     assert second.cache_creation_input_tokens == 0
+
+
+def aborted_requests(url: str) -> float:
+    """How many generations have ended because their client went away (or their engine step failed)."""
+    text = httpx.get(f"{url}/metrics").text
+    match = re.search(r'^statelm_requests_finished_total\{finish_reason="abort"\} ([0-9.e+-]+)$', text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_a_client_that_disconnects_mid_stream_cancels_the_generation(messages_url: str) -> None:
+    body = {
+        "model": "default",
+        "max_tokens": 2000,
+        "stream": True,
+        "messages": [{"role": "user", "content": "Count from one to one thousand in words, one number a line."}],
+    }
+    before = aborted_requests(messages_url)
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    with httpx.stream("POST", f"{messages_url}/v1/messages", json=body, headers=headers, timeout=60) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        while next(lines) != "event: content_block_delta":  # the reply is being generated
+            pass
+        assert metric(messages_url, "statelm_requests_running") == 1
+    deadline = time.monotonic() + 30.0  # the engine drops it at its next step; 2000 tokens would take minutes
+    while metric(messages_url, "statelm_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert metric(messages_url, "statelm_requests_running") == 0
+    assert aborted_requests(messages_url) == before + 1
+    assert metric(messages_url, "statelm_kv_blocks_used") == 0
 
 
 @tool

@@ -214,9 +214,11 @@ def test_prefix_usage_with_a_cache_breakpoint(api: httpx.Client) -> None:
         ({"stop_sequences": [str(i) for i in range(20)]}, ("stop_sequences",)),
         ({"tools": [{"type": "bash_20250124", "name": "bash"}]}, ("tools.0",)),
         ({"tool_choice": {"type": "tool", "name": "nope"}, "tools": ANTHROPIC_TOOLS}, ("nope",)),
-        ({"thinking": {"type": "enabled", "budget_tokens": 4}}, ("thinking.budget_tokens",)),
-        ({"thinking": {"type": "enabled", "budget_tokens": 10}}, ("budget_tokens", "max_tokens")),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1023}, "max_tokens": 2000}, ("budget_tokens", "1024")),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1024}, ("budget_tokens", "max_tokens")),
+        ({"thinking": {"type": "enabled", "budget_tokens": 1024}, "max_tokens": 1025}, ("thinking.budget_tokens",)),
         ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2h"}}]}, ("ttl",)),
+        ({"system": [{"type": "text", "text": "x", "cache_control": {"type": "ephemeral"}}] * 5}, ("maximum of 4",)),
         ({"container": "c"}, ("container",)),
     ],
 )

@@ -17,10 +17,12 @@ import openai
 import pytest
 from openai.types.chat import ChatCompletion
 
+from statelm.api.anthropic.protocol import MIN_THINKING_BUDGET
 from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 from tests.models.tiny_model_dir import make_tiny_thinking_model_dir
 
 QUESTION = [{"role": "user", "content": "The quick brown fox?"}]
+CONTEXT = 2048  # room for Anthropic's least thinking budget, 1024 tokens
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": False}
 
 
@@ -28,7 +30,7 @@ SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required"
 def thinking(tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     """An app on the tiny thinking model."""
     root = tmp_path_factory.mktemp("thinking")
-    model_dir = make_tiny_thinking_model_dir(root / "model")
+    model_dir = make_tiny_thinking_model_dir(root / "model", max_position_embeddings=CONTEXT)
     keepalive = ["--sse-keepalive", "0.01"]  # a keep-alive comment between almost every pair of chunks
     with serve_in_process(tiny_args(model_dir, root / "state", *keepalive, served_name="tiny")) as app:
         yield app
@@ -149,9 +151,9 @@ def test_a_model_without_think_tags_refuses_reasoning_controls(api: httpx.Client
 def test_anthropic_thinking_blocks_are_streamed_signed_and_taken_back(raw: httpx.Client) -> None:
     body = {
         "model": "tiny",
-        "max_tokens": 12,
+        "max_tokens": MIN_THINKING_BUDGET + 8,
         "messages": QUESTION,
-        "thinking": {"type": "enabled", "budget_tokens": 6},
+        "thinking": {"type": "enabled", "budget_tokens": MIN_THINKING_BUDGET},
         "temperature": 0,
     }
     whole = raw.post("/v1/messages", json=body).json()

@@ -12,6 +12,7 @@ from statelm.config import EngineConfig
 from statelm.engine.async_engine import DEGRADED_AFTER_FAILED_STEPS, AsyncEngine
 from statelm.engine.builder import create_engine
 from statelm.engine.engine import Engine
+from statelm.engine.pins import PinRequest
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.engine_run import generate
@@ -80,6 +81,35 @@ def test_tiny_pool_preempts_and_still_gives_the_same_outputs(loaded: LoadedModel
     assert generate(tight, work, params) == roomy
     assert preemptions > 0
     assert tight.pool.num_used_blocks == 0
+
+
+def test_a_pinned_prefix_outlives_a_burst_and_gives_way_to_requests_that_need_its_blocks(loaded: LoadedModel) -> None:
+    prefix = loaded.tokenizer.encode("Pinned system prompt about owls. " * 3)
+    question = [*prefix, *loaded.tokenizer.encode(" one")]
+    pinned_tokens = len(prefix) - len(prefix) % 16
+    assert pinned_tokens >= 64
+    expected = generate(engine_for(loaded, enable_prefix_caching=False), {"q": question}, GREEDY)["q"]
+    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, block size, kv heads, head dim, float32
+    engine = engine_for(loaded, kv_cache_memory=24 * block_bytes, pinned_kv_fraction_per_key=0.5)
+    pins = engine.pool.pins
+    generate(engine, {"first": question}, replace(GREEDY, cache_pins=(PinRequest(pinned_tokens, 300.0, "key"),)))
+    assert pins.num_pinned_blocks == pinned_tokens // 16
+    burst = prompts(loaded, 6, words=60)
+    for request_id, prompt_ids in burst.items():  # one at a time: more blocks in all than the pool has
+        generate(engine, {request_id: prompt_ids}, GREEDY)
+    engine.add_request("again", question, GREEDY)
+    again: list[int] = []
+    cached = set()
+    while engine.has_work():
+        for step in engine.step():
+            again.extend(step.new_token_ids)
+            cached.add(step.num_cached_tokens)
+    assert again == expected and cached == {pinned_tokens}
+    assert pins.counters.released_under_pressure == 0 and pins.counters.hits == 1
+    roomy = generate(engine_for(loaded), burst, GREEDY)
+    assert generate(engine, burst, GREEDY) == roomy  # all at once: they need the pinned blocks too
+    assert pins.counters.released_under_pressure == 1 and pins.num_pinned_blocks == 0
+    assert engine.pool.num_used_blocks == 0
 
 
 @pytest.mark.invariance

@@ -119,8 +119,8 @@ def make_tiny_model_dir(arch: str, path: Path, seed: int = 0, **overrides: objec
     return path
 
 
-def make_tiny_thinking_model_dir(path: Path, seed: int = 0) -> Path:
+def make_tiny_thinking_model_dir(path: Path, seed: int = 0, **overrides: object) -> Path:
     """A loadable tiny random Qwen3 folder whose tokenizer and template reason in `<think>` and call tools."""
-    make_tiny_checkpoint("qwen3", path, seed=seed)  # vocab_size 512 covers the 400 + 6 tokens
+    make_tiny_checkpoint("qwen3", path, seed=seed, **overrides)  # vocab_size 512 covers the 400 + 6 tokens
     write_thinking_tokenizer(path)
     return path

@@ -76,3 +76,9 @@ def test_options_set_fields_through_their_text_forms() -> None:
 def test_a_bad_text_form_names_its_option() -> None:
     result = CliRunner().invoke(app, ["serve", "--snapshot-quota", "lots"], env=KEY_VARIABLES)
     assert result.exit_code == 2 and "--snapshot-quota" in result.output and "not a size" in result.output
+
+
+def test_a_value_past_a_bound_names_its_option() -> None:
+    assert configs_of(["--pinned-kv-fraction", "1"])[0].pinned_kv_fraction == 1.0
+    result = CliRunner().invoke(app, ["serve", "--pinned-kv-fraction", "1.5"], env=KEY_VARIABLES)
+    assert result.exit_code == 2 and "--pinned-kv-fraction" in result.output

@@ -8,6 +8,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from statelm.api.protocol import MAX_TAG_LENGTH, FunctionName, JSONObject, TypedModel
 
+MIN_THINKING_BUDGET = 1024  # Anthropic's least `thinking.budget_tokens`
 NO_IMAGES = "this model takes no images or documents (statelm serves text-only models for now); send text"
 
 
@@ -142,10 +143,10 @@ ToolChoice = Annotated[ToolChoiceAuto | ToolChoiceAny | ToolChoiceTool | ToolCho
 
 
 class ThinkingEnabled(TypedModel):
-    """`thinking` enabled: the model reasons first, for at most `budget_tokens` tokens."""
+    """`thinking` enabled: the model reasons first, for at most `budget_tokens` tokens (at least 1024, as Anthropic)."""
 
     type: Literal["enabled"]
-    budget_tokens: Annotated[int, Field(ge=1)]
+    budget_tokens: Annotated[int, Field(ge=MIN_THINKING_BUDGET)]
 
 
 class ThinkingDisabled(TypedModel):

@@ -2,7 +2,8 @@
 
 Usage follows the engine: `cache_read_input_tokens` are the prompt tokens whose KV it reused,
 `cache_creation_input_tokens` the ones up to the last `cache_control` breakpoint (in whole KV blocks, which is what
-the cache holds) that it computed and cached, and `input_tokens` the rest.
+the cache holds) that it computed and cached, and `input_tokens` the rest. Each breakpoint's prefix is asked of the
+engine as a cache pin for its TTL, charged to the caller's key.
 """
 
 from __future__ import annotations
@@ -21,23 +22,21 @@ from statelm.api.conversation import ConversationService
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
 from statelm.engine.async_engine import EngineError
-
-
-def common_prefix(first: list[int], second: list[int]) -> int:
-    """How many leading tokens two token lists share."""
-    count = 0
-    for a, b in zip(first, second, strict=False):
-        if a != b:
-            break
-        count += 1
-    return count
+from statelm.engine.pins import PinRequest
+from statelm.engine.session_kv import common_prefix_length
+from statelm.sessions.ownership import current_principal
 
 
 @dataclass(frozen=True)
 class CachedPrefix:
-    """The prompt's prefix up to its last breakpoint, in whole KV blocks (0 without a breakpoint)."""
+    """The prompt's prefixes up to its breakpoints, in whole KV blocks, as the pins asked of the engine."""
 
-    tokens: int
+    pins: tuple[PinRequest, ...] = ()
+
+    @property
+    def tokens(self) -> int:
+        """The longest prefix, up to the last breakpoint (0 without a breakpoint)."""
+        return max((pin.num_tokens for pin in self.pins), default=0)
 
     def usage(self, stats: GenerationStats) -> Usage:
         """A finished generation's usage in Anthropic's terms."""
@@ -97,7 +96,7 @@ class MessagesService:
             self.conversations.admit(chat, message_id)
             prompt = await self.conversations.prompt(chat, chat.messages, translated.prefill)
             cached = await self._cached_prefix(translated, prompt)
-            generation = await self.conversations.generate_prompt(chat, message_id, prompt)
+            generation = await self.conversations.generate_prompt(chat, message_id, prompt, cached.pins)
         skeleton = MessageObject(
             id=message_id, model=request.model, content=[], usage=Usage(input_tokens=len(prompt.ids), output_tokens=0)
         )
@@ -112,16 +111,21 @@ class MessagesService:
         return conversation(request, support)
 
     async def _cached_prefix(self, translated: Conversation, prompt: RenderedPrompt) -> CachedPrefix:
-        """The prompt's prefix up to its last breakpoint: each breakpoint's conversation rendered, matched by tokens."""
+        """The prompt's prefixes up to its breakpoints: each one's conversation rendered, matched by tokens, cut to
+        whole blocks, and pinned for the longest TTL asked of it."""
         pool = self.context.engine.engine.pool
         if not translated.breakpoints or not pool.enable_prefix_caching:
-            return CachedPrefix(0)
+            return CachedPrefix()
         kwargs = self.context.prompter.template_kwargs(translated.chat, {})
-        longest = 0
+        ttls: dict[int, float] = {}
         for breakpoint in translated.breakpoints:
             rendered = await self.context.render(
                 breakpoint.messages, translated.chat.tools, kwargs, add_generation_prompt=False
             )
-            longest = max(longest, common_prefix(rendered.ids, prompt.ids))
-        longest = min(longest, len(prompt.ids) - 1)  # the cache leaves the prompt's last token to compute
-        return CachedPrefix(longest - longest % pool.block_size)
+            shared = common_prefix_length(rendered.ids, prompt.ids)
+            length = min(shared, len(prompt.ids) - 1)  # the cache leaves the prompt's last token to compute
+            length -= length % pool.block_size
+            if length:
+                ttls[length] = max(ttls.get(length, 0.0), breakpoint.ttl_s)
+        owner = current_principal().owner
+        return CachedPrefix(tuple(PinRequest(length, ttl, owner) for length, ttl in sorted(ttls.items())))

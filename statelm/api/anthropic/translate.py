@@ -46,6 +46,7 @@ PARAMETERS = {
     "parallel_tool_calls": "tool_choice.disable_parallel_tool_use",
 }
 TTL_SECONDS = {"5m": 300.0, "1h": 3600.0}
+MAX_BREAKPOINTS = 4  # blocks with cache_control in one request, as Anthropic allows
 SERVICE_TIERS = {"auto": "auto", "standard_only": "default"}
 TOOL_ERROR_PREFIX = "Error: "  # how a tool_result with is_error reads to the model
 
@@ -174,8 +175,15 @@ def breakpoints(request: MessagesInput) -> list[Breakpoint]:
     """The request's `cache_control` breakpoints, each with the conversation up to its block.
 
     A breakpoint on a tool or a system block covers the system prompt with every tool (templates render the tools
-    with the system prompt); one on a message block covers the conversation up to and including that block.
+    with the system prompt); one on a message block covers the conversation up to and including that block. More
+    than MAX_BREAKPOINTS blocks with cache_control (the top-level one included) are refused.
     """
+    count = _breakpoint_count(request)
+    if count > MAX_BREAKPOINTS:
+        raise APIError(
+            f"A maximum of {MAX_BREAKPOINTS} blocks with cache_control may be provided. Found {count}.",
+            param="cache_control",
+        )
     found: list[Breakpoint] = []
     if request.cache_control is not None:
         whole = chat_messages(request, with_prefill=False)[0]
@@ -195,6 +203,12 @@ def breakpoints(request: MessagesInput) -> list[Breakpoint]:
             upto = request.model_copy(update={"messages": [*request.messages[:index], partial]})
             found.append(Breakpoint(TTL_SECONDS[control.ttl], chat_messages(upto, with_prefill=False)[0]))
     return found
+
+
+def _breakpoint_count(request: MessagesInput) -> int:
+    """How many blocks (tools, system and message blocks, and the request itself) carry cache_control."""
+    blocks = [*(request.tools or ()), *request.system_blocks(), *(b for m in request.messages for b in m.blocks())]
+    return (request.cache_control is not None) + sum(getattr(b, "cache_control", None) is not None for b in blocks)
 
 
 def _chat(request: MessagesInput, messages: list[ChatMessage], support: ThinkingSupport) -> ChatCompletionRequest:
