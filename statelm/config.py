@@ -74,3 +74,4 @@ class ServerConfig:
     max_stored_completions: int = 1000  # `store: true` completions kept in memory, the oldest dropped; 0: refused
     max_stored_responses: int | None = 1000  # stored responses per key, the oldest dropped past it; None: no limit
     response_retention: float | None = 30 * 86400.0  # seconds a stored response is kept; None: no limit
+    webui: bool = True  # the chat page at `/`, a client of the public API

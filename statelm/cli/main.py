@@ -223,6 +223,7 @@ def serve(
     response_retention: Annotated[
         str, typer.Option(help="How long a stored response is kept, e.g. 30d, 12h, 90m (0: no limit).")
     ] = "30d",
+    webui: Annotated[bool, typer.Option(help="Serve the web UI (a chat page on the public API) at `/`.")] = True,
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -275,6 +276,7 @@ def serve(
         max_stored_completions=max_stored_completions,
         max_stored_responses=max_stored_responses or None,
         response_retention=parse_duration(response_retention) or None,
+        webui=webui,
     )
     from statelm.server.launch import LaunchError, run_server
 
