@@ -2,7 +2,7 @@
 
 import { useCallback, useEffect, useMemo, useRef, useState } from "preact/hooks";
 import { Api, ApiError, describeError } from "./api";
-import { type Branch, alternativesAt, conversationOf, conversations, titleFrom } from "./branches";
+import { type Branch, alternativesAt, branchTime, conversationOf, conversations, titleFrom } from "./branches";
 import { Ask, MessageView, SettingsPanel } from "./components";
 import { ReplyBuilder } from "./reply";
 import { stored } from "./storage";
@@ -95,7 +95,7 @@ export function App() {
       const members = list.filter((entry) => conversationOf(entry) === conversation).sort((a, b) => b.last_used - a.last_used);
       if (members.length === 0) return openConversation(null, list);
       const loaded = await Promise.all(
-        members.map(async (entry) => ({ id: entry.id, created: entry.created, messages: await api.history(entry.id) })),
+        members.map(async (entry) => ({ id: entry.id, created: branchTime(entry), messages: await api.history(entry.id) })),
       );
       const remembered = prefer ?? stored.branch(conversation);
       const chosen = loaded.find((branch) => branch.id === remembered)?.id ?? members[0].id;
@@ -217,7 +217,7 @@ export function App() {
         setOpen(id);
         stored.setOpen(id);
         stored.setBranch(id, id);
-        setBranches([{ id, created: created.created, messages: history }]);
+        setBranches([{ id, created: branchTime(created), messages: history }]);
         setBranchId(id);
         await turn(id, history, text);
       } else {
@@ -245,11 +245,11 @@ export function App() {
     if (branchId === null || open === null || session === undefined) return;
     const question = messages[index - 1];
     try {
-      const fork = await api.fork(branchId, { ...session.metadata, conversation: open });
+      const fork = await api.fork(branchId, { ...session.metadata, conversation: open, forked: String(Date.now()) });
       await api.rollback(fork.id, index - 1);
       const base = messages.slice(0, index - 1);
       setSessions((previous) => [fork, ...previous]);
-      setBranches((previous) => [...previous, { id: fork.id, created: fork.created, messages: base }]);
+      setBranches((previous) => [...previous, { id: fork.id, created: branchTime(fork), messages: base }]);
       setBranchId(fork.id);
       stored.setBranch(open, fork.id);
       await turn(fork.id, base, textOf(question));

@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { type Branch, alternativesAt, conversations, titleFrom } from "./branches";
+import { type Branch, alternativesAt, branchTime, conversations, titleFrom } from "./branches";
 import type { Message, SessionObject } from "./types";
 
 const user = (content: string): Message => ({ role: "user", content });
@@ -22,6 +22,11 @@ describe("conversations", () => {
       ["c", "Gamma", ["c"]],
       ["d", "d", ["d"]],
     ]);
+  });
+
+  it("orders a fork by when it was forked, to the millisecond", () => {
+    expect(branchTime(session("a", 10))).toBe(10_000);
+    expect(branchTime(session("b", 10, { forked: "10250" }))).toBe(10_250);
   });
 
   it("makes one-line titles of first messages", () => {

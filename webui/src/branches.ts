@@ -11,7 +11,7 @@ export interface Conversation {
   branches: SessionObject[];
 }
 
-/** A branch of the open conversation with its transcript. */
+/** A branch of the open conversation with its transcript; branches are ordered by `created` (ms). */
 export interface Branch {
   id: string;
   created: number;
@@ -29,6 +29,11 @@ const TITLE_LENGTH = 80;
 /** The conversation a session belongs to. */
 export function conversationOf(session: SessionObject): string {
   return session.metadata.conversation || session.id;
+}
+
+/** When a session became a branch, in ms: when it was forked (kept in its metadata) or else created. */
+export function branchTime(session: SessionObject): number {
+  return Number(session.metadata.forked) || session.created * 1000;
 }
 
 /** A title made of a conversation's first user message. */
