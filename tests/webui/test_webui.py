@@ -168,6 +168,25 @@ def test_a_snapshot_is_saved_and_loaded_into_a_new_conversation(page: Any, api: 
     assert api.get("/v1/snapshots").json()["data"] == []
 
 
+def test_a_conversation_is_exported_and_imported_as_json(page: Any, api: httpx.Client, tmp_path: Path) -> None:
+    messages = [{"role": "user", "content": "Pack this."}, {"role": "assistant", "content": "Packed **well**."}]
+    conversation(api, "Luggage", messages, temperature=0.5)
+    show(page, "Luggage")
+    with page.expect_download() as download:
+        page.get_by_role("button", name="Export").click()
+    exported = json.loads(Path(download.value.path()).read_text())
+    assert exported["format"] == "statelm-conversation" and exported["messages"] == messages
+    assert exported["title"] == "Luggage" and exported["settings"] == {"temperature": 0.5}
+    (tmp_path / "luggage.json").write_text(json.dumps({**exported, "title": "Unpacked"}))
+    page.locator("input[type=file]").set_input_files(str(tmp_path / "luggage.json"))
+    page.locator("h1", has_text="Unpacked").wait_for()
+    (imported,) = [
+        entry for entry in api.get("/v1/sessions").json()["data"] if entry["metadata"]["title"] == "Unpacked"
+    ]
+    assert history(api, imported["id"]) == messages
+    assert page.locator(".message.assistant strong").inner_text() == "well"
+
+
 def test_model_output_never_runs_script(page: Any, api: httpx.Client) -> None:
     reply = "\n".join(
         [
@@ -222,7 +241,8 @@ def test_the_page_asks_for_a_key_and_refuses_a_wrong_one(browser: Any, server: S
 
 def test_phone_width_and_dark_scheme(browser: Any, server: Server, api: httpx.Client) -> None:
     conversation(api, "On the go", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "**Hello!**"}])
-    context = browser.new_context(viewport={"width": 390, "height": 760}, color_scheme="dark", device_scale_factor=1)
+    phone = {"viewport": {"width": 390, "height": 760}, "color_scheme": "dark", "reduced_motion": "reduce"}
+    context = browser.new_context(**phone)
     context.add_init_script(f"localStorage.setItem('statelm.key', JSON.stringify({KEY!r}))")
     page = context.new_page()
     page.goto(server.url)
@@ -233,6 +253,7 @@ def test_phone_width_and_dark_scheme(browser: Any, server: Server, api: httpx.Cl
     page.get_by_role("button", name="conversations").click()
     page.get_by_role("button", name="On the go", exact=True).click()
     page.locator(".message.assistant").wait_for()
+    assert sidebar.bounding_box()["x"] < 0  # folded again once a conversation is chosen
     assert page.locator(".composer").bounding_box()["width"] <= 390
     screenshot(page, "phone-dark")
     context.close()
