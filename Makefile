@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= default
 
-.PHONY: setup kernels serve test lint bench clean
+.PHONY: setup kernels webui browser serve test lint bench clean
 
 setup: $(VENV)/.stamp-model
 
@@ -33,15 +33,38 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-package
 kernels: setup
 	$(BIN)/python -m statelm.kernels.build || echo "statelm: C++ kernels unavailable; the torch paths will serve"
 
-serve: kernels
+# The web UI (webui/, Vite + Preact) builds into statelm/webui/dist, which the server serves at / and the wheel
+# ships. It needs Node >= 20.19 and npm; without them the server still runs and / says how to build the page.
+WEBUI_DIST := statelm/webui/dist/index.html
+WEBUI_SOURCES := webui/package.json webui/package-lock.json webui/index.html webui/vite.config.ts webui/tsconfig.json \
+	$(wildcard webui/src/* webui/public/*)
+NODE_OK = node -e 'const [a, b] = process.versions.node.split(".").map(Number); process.exit(a > 20 || (a == 20 && b >= 19) ? 0 : 1)' 2>/dev/null
+
+webui/node_modules/.stamp: webui/package.json webui/package-lock.json
+	@if $(NODE_OK); then cd webui && npm ci --no-audit --no-fund --loglevel=error && touch node_modules/.stamp; \
+	else echo "statelm: Node >= 20.19 and npm not found; the web UI is not built"; fi
+
+$(WEBUI_DIST): webui/node_modules/.stamp $(WEBUI_SOURCES)
+	@if [ -f webui/node_modules/.stamp ]; then cd webui && npm run --silent build; fi
+
+webui: $(WEBUI_DIST)
+
+# The browser tests drive Debian's chromium; installed here when missing and apt can (as root), else they skip.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+		|| echo "statelm: could not install chromium; the browser tests will skip"; fi
+
+serve: kernels webui
 	$(BIN)/statelm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: kernels
+test: kernels webui browser
 	$(BIN)/ruff check .
+	@if [ -f webui/node_modules/.stamp ]; then cd webui && npm test --silent; fi
 	$(BIN)/python -m pytest -q --durations=20
 
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache
+	rm -rf $(VENV) .pytest_cache webui/node_modules statelm/webui/dist

@@ -239,3 +239,4 @@ class ServerConfig:
         text_default="30d",
         zero_is_none=True,
     )
+    webui: bool = setting(True, help="Serve the web UI (a chat page on the public API) at `/`.")

@@ -6,7 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from statelm.api.protocol import TemplateKwargs, TypedModel
+from statelm.api.protocol import ChatMessage, Metadata, TemplateKwargs, TypedModel
 from statelm.sessions.errors import ID_PATTERN
 
 # Documented in the schema; checked by the sessions layer, whose error names the id (code `invalid_id`).
@@ -23,6 +23,14 @@ class CreateSessionRequest(TypedModel):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     system: str | None = None
     chat_template_kwargs: TemplateKwargs | None = None
+    messages: list[ChatMessage] | None = None  # the initial transcript (an imported conversation), system included
+    metadata: Metadata | None = None
+
+
+class UpdateSessionRequest(TypedModel):
+    """Body of PATCH /v1/sessions/{id}: the metadata that replaces the session's (null clears it)."""
+
+    metadata: Metadata | None
 
 
 class RollbackRequest(TypedModel):
@@ -35,6 +43,7 @@ class ForkRequest(TypedModel):
     """Body of POST /v1/sessions/{id}/fork."""
 
     session_id: Identifier | None = None
+    metadata: Metadata | None = None  # the fork's; absent: the parent's
 
 
 class SnapshotRequest(TypedModel):
@@ -69,6 +78,7 @@ class SessionObject(BaseModel):
     max_tokens: int | None
     system: str | None
     chat_template_kwargs: dict[str, Any]
+    metadata: dict[str, str]
 
 
 class SessionList(BaseModel):

@@ -18,6 +18,7 @@ from statelm.api.session_protocol import (
     SnapshotList,
     SnapshotObject,
     SnapshotRequest,
+    UpdateSessionRequest,
     UpdateSnapshotRequest,
 )
 from statelm.sessions.errors import SessionError
@@ -37,6 +38,7 @@ _STATUS_OF_CODE = {
     "kv_pool_full": 507,
     "snapshot_quota_exceeded": 507,
 }
+METADATA = ("sessions", "metadata")  # where a session's metadata is kept: annotations[name][key]
 _TYPE_OF_CODE = {
     "session_limit_reached": "rate_limit_error",
     "kv_pool_full": "server_error",
@@ -62,7 +64,14 @@ def session_object(view: SessionView) -> SessionObject:
         num_messages=len(session.transcript),
         state=view.state.value,
         **session.settings.to_dict(),
+        metadata=session_metadata(session),
     )
+
+
+def session_metadata(session: Session) -> dict[str, str]:
+    """The metadata the API keeps with a session (empty if none was set)."""
+    name, key = METADATA
+    return dict(session.annotations.get(name, {}).get(key) or {})
 
 
 def snapshot_object(manifest: dict[str, Any]) -> SnapshotObject:
@@ -92,7 +101,19 @@ class SessionService:
     async def create(self, body: CreateSessionRequest) -> SessionObject:
         """Create a session."""
         settings = SessionSettings(body.max_tokens, body.system, dict(body.chat_template_kwargs or {}))
-        return await self._object(self.manager.create(body.session_id, settings))
+        transcript = None
+        if body.messages is not None:
+            system = [{"role": "system", "content": body.system}] if body.system is not None else []
+            transcript = system + [message.for_transcript() for message in body.messages]
+        session = self.manager.create(body.session_id, settings, transcript)
+        self._set_metadata(session, body.metadata)
+        return await self._object(session)
+
+    async def update(self, session_id: str, body: UpdateSessionRequest) -> SessionObject:
+        """Replace a session's metadata."""
+        session = self.manager.get(session_id)
+        self._set_metadata(session, body.metadata)
+        return await self._object(session)
 
     async def list(self) -> SessionList:
         """The caller's sessions, least recently used first."""
@@ -117,7 +138,10 @@ class SessionService:
 
     async def fork(self, session_id: str, body: ForkRequest) -> SessionObject:
         """A copy of a session that shares its KV."""
-        return await self._object(await self.manager.fork(session_id, body.session_id))
+        metadata = body.metadata if body.metadata is not None else session_metadata(self.manager.get(session_id))
+        child = await self.manager.fork(session_id, body.session_id)
+        self._set_metadata(child, metadata)
+        return await self._object(child)
 
     async def snapshot(self, session_id: str, body: SnapshotRequest) -> SnapshotObject:
         """Save a session as a snapshot."""
@@ -146,6 +170,10 @@ class SessionService:
     async def load_snapshot(self, snapshot_id: str, body: LoadSnapshotRequest) -> SessionObject:
         """A new session from a snapshot."""
         return await self._object(await self.manager.load_snapshot(snapshot_id, body.session_id, body.overwrite))
+
+    def _set_metadata(self, session: Session, metadata: dict[str, str] | None) -> None:
+        """Replace session's metadata (None or empty: none), a change journalled as a turn is."""
+        self.manager.annotate(session, *METADATA, dict(metadata) if metadata else None)
 
     async def _object(self, session: Session) -> SessionObject:
         """The session's object, once its changes are durable."""

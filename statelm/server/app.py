@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
@@ -25,6 +26,7 @@ from statelm.server.openapi import install_openapi
 from statelm.server.request_id import RequestIdMiddleware
 from statelm.server.routes import anthropic, health, metrics, openai, sessions
 from statelm.server.routes import responses as responses_routes
+from statelm.server.webui import ASSETS_PREFIX, install_webui
 
 HEALTH_PATH = "/health"
 METRICS_PATH = "/metrics"
@@ -39,10 +41,16 @@ class Guards:
     max_body_bytes: int
     generation_limits: GenerationLimits
     drain: DrainGate
+    webui: Path | None = None  # the built web UI served at `/` (its files are public), or None: no UI
 
     def public_paths(self) -> frozenset[str]:
         """Routes answered without a key."""
-        return frozenset({HEALTH_PATH, METRICS_PATH} if self.public_metrics else {HEALTH_PATH})
+        paths = {HEALTH_PATH, METRICS_PATH} if self.public_metrics else {HEALTH_PATH}
+        return frozenset(paths | {"/"} if self.webui is not None else paths)
+
+    def public_prefixes(self) -> tuple[str, ...]:
+        """Path prefixes answered without a key: the web UI's files."""
+        return (f"{ASSETS_PREFIX}/",) if self.webui is not None else ()
 
 
 def create_app(
@@ -91,11 +99,15 @@ def create_app(
     app.include_router(responses_routes.router)
     app.include_router(anthropic.router)
     app.include_router(sessions.router)
+    if guards.webui is not None:
+        install_webui(app, guards.webui)
     install_openapi(app, keyed=guards.keys is not None, public_paths=guards.public_paths())
 
     # Middleware added last runs first: responses are counted, then drain, keys and limits are checked.
     app.add_middleware(RequestLimitMiddleware, max_body_bytes=guards.max_body_bytes, limits=guards.generation_limits)
-    app.add_middleware(AuthMiddleware, keys=guards.keys, public_paths=guards.public_paths())
+    app.add_middleware(
+        AuthMiddleware, keys=guards.keys, public_paths=guards.public_paths(), public_prefixes=guards.public_prefixes()
+    )
     app.add_middleware(DrainMiddleware, gate=guards.drain, exempt_paths=frozenset({HEALTH_PATH}))
 
     @app.middleware("http")

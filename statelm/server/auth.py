@@ -109,10 +109,13 @@ class AuthMiddleware:
     Without a key ring every request acts as the one local user.
     """
 
-    def __init__(self, app: ASGIApp, keys: KeyRing | None, public_paths: frozenset[str]) -> None:
+    def __init__(
+        self, app: ASGIApp, keys: KeyRing | None, public_paths: frozenset[str], public_prefixes: tuple[str, ...] = ()
+    ) -> None:
         self.app = app
         self.keys = keys
         self.public_paths = public_paths
+        self.public_prefixes = public_prefixes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the request as its caller, or answer 401."""
@@ -129,7 +132,7 @@ class AuthMiddleware:
     def _principal(self, scope: Scope) -> Principal | None:
         if self.keys is None:
             return LOCAL
-        if scope["path"] in self.public_paths:
+        if scope["path"] in self.public_paths or scope["path"].startswith(self.public_prefixes):
             return ANONYMOUS
         key = presented_key(dict(scope["headers"]))
         return self.keys.principal(key) if key is not None else None

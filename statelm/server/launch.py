@@ -26,6 +26,7 @@ from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
 from statelm.sessions.manager import SessionLimits, SessionManager
+from statelm.webui import DIST
 
 log = logging.getLogger("statelm")
 SHUTDOWN_GRACE_S = 5  # after a drain, what uvicorn gives the requests still running before cancelling them
@@ -145,6 +146,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple
         max_body_bytes=server_config.max_request_bytes,
         generation_limits=limits,
         drain=DrainGate(server_config.drain_timeout),
+        webui=DIST if server_config.webui else None,
     )
     app = create_app(
         built.engine,

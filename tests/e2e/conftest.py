@@ -30,11 +30,12 @@ def server_environment() -> dict[str, str]:
 
 
 def start_server(
-    args: list[str], log_path: Path, extra_environment: dict[str, str] | None = None
+    args: list[str], log_path: Path, extra_environment: dict[str, str] | None = None, port: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
-    """Start `statelm serve` with args (and extra environment variables) and wait until /health answers."""
-    port = free_port()
-    log = log_path.open("wb")
+    """Start `statelm serve` with args (and extra environment variables) on port (a free one if None) and wait until
+    /health answers."""
+    port = port or free_port()
+    log = log_path.open("ab")
     if "--state-dir" not in args:
         args = [*args, "--state-dir", str(log_path.parent / "state")]
     process = subprocess.Popen(

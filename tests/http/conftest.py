@@ -58,7 +58,8 @@ class InProcessTransport(httpx.BaseTransport):
 
         async def send() -> httpx.Response:
             response = await self.asgi.handle_async_request(forwarded)
-            return httpx.Response(response.status_code, headers=response.headers, content=await response.aread())
+            raw = b"".join([chunk async for chunk in response.aiter_raw()])  # still encoded, as a server sends it
+            return httpx.Response(response.status_code, headers=response.headers, content=raw)
 
         return self.portal.call(send)
 

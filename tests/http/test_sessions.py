@@ -16,7 +16,7 @@ import pytest
 
 from tests.e2e.conftest import delete_state
 from tests.e2e.test_sessions import SYSTEM, create_session, turn
-from tests.http.conftest import InProcessServer
+from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 
 
 @pytest.fixture
@@ -94,3 +94,60 @@ def test_session_errors(client: openai.OpenAI, model_name: str, api: httpx.Clien
     bad_kwargs = api.post("/v1/sessions", json={"chat_template_kwargs": {"messages": []}})
     assert bad_kwargs.status_code == 400
     assert api.post("/v1/sessions", json={"max_tokens": 0}).status_code == 400
+
+
+def test_session_metadata_is_set_replaced_forked_and_cleared(api: httpx.Client) -> None:
+    made = create_session(api, session_id="titled", metadata={"title": "Capitals", "conversation": "titled"})
+    assert made["metadata"] == {"title": "Capitals", "conversation": "titled"}
+    assert create_session(api, session_id="plain")["metadata"] == {}
+    patched = api.patch("/v1/sessions/titled", json={"metadata": {"title": "Cities"}})
+    assert patched.status_code == 200 and patched.json()["metadata"] == {"title": "Cities"}
+    listed = {session["id"]: session["metadata"] for session in api.get("/v1/sessions").json()["data"]}
+    assert listed == {"titled": {"title": "Cities"}, "plain": {}}
+    assert api.post("/v1/sessions/titled/fork", json={"session_id": "copy"}).json()["metadata"] == {"title": "Cities"}
+    branch = api.post("/v1/sessions/titled/fork", json={"session_id": "branch", "metadata": {"title": "B"}})
+    assert branch.json()["metadata"] == {"title": "B"}
+    assert api.patch("/v1/sessions/titled", json={"metadata": None}).json()["metadata"] == {}
+    assert api.get("/v1/sessions/titled").json()["metadata"] == {}
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"metadata": {"title": 1}},
+        {"metadata": {"k" * 65: "v"}},
+        {"metadata": {"title": "v" * 513}},
+        {"metadata": {f"k{i}": "v" for i in range(17)}},
+        {"metadata": ["title"]},
+        {},
+        {"metadata": {}, "title": "x"},
+    ],
+)
+def test_session_metadata_is_validated(api: httpx.Client, body: dict[str, object]) -> None:
+    create_session(api, session_id="checked")
+    answer = api.patch("/v1/sessions/checked", json=body)
+    assert answer.status_code == 400, answer.text
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert api.patch("/v1/sessions/nobody", json={"metadata": {}}).status_code == 404
+
+
+def test_session_created_with_messages_holds_them(api: httpx.Client) -> None:
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!", "reasoning_content": "Greet back."},
+    ]
+    made = create_session(api, session_id="imported", system=SYSTEM, messages=messages)
+    assert made["num_messages"] == 3
+    history = api.get("/v1/sessions/imported/history").json()["messages"]
+    assert history == [{"role": "system", "content": SYSTEM}, *messages]
+    refused = api.post("/v1/sessions", json={"messages": [{"role": "user", "reasoning_content": "no"}]})
+    assert refused.status_code == 400 and refused.json()["error"]["param"].startswith("messages")
+
+
+def test_session_metadata_survives_a_restart(tiny_model: Path, tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with serve_in_process(tiny_args(tiny_model, state)) as first, first.http() as http:
+        create_session(http, session_id="kept", metadata={"title": "Kept"})
+        assert http.patch("/v1/sessions/kept", json={"metadata": {"title": "Renamed"}}).status_code == 200
+    with serve_in_process(tiny_args(tiny_model, state)) as second, second.http() as http:
+        assert http.get("/v1/sessions/kept").json()["metadata"] == {"title": "Renamed"}

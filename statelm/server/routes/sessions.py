@@ -18,6 +18,7 @@ from statelm.api.session_protocol import (
     SnapshotList,
     SnapshotObject,
     SnapshotRequest,
+    UpdateSessionRequest,
     UpdateSnapshotRequest,
 )
 from statelm.api.sessions import SessionService
@@ -49,6 +50,12 @@ async def list_sessions(request: Request) -> SessionList:
 async def get_session(session_id: PathId, request: Request) -> SessionObject:
     """Show one session."""
     return await session_service(request).get(session_id)
+
+
+@router.patch("/sessions/{session_id}")
+async def update_session(session_id: PathId, body: UpdateSessionRequest, request: Request) -> SessionObject:
+    """Replace a session's metadata (null clears it)."""
+    return await session_service(request).update(session_id, body)
 
 
 @router.delete("/sessions/{session_id}")
