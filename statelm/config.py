@@ -56,6 +56,7 @@ class ServerConfig:
     log_level: str = "info"
     state_dir: Path = field(default_factory=default_state_dir)  # sessions and snapshots live here
     session_durability: SessionDurability = SessionDurability.TURN
+    resume_sessions: bool = True  # take the state dir's sessions at start (a cluster replica adopts them instead)
     api_keys: list[str] = field(default_factory=list)  # none (and no file, no admin key): no authentication
     api_key_file: Path | None = None  # one key a line, read again when it changes
     admin_keys: list[str] = field(default_factory=list)  # may see and manage every key's sessions and snapshots
@@ -74,3 +75,15 @@ class ServerConfig:
     max_stored_completions: int = 1000  # `store: true` completions kept in memory, the oldest dropped; 0: refused
     max_stored_responses: int | None = 1000  # stored responses per key, the oldest dropped past it; None: no limit
     response_retention: float | None = 30 * 86400.0  # seconds a stored response is kept; None: no limit
+
+
+@dataclass
+class ClusterConfig:
+    """Engine replicas on Ray Serve behind one endpoint (`statelm serve --replicas N`)."""
+
+    replicas: int = 0  # 0: the single-process server, which never imports Ray
+    ray_address: str | None = None  # join this Ray cluster; None: start a local Ray instance
+    replica_cpus: float = 1.0  # Ray CPUs each replica reserves
+    replica_gpus: float = 0.0  # Ray GPUs each replica reserves
+    routing: str = "prefix"  # stateless requests: prefix (longest cached prefix, else least loaded) | least-loaded
+    # | round-robin

@@ -13,7 +13,7 @@ from statelm.cli.chat_repl import chat
 from statelm.cli.docs import docs
 from statelm.cli.server_control import server_app
 from statelm.cli.sessions import session_app, snapshot_app
-from statelm.config import EngineConfig, ServerConfig, SessionDurability
+from statelm.config import ClusterConfig, EngineConfig, ServerConfig, SessionDurability
 from statelm.paths import default_state_dir
 
 app = typer.Typer(
@@ -223,6 +223,26 @@ def serve(
     response_retention: Annotated[
         str, typer.Option(help="How long a stored response is kept, e.g. 30d, 12h, 90m (0: no limit).")
     ] = "30d",
+    replicas: Annotated[
+        int,
+        typer.Option(
+            min=0,
+            help="Engine replicas on Ray Serve behind this one endpoint (needs statelm[cluster]; 0: one process,"
+            " no Ray). --state-dir must be a directory every replica reaches.",
+        ),
+    ] = 0,
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster to join with --replicas (default: start a local Ray instance).")
+    ] = None,
+    replica_cpus: Annotated[float, typer.Option(help="Ray CPUs each replica reserves.")] = 1.0,
+    replica_gpus: Annotated[float, typer.Option(help="Ray GPUs each replica reserves.")] = 0.0,
+    routing: Annotated[
+        str,
+        typer.Option(
+            help="Where stateless requests go with --replicas: prefix (the replica with the longest cached prefix,"
+            " else the least loaded) | least-loaded | round-robin. Session turns always go to their replica."
+        ),
+    ] = "prefix",
 ) -> None:
     """Start the OpenAI-compatible server.
 
@@ -278,8 +298,22 @@ def serve(
     )
     from statelm.server.launch import LaunchError, run_server
 
+    cluster_config = ClusterConfig(replicas, ray_address, replica_cpus, replica_gpus, routing)
     try:
-        run_server(engine_config, server_config)
+        if cluster_config.replicas:
+            run_cluster(engine_config, server_config, cluster_config)
+        else:
+            run_server(engine_config, server_config)
     except LaunchError as exc:
         typer.echo(f"statelm: error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluster_config: ClusterConfig) -> None:
+    """Serve replicas on Ray Serve (imported only here), or say how to install it."""
+    try:
+        from statelm.cluster.launch import run_cluster as run
+    except ImportError as exc:
+        typer.echo(f"statelm: error: --replicas needs Ray Serve: pip install 'statelm[cluster]' ({exc})", err=True)
+        raise typer.Exit(2) from None
+    run(engine_config, server_config, cluster_config)

@@ -71,9 +71,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(
-        self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ForwardStep
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ForwardStep) -> torch.Tensor:
         """Project [T, hidden], write K/V to the cache, attend, and project back."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
