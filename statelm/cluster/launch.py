@@ -63,6 +63,7 @@ def deploy_replicas(
         max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_queue + CONTROL_CALLS,
         graceful_shutdown_timeout_s=server_config.drain_timeout + 120,  # requests finish, then sessions are saved
         ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
+        logging_config={"enable_access_log": False},  # the replica's own app logs what it answers
     )
     names = replica_names(cluster.replicas)
     targets = [

@@ -73,7 +73,7 @@ class Placement:
     async def start(self) -> None:
         """Learn who the replicas are, give the store's sessions to them, and watch them from now on."""
         for replica in self.replicas.values():
-            await self._refresh(replica, timeout=None)
+            await self._refresh(replica, timeout=None, adopt=False)
         async with self._lock:
             await self._adopt_orphans()
         self._watch = asyncio.create_task(self._watch_replicas())
@@ -189,8 +189,9 @@ class Placement:
                 if replica.state in (ReplicaState.LIVE, ReplicaState.LOST):
                     await self._refresh(replica, PING_TIMEOUT_S)
 
-    async def _refresh(self, replica: Replica, timeout: float | None) -> None:
-        """Ping a live replica's actor; ask a lost one who it is now (live again once it answers)."""
+    async def _refresh(self, replica: Replica, timeout: float | None, adopt: bool = True) -> None:
+        """Ping a live replica's actor; ask a lost one who it is now: once it answers it is live again (and, with
+        adopt, takes its share of the sessions nobody holds)."""
         if replica.state is ReplicaState.LIVE and replica.actor is not None:
             try:
                 await asyncio.wait_for(replica.actor.__ray_ready__.remote(), timeout)
@@ -209,3 +210,5 @@ class Placement:
             replica.incarnation, replica.actor, replica.pid = info["incarnation"], info["actor"], info["pid"]
             replica.state = ReplicaState.LIVE
             log.info("replica %s is live (pid %s)", replica.name, replica.pid)
+            if adopt:
+                await self._adopt_orphans()

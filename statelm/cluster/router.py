@@ -31,6 +31,7 @@ from statelm.sessions.ownership import LOCAL, Principal
 
 log = logging.getLogger(__name__)
 CLUSTER_PATH = "/v1/cluster"
+REPLICA_HEADER = b"x-statelm-replica"  # on every forwarded answer: the replica that gave it
 
 
 def unavailable(message: str) -> APIError:
@@ -113,7 +114,9 @@ class RouterApp:
         replica.in_flight += 1
         try:
             async for message in answer:
-                started = started or message["type"] == "http.response.start"
+                if message["type"] == "http.response.start":
+                    started = True
+                    message = {**message, "headers": [*message["headers"], (REPLICA_HEADER, replica.name.encode())]}
                 await send(message)
         except StaleReplicaError:
             await self.placement.lost(replica, incarnation)

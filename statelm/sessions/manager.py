@@ -109,8 +109,10 @@ class SessionManager:
         loop = asyncio.get_running_loop()
         self._kv.spill_handler = lambda session_id, data: loop.call_soon_threadsafe(self._spilled, session_id, data)
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
-        if self.journal is not None and self.resume:
-            await self._resume(self.journal)
+        if self.journal is not None:
+            self.journal.directory.mkdir(parents=True, exist_ok=True)
+            if self.resume:
+                await self._resume(self.journal)
 
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
