@@ -146,9 +146,8 @@ class Placement:
             raise NoReplicaError("no replica is serving")
         answers = await asyncio.gather(*(r.handle.holds.remote(kind, key, r.incarnation) for r in live))
         holders = [replica for replica, holds in zip(live, answers, strict=True) if holds]
-        chosen = (
-            holders[0] if holders else self.replicas[self.balancer.least_loaded({r.name: r.in_flight for r in live})]
-        )
+        loads = {replica.name: replica.in_flight for replica in live}
+        chosen = holders[0] if holders else self.replicas[self.balancer.pick(loads).replica]
         if not holders and kind is TargetKind.SESSION and await asyncio.to_thread(self.store.has_session, key):
             await chosen.handle.adopt.remote([key], chosen.incarnation)
         self.table.set(kind, key, chosen.name)
