@@ -26,7 +26,3 @@ class AffinityTable:
         for entry in gone:
             del self._replicas[entry]
         return len(gone)
-
-    def count(self, replica: str) -> int:
-        """How many ids the table places on replica."""
-        return sum(holder == replica for holder in self._replicas.values())
