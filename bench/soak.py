@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 
 from bench.common import machine_report, start_server
-from statelm.cli.main import parse_size
+from statelm.config import parse_size
 
 SCENARIOS = ("stateless", "session", "snapshot", "cancelled")
 PROMPTS = [

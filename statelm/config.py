@@ -1,41 +1,143 @@
-"""Flat settings for the engine and the server, filled from the command line."""
+"""Flat settings for the engine and the server.
+
+Each field is also a `statelm serve` option: `name: type = setting(default, help="...")` is `--name` with that default
+and help (statelm/cli/settings.py makes the options), so a new setting is one field here.
+"""
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+import re
+from collections.abc import Callable
+from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from statelm.paths import default_state_dir
+
+_SIZE = re.compile(r"^\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "B": 1, "K": 1e3, "KB": 1e3, "KIB": 2**10, "M": 1e6, "MB": 1e6, "MIB": 2**20,
+          "G": 1e9, "GB": 1e9, "GIB": 2**30, "T": 1e12, "TB": 1e12, "TIB": 2**40}  # fmt: skip
+_DURATION = re.compile(r"^\s*([0-9.]+)\s*([smhd]?)\s*$", re.IGNORECASE)
+_SECONDS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_size(text: str) -> int:
+    """Bytes from a size such as `2GiB`, `512MB` or `1000000`."""
+    match = _SIZE.match(text)
+    if not match or (match.group(2) or "").upper() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 2GiB, 512MiB, 1000000)")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+def parse_duration(text: str) -> float:
+    """Seconds from a duration such as `30d`, `12h`, `90m` or `3600`."""
+    match = _DURATION.match(text)
+    if not match:
+        raise ValueError(f"not a duration: {text!r} (examples: 30d, 12h, 90m, 3600)")
+    return float(match.group(1)) * _SECONDS[match.group(2).lower()]
+
+
+def parse_sampling_defaults(text: str) -> dict[str, Any]:
+    """Sampling defaults from a JSON object, checked as request fields are."""
+    from pydantic import ValidationError
+
+    from statelm.api.protocol import SamplerSettings
+
+    try:
+        return SamplerSettings.model_validate_json(text).model_dump(exclude_none=True)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
+        raise ValueError(f"{problems} (fields: {', '.join(SamplerSettings.model_fields)})") from None
+
+
+@dataclass(frozen=True)
+class Setting:
+    """How `statelm serve` sets a config field: the option's help, name, text form and default as typed."""
+
+    help: str
+    flag: str | None = None  # None: --field-name (and --no-field-name for a bool)
+    parse: Callable[[str], Any] | None = None  # reads the option's text; None: the field's own type
+    text_default: str | None = None  # the default as typed, where parse reads it (e.g. "16MiB")
+    zero_is_none: bool = False  # the option's 0 is the field's None (e.g. no limit)
+    env: str | None = None  # an environment variable whose space-separated words are added to a list
+    minimum: float | None = None
+    cli: bool = True  # False: not a `statelm serve` option
+
+
+SETTING = "statelm.setting"  # the key of a field's Setting in its metadata
+
+
+def setting(
+    default: Any = MISSING,
+    *,
+    help: str,
+    factory: Callable[[], Any] | None = None,
+    flag: str | None = None,
+    parse: Callable[[str], Any] | None = None,
+    text_default: str | None = None,
+    zero_is_none: bool = False,
+    env: str | None = None,
+    minimum: float | None = None,
+    cli: bool = True,
+) -> Any:
+    """A dataclass field with a default (or a factory of one) and the `statelm serve` option that sets it."""
+    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, cli)}
+    if factory is not None:
+        return field(default_factory=factory, metadata=metadata)
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineConfig:
     """How the model is loaded and how the engine schedules and caches."""
 
-    model: str = "default"
-    load_format: str = "auto"  # auto | dummy
-    device: str = "auto"  # auto | cpu | cuda
-    dtype: str = "auto"  # auto | float32 | bfloat16 | float16
-    quantization: str = "auto"  # auto (a GGUF's quantized weights stay packed) | none | int8 | int4
-    # packed matmuls: float32 (the float model's arithmetic) | int8 (llama.cpp's; faster) | int8-decode (int8 for
-    # generated tokens, as llama.cpp decodes; float32 for prompt tokens, so every first token is the float model's)
-    activations: str = "int8-decode"
-    max_model_len: int | None = None
-    block_size: int = 16
-    kv_cache_memory: int | None = None  # bytes; None = a default that depends on the device
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
-    enable_prefix_caching: bool = True
-    batch_invariant: bool = True  # fixed-size matmul row chunks: output independent of batch composition
-    compute_path: str = "auto"  # auto (the start-up self-check picks) | kernels | torch | torch-per-row
-    kv_cache_dtype: str = "auto"  # auto (the model's dtype) | float32 | bfloat16 | float16 (CPU kernels path only)
-    enforce_eager: bool = False  # CUDA: no graph capture of decode steps (every step runs eagerly)
-    max_queue: int = 256  # requests waiting for a slot; more get 429
-    seed: int = 0
-    threads: int | None = None
-    default_sampling: dict[str, Any] = field(default_factory=dict)  # request field defaults over the model's own
+    model: str = setting("default", help="Model dir, .gguf file, hub id (org/name), or `default`.")
+    load_format: str = setting("auto", help="auto | dummy (random weights, for benchmarks)")
+    device: str = setting("auto", help="auto | cpu | cuda")
+    dtype: str = setting("auto", help="auto | float32 | bfloat16 | float16")
+    quantization: str = setting(
+        "auto",
+        help="auto (a GGUF's quantized weights stay packed) | none (dequantize) | int8 | int4 (quantize float weights"
+        " at load)",
+    )
+    activations: str = setting(
+        "int8-decode",
+        help="Packed (quantized) matmuls: float32 (the float model's arithmetic) | int8 (activations quantized per 32"
+        " values, as llama.cpp computes: 2.5-3x faster on many rows, about 3% of next tokens differ) | int8-decode"
+        " (int8 for generated tokens, float32 for prompt tokens and so for every first token).",
+    )
+    max_model_len: int | None = setting(None, help="Context length cap (default: the model's).")
+    block_size: int = setting(16, help="Tokens per KV cache block.")
+    kv_cache_memory: int | None = setting(  # bytes
+        None, help="KV cache budget, e.g. 2GiB (default: 2GiB on CPU, 80% of free GPU memory).", parse=parse_size
+    )
+    max_num_seqs: int = setting(64, help="Most sequences running at once.")
+    max_num_batched_tokens: int = setting(512, help="Token budget of one engine step.")
+    enable_prefix_caching: bool = setting(
+        True, help="Reuse cached KV blocks of shared prompt prefixes.", flag="--prefix-cache"
+    )
+    batch_invariant: bool = setting(
+        True, help="Same output for a request whatever else runs (fixed-size matmul chunks)."
+    )
+    compute_path: str = setting(
+        "auto",
+        help="auto (a start-up self-check picks the fastest batch-invariant one) | kernels | torch | torch-per-row.",
+    )
+    kv_cache_dtype: str = setting(
+        "auto",
+        help="auto (the model's dtype) | float32 | bfloat16 | float16 (narrower caches: CPU kernels path only; half"
+        " the bytes attention reads).",
+    )
+    enforce_eager: bool = setting(False, help="CUDA: run every step eagerly (no CUDA graphs of decode steps).")
+    max_queue: int = setting(256, help="Requests that may wait for a slot; more get 429.")
+    seed: int = setting(0, help="Seed for dummy weights.")
+    threads: int | None = setting(None, help="Torch CPU threads (default: all cores).")
+    default_sampling: dict[str, Any] = setting(  # request field defaults over the model's own
+        factory=dict,
+        help='Sampling defaults over the model\'s own, as JSON: \'{"temperature": 0.7, "top_k": 40}\'.',
+        parse=parse_sampling_defaults,
+    )
 
 
 class SessionDurability(enum.StrEnum):
@@ -50,40 +152,109 @@ class SessionDurability(enum.StrEnum):
 class ServerConfig:
     """Where and how the HTTP server listens."""
 
-    host: str = "127.0.0.1"
-    port: int = 8000
-    served_model_name: str | None = None
-    log_level: str = "info"
-    state_dir: Path = field(default_factory=default_state_dir)  # sessions and snapshots live here
-    session_durability: SessionDurability = SessionDurability.TURN
-    resume_sessions: bool = True  # take the state dir's sessions at start (a cluster replica adopts them instead)
-    api_keys: list[str] = field(default_factory=list)  # none (and no file, no admin key): no authentication
-    api_key_file: Path | None = None  # one key a line, read again when it changes
-    admin_keys: list[str] = field(default_factory=list)  # may see and manage every key's sessions and snapshots
-    metrics_require_key: bool = False  # /metrics is public unless set
-    max_request_bytes: int = 16 * 2**20  # larger bodies get 413
-    max_messages: int | None = 1024  # per generation request; more get 400
-    max_prompt_tokens: int | None = None  # None: the context length
-    max_completion_tokens: int | None = 8192  # max_tokens above it gets 400; also the default when none is sent
-    max_sessions_per_key: int | None = 256  # more get 429
-    snapshot_quota: int | None = 20 * 2**30  # bytes of snapshots per key; past it 507
-    drain_timeout: float = 30.0  # seconds running requests may take to finish after SIGTERM
-    sse_keepalive: float = 10.0  # seconds between SSE comments on a stream (kept open through a long prefill)
-    tool_parser: str | None = None  # tool-call output format; None: read off the chat template
-    reasoning_parser: str = "auto"  # think tags: auto (from the template), none, or a parser name
-    allowed_origins: list[str] = field(default_factory=list)  # browser origins allowed by CORS; none by default
-    max_stored_completions: int = 1000  # `store: true` completions kept in memory, the oldest dropped; 0: refused
-    max_stored_responses: int | None = 1000  # stored responses per key, the oldest dropped past it; None: no limit
-    response_retention: float | None = 30 * 86400.0  # seconds a stored response is kept; None: no limit
+    host: str = setting("127.0.0.1", help="Interface to bind; loopback unless told otherwise.")
+    port: int = setting(8000, help="TCP port.")
+    served_model_name: str | None = setting(None, help="Name clients use in `model`.")
+    log_level: str = setting("info", help="debug | info | warning | error")
+    state_dir: Path = setting(
+        factory=default_state_dir, help="Where sessions and snapshots are kept (default: the user state dir)."
+    )
+    session_durability: SessionDurability = setting(
+        SessionDurability.TURN,
+        help="What a crash may lose: turn (nothing answered: every change is journalled and fsynced first) | spill"
+        " (changes since a session was last spilled or saved at a graceful stop) | off (every session: kept in memory"
+        " only, neither saved nor resumed).",
+    )
+    resume_sessions: bool = setting(
+        True,
+        help="Take the state dir's sessions at start (a cluster replica adopts them one by one instead).",
+        cli=False,
+    )
+    api_keys: list[str] = setting(  # none (and no file, no admin key): no authentication
+        factory=list,
+        help="A key clients may send (repeatable); STATELM_API_KEY adds more.",
+        flag="--api-key",
+        env="STATELM_API_KEY",
+    )
+    api_key_file: Path | None = setting(
+        None, help="File of keys clients may send, one a line; read again when it changes."
+    )
+    admin_keys: list[str] = setting(
+        factory=list,
+        help="A key that manages every key's state; STATELM_ADMIN_KEY adds more.",
+        flag="--admin-key",
+        env="STATELM_ADMIN_KEY",
+    )
+    metrics_require_key: bool = setting(False, help="Ask for a key on /metrics as well.")
+    max_request_bytes: int = setting(
+        16 * 2**20, help="Largest request body; a larger one gets 413.", parse=parse_size, text_default="16MiB"
+    )
+    max_messages: int | None = setting(  # more get 400
+        1024, help="Most messages in one request (0: no limit).", zero_is_none=True
+    )
+    max_prompt_tokens: int | None = setting(
+        None, help="Most prompt tokens in one request (0: the context).", zero_is_none=True
+    )
+    max_completion_tokens: int | None = setting(  # max_tokens above it gets 400
+        8192, help="Cap on max_tokens, and its value when a request sends none (0: the context).", zero_is_none=True
+    )
+    max_sessions_per_key: int | None = setting(  # more get 429
+        256, help="Most sessions one key may hold (0: no limit).", zero_is_none=True
+    )
+    snapshot_quota: int | None = setting(  # bytes; past it 507
+        20 * 2**30,
+        help="Bytes of snapshots one key may keep on disk, e.g. 20GiB (0: no limit).",
+        parse=parse_size,
+        text_default="20GiB",
+        zero_is_none=True,
+    )
+    drain_timeout: float = setting(30.0, help="Seconds that running requests get to finish after SIGTERM.")
+    sse_keepalive: float = setting(
+        10.0, help="Seconds between keep-alive comments on a stream (e.g. during a long prefill).", minimum=0.01
+    )
+    tool_parser: str | None = setting(
+        None, help="Tool-call format: hermes | qwen3_coder | llama3_json | mistral (default: from the template)."
+    )
+    reasoning_parser: str = setting(
+        "auto", help="Think tags: auto (from the template) | none | deepseek_r1 | qwen3 | seed_oss | mistral."
+    )
+    allowed_origins: list[str] = setting(
+        factory=list,
+        help="A browser origin (e.g. http://localhost:5173, or *) whose pages may call the API, by CORS (repeatable;"
+        " none by default).",
+    )
+    max_stored_completions: int = setting(
+        1000, help="Chat completions kept for `store: true`, in memory, oldest dropped (0: refused)."
+    )
+    max_stored_responses: int | None = setting(
+        1000, help="Stored responses (/v1/responses) one key keeps, oldest dropped (0: no limit).", zero_is_none=True
+    )
+    response_retention: float | None = setting(  # seconds
+        30 * 86400.0,
+        help="How long a stored response is kept, e.g. 30d, 12h, 90m (0: no limit).",
+        parse=parse_duration,
+        text_default="30d",
+        zero_is_none=True,
+    )
 
 
 @dataclass
 class ClusterConfig:
     """Engine replicas on Ray Serve behind one endpoint (`statelm serve --replicas N`)."""
 
-    replicas: int = 0  # 0: the single-process server, which never imports Ray
-    ray_address: str | None = None  # join this Ray cluster; None: start a local Ray instance
-    replica_cpus: float = 1.0  # Ray CPUs each replica reserves
-    replica_gpus: float = 0.0  # Ray GPUs each replica reserves
-    routing: str = "prefix"  # stateless requests: prefix (longest cached prefix, else least loaded) | least-loaded
-    # | round-robin
+    replicas: int = setting(
+        0,
+        help="Engine replicas on Ray Serve behind this one endpoint (needs statelm[cluster]; 0: one process, no Ray)."
+        " --state-dir must be a directory every replica reaches.",
+        minimum=0,
+    )
+    ray_address: str | None = setting(
+        None, help="Ray cluster to join with --replicas (default: start a local Ray instance)."
+    )
+    replica_cpus: float = setting(1.0, help="Ray CPUs each replica reserves.")
+    replica_gpus: float = setting(0.0, help="Ray GPUs each replica reserves.")
+    routing: str = setting(
+        "prefix",
+        help="Where stateless requests go with --replicas: prefix (the replica with the longest cached prefix, else"
+        " the least loaded) | least-loaded | round-robin. Session turns always go to their replica.",
+    )

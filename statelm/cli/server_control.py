@@ -18,6 +18,7 @@ from statelm.cli.client import ClientError, StatelmClient
 from statelm.cli.common import ApiKeyOption, JsonOption, console, fail, print_json
 from statelm.cli.render import duration
 from statelm.cli.server_record import ServerRecord, is_statelm_server, process_command
+from statelm.config import ServerConfig
 
 server_app = typer.Typer(
     no_args_is_help=True,
@@ -62,8 +63,8 @@ def healthy(url: str) -> bool:
 @server_app.command("start", context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 def start(
     ctx: typer.Context,
-    host: Annotated[str, typer.Option(help="Interface to bind.")] = "127.0.0.1",
-    port: Annotated[int, typer.Option(help="TCP port.")] = 8000,
+    host: Annotated[str, typer.Option(help="Interface to bind.")] = ServerConfig.host,
+    port: Annotated[int, typer.Option(help="TCP port.")] = ServerConfig.port,
     state_dir: StateDirOption = None,
     timeout: Annotated[float, typer.Option(help="Seconds to wait for the server to become healthy.")] = 600,
 ) -> None:

@@ -3,6 +3,11 @@ kernel's int8 activations), odd shapes, and invariance."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -12,6 +17,7 @@ from gguf.quants import dequantize, quantize
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.kernels.quant import PackedWeight, pack_gguf
 from statelm.kernels.quant import quantize as quantize_float
+from tests.models.test_cpu_classes import CLASS_ORDER, ONEDNN_ISA, native_class
 from tests.models.test_gguf import _random_k_blocks
 from tests.unit.kernel_threads import kernel_threads
 
@@ -110,6 +116,41 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, thread
         alone = torch.cat([weight.matmul(x[i : i + 1], int8) for i in range(65)])
         for count in (2, 3, 5, 7, 16, 64, 65):
             assert torch.equal(weight.matmul(x[:count], int8), alone[:count]), count
+
+
+CLASS_BUILD_CHILD = """
+import sys, torch
+from statelm.kernels.build import load_kernels
+from statelm.kernels.quant import PackedWeight
+load_kernels()
+data = torch.load(sys.argv[1])
+outputs = {}
+for name, (kind, shape, state) in data["weights"].items():
+    weight = PackedWeight.from_state(kind, *shape, state)
+    for int8 in (False, True):
+        outputs[f"{name}-{int8}"] = weight.matmul(data["x"], int8_activations=int8)
+torch.save(outputs, sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("capability", ["avx2", "default"])
+def test_every_cpu_class_build_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
+    if CLASS_ORDER[capability] >= CLASS_ORDER.get(native_class(), 0):
+        pytest.skip(f"this machine computes at {native_class()}: no wider build to compare with")
+    weights = {qtype.name: pack_gguf(qtype, gguf_tensor(qtype, 77, 96, seed=8), (77, 96)) for qtype in EXACT_TYPES}
+    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(9))
+    inputs = {
+        "x": x,
+        "weights": {name: (w.kind, (w.out_features, w.in_features), w.state()) for name, w in weights.items()},
+    }
+    torch.save(inputs, tmp_path / "in.pt")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[capability]}
+    command = [sys.executable, "-c", CLASS_BUILD_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    subprocess.run(command, env=env, check=True, timeout=600)
+    capped = torch.load(tmp_path / "out.pt")
+    for name, weight in weights.items():
+        for int8 in (False, True):
+            assert torch.equal(weight.matmul(x, int8_activations=int8), capped[f"{name}-{int8}"]), (name, int8)
 
 
 def test_rows_select_concat_embed_and_round_trip_their_state() -> None:

@@ -51,14 +51,17 @@ inline void store_columns(const float* lanes, float* y, int64_t col, int64_t n) 
   std::memcpy(y + col, lanes, sizeof(float) * std::min<int64_t>(kGroup, n - col));
 }
 
-// Runs tile(m0, rows, group) over row tiles of at most kRowsPerTile rows and the groups [begin, end), a few
-// groups at a time so that their weights stay in L1 while every row tile passes over them.
-template <typename Tile>
+// Runs tile(m0, rows, group) over row tiles of at most kTileRows rows and the groups [begin, end) in steps of
+// kGroupStep (a tile may take that many groups from `group`), a few groups at a time so that their weights stay
+// in L1 while every row tile passes over them.
+template <int kTileRows = kRowsPerTile, int64_t kGroupStep = 1, typename Tile>
 void for_each_tile(int64_t rows, int64_t begin, int64_t end, const Tile& tile) {
   for (int64_t g0 = begin; g0 < end; g0 += kGroupsPerChunk) {
     const int64_t g1 = std::min(end, g0 + kGroupsPerChunk);
-    for (int64_t m0 = 0; m0 < rows; m0 += kRowsPerTile) {
-      for (int64_t group = g0; group < g1; ++group) tile(m0, std::min<int64_t>(kRowsPerTile, rows - m0), group);
+    for (int64_t m0 = 0; m0 < rows; m0 += kTileRows) {
+      for (int64_t group = g0; group < g1; group += kGroupStep) {
+        tile(m0, std::min<int64_t>(kTileRows, rows - m0), group);
+      }
     }
   }
 }
