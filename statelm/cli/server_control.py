@@ -135,6 +135,7 @@ def status(state_dir: StateDirOption = None, as_json: JsonOption = False, api_ke
         model = client.model()
         info.update(model=model["id"], max_model_len=model.get("max_model_len"))
         info["sessions"] = len(client.sessions())
+        info["replicas"] = cluster_replicas(client)
     except ClientError as exc:
         info["error"] = str(exc)
     if as_json:
@@ -143,9 +144,26 @@ def status(state_dir: StateDirOption = None, as_json: JsonOption = False, api_ke
     console.print(f"statelm server running at [bold]{url}[/bold] · pid {pid} · up {duration(uptime)}")
     if "model" in info:
         console.print(f"model {info['model']} (context {info['max_model_len']}) · {info['sessions']} sessions")
+        for replica in info["replicas"] or []:
+            console.print(
+                f"  {replica['name']}: {replica['state']} · pid {replica['pid']} · {replica['sessions']} sessions"
+                f" · {replica['in_flight']} requests in flight ({replica['running']} running, {replica['waiting']}"
+                " waiting)",
+                highlight=False,
+            )
     else:
         console.print(f"[yellow]not answering:[/yellow] {info['error']}", highlight=False)
     console.print(f"log {record.log_file}", highlight=False)
+
+
+def cluster_replicas(client: StatelmClient) -> list[dict[str, object]] | None:
+    """The replicas of a server started with --replicas (their state, sessions and load); None for one process."""
+    try:
+        return client.request("GET", "/v1/cluster")["replicas"]
+    except ClientError as exc:
+        if exc.status == 404:
+            return None
+        raise
 
 
 @server_app.command("stop")

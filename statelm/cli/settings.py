@@ -1,4 +1,5 @@
-"""`statelm serve`'s options, one per field of EngineConfig and ServerConfig, and the configs their values make."""
+"""`statelm serve`'s options, one per field of EngineConfig, ServerConfig and ClusterConfig, and the configs their
+values make."""
 
 from __future__ import annotations
 
@@ -13,10 +14,11 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 
-from statelm.config import SETTING, EngineConfig, ServerConfig, Setting
+from statelm.config import SETTING, ClusterConfig, EngineConfig, ServerConfig, Setting
 
-CONFIGS: dict[type[Any], str] = {EngineConfig: "Engine", ServerConfig: "Server"}  # each config's help panel
+CONFIGS: dict[type[Any], str] = {EngineConfig: "Engine", ServerConfig: "Server", ClusterConfig: "Cluster"}  # panels
 Command = TypeVar("Command", bound=Callable[..., Any])
+Config = TypeVar("Config")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,7 +108,7 @@ def _without_none(hint: Any) -> Any:
 
 
 def with_setting_options(command: Command) -> Command:
-    """command, whose `**settings` takes them, with an option per setting of EngineConfig and ServerConfig."""
+    """command, whose `**settings` takes them, with an option per setting of every config in CONFIGS."""
     signature = inspect.signature(command, eval_str=True)
     own = [p.replace(kind=p.KEYWORD_ONLY) for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
     generated = [option.parameter(panel) for config, panel in CONFIGS.items() for option in options(config)]
@@ -115,10 +117,11 @@ def with_setting_options(command: Command) -> Command:
 
 
 def configs(values: dict[str, Any]) -> tuple[EngineConfig, ServerConfig]:
-    """The configs the options' values (by field name) set."""
+    """The engine and server configs the options' values (by field name) set."""
+    return config_from(EngineConfig, values), config_from(ServerConfig, values)
 
-    def make(config: type[Any]) -> Any:
-        chosen = [(option, option.value(values[option.name])) for option in options(config)]
-        return config(**{option.name: value for option, value in chosen if value is not None or not option.by_factory})
 
-    return make(EngineConfig), make(ServerConfig)
+def config_from(config: type[Config], values: dict[str, Any]) -> Config:
+    """The config of that type the options' values (by field name) set."""
+    chosen = [(option, option.value(values[option.name])) for option in options(config)]
+    return config(**{option.name: value for option, value in chosen if value is not None or not option.by_factory})

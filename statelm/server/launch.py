@@ -69,6 +69,7 @@ def build_services(
         server_config.session_durability,
         SessionLimits(server_config.max_sessions_per_key, server_config.snapshot_quota),
         metrics.journal,
+        resume=server_config.resume_sessions,
     )
     try:
         chat = ChatService(

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from statelm.sessions.errors import (
 from statelm.sessions.journal_records import annotation_record, rollback_record, session_record, turn_record
 from statelm.sessions.journal_store import JournalCounters, SessionJournal
 from statelm.sessions.ownership import current_principal
-from statelm.sessions.recovery import recover_sessions
+from statelm.sessions.recovery import Recovered, recover_session, recover_sessions
 from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.snapshots import SnapshotStore
@@ -82,8 +82,10 @@ class SessionManager:
         durability: SessionDurability,
         limits: SessionLimits | None = None,
         journal_counters: JournalCounters | None = None,
+        resume: bool = True,
     ) -> None:
         self.engine = engine
+        self.resume = resume  # take every session the state dir holds at start (else only those adopted)
         self.limits = limits or SessionLimits()
         self.model_name = model_name
         self.fingerprint = fingerprint
@@ -108,19 +110,47 @@ class SessionManager:
         self._kv.spill_handler = lambda session_id, data: loop.call_soon_threadsafe(self._spilled, session_id, data)
         self.sessions_dir.mkdir(parents=True, exist_ok=True)
         if self.journal is not None:
-            await self._resume(self.journal)
+            self.journal.directory.mkdir(parents=True, exist_ok=True)
+            if self.resume:
+                await self._resume(self.journal)
 
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
         started = time.perf_counter()
         found = await asyncio.to_thread(recover_sessions, self.sessions_dir, journal.directory, self.fingerprint)
-        self.sessions.update((session.id, session) for session in found.sessions)
-        self._last_lsn = found.last_lsn
-        journal.sizes.update(found.journal_sizes)
-        journal.counters.recoveries += found.from_journal
+        self._take(found, journal)
         if found.sessions:
             log.info("resumed %d sessions (%d brought up to date by their journals) in %.0f ms",
                      len(found.sessions), found.from_journal, (time.perf_counter() - started) * 1000)  # fmt: skip
+
+    async def adopt(self, session_ids: Iterable[str]) -> list[Session]:
+        """Take over sessions that another server left in the state dir, each as of its last change (its directory
+        and journal); ids already held, missing or unreadable are skipped. The caller ensures nobody else holds them.
+        """
+        adopted: list[Session] = []
+        journal = self.journal
+        if journal is None:
+            return adopted
+        for session_id in session_ids:
+            if session_id in self.sessions:
+                continue
+            try:
+                found = await asyncio.to_thread(
+                    recover_session, self.sessions_dir, journal.directory, session_id, self.fingerprint
+                )
+            except SessionError as exc:
+                log.warning("not adopting session %s: %s", session_id, exc)
+                continue
+            self._take(found, journal)
+            adopted.extend(found.sessions)
+        return adopted
+
+    def _take(self, found: Recovered, journal: SessionJournal) -> None:
+        """Hold recovered sessions; later changes get log sequence numbers above any they had."""
+        self.sessions.update((session.id, session) for session in found.sessions)
+        self._last_lsn = max(self._last_lsn, found.last_lsn)
+        journal.sizes.update(found.journal_sizes)
+        journal.counters.recoveries += found.from_journal
 
     async def close(self) -> None:
         """Save every session (when persisting) or remove the spill directory; the engine must still run."""

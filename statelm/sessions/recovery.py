@@ -51,16 +51,35 @@ def recover_sessions(sessions_dir: Path, journal_dir: Path, fingerprint: ModelFi
         if entry.name.endswith(SUFFIX)
     }
     for session_id in sorted(directories.keys() | journals.keys()):
-        try:
-            check_id(session_id, "session_id")
-            session = _recover_one(session_id, directories.get(session_id), journals.get(session_id), fingerprint,
-                                   recovered)  # fmt: skip
-        except (SessionError, OSError) as exc:
-            log.warning("not resuming session %s: %s", session_id, exc)
-            continue
-        if session is not None:
-            recovered.sessions.append(session)
+        _recover_into(recovered, session_id, directories.get(session_id), journals.get(session_id), fingerprint)
     return recovered
+
+
+def recover_session(sessions_dir: Path, journal_dir: Path, session_id: str, fingerprint: ModelFingerprint) -> Recovered:
+    """One session as of its last change, from its directory and journal alone (nothing else there is touched:
+    other processes may be writing beside it); SessionError for an id that is not one."""
+    check_id(session_id, "session_id")
+    recovered = Recovered()
+    directory, journal = sessions_dir / session_id, journal_dir / f"{session_id}{SUFFIX}"
+    found_directory = directory if directory.is_dir() else None
+    found_journal = journal if journal.is_file() else None
+    if found_directory is not None or found_journal is not None:
+        _recover_into(recovered, session_id, found_directory, found_journal, fingerprint)
+    return recovered
+
+
+def _recover_into(
+    recovered: Recovered, session_id: str, directory: Path | None, journal: Path | None, fingerprint: ModelFingerprint
+) -> None:
+    """Add one session to recovered, or warn why it is not resumed."""
+    try:
+        check_id(session_id, "session_id")
+        session = _recover_one(session_id, directory, journal, fingerprint, recovered)
+    except (SessionError, OSError) as exc:
+        log.warning("not resuming session %s: %s", session_id, exc)
+        return
+    if session is not None:
+        recovered.sessions.append(session)
 
 
 def _recover_one(

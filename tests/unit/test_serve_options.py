@@ -1,4 +1,5 @@
-"""`statelm serve`'s options are the fields of EngineConfig and ServerConfig: names, help and defaults."""
+"""`statelm serve`'s options are the fields of EngineConfig, ServerConfig and ClusterConfig: names, help and
+defaults."""
 
 from __future__ import annotations
 
@@ -10,8 +11,8 @@ import typer
 from typer.testing import CliRunner
 
 from statelm.cli.main import app
-from statelm.cli.settings import CONFIGS, options
-from statelm.config import SETTING, SessionDurability
+from statelm.cli.settings import CONFIGS, config_from, options
+from statelm.config import SETTING, ClusterConfig, EngineConfig, ServerConfig, SessionDurability
 from statelm.server import launch
 
 FIELDS = [(config, field) for config in CONFIGS for field in dataclasses.fields(config)]
@@ -52,8 +53,11 @@ def test_every_serve_option_is_a_field() -> None:
 
 @pytest.fixture(scope="module")
 def left_out() -> dict[type, Any]:
-    """The configs of `statelm serve` without options, by config class."""
-    return dict(zip(CONFIGS, configs_of([]), strict=True))
+    """The configs of `statelm serve` without options, by config class (ClusterConfig's from its options' defaults:
+    without --replicas the single server starts, which takes no ClusterConfig)."""
+    engine, server = configs_of([])
+    defaults = {option.name: option.default for option in options(ClusterConfig)}
+    return {EngineConfig: engine, ServerConfig: server, ClusterConfig: config_from(ClusterConfig, defaults)}
 
 
 @pytest.mark.parametrize(("config", "field"), FIELDS, ids=[f"{c.__name__}.{f.name}" for c, f in FIELDS])

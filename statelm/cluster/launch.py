@@ -1,0 +1,106 @@
+"""`statelm serve --replicas N`: start (or join) Ray, deploy N engine replicas as Ray Serve applications, and serve
+the router on --host/--port until a signal; then every replica saves its sessions to the shared state dir."""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import ray
+import uvicorn
+from ray import serve
+from ray.serve.handle import DeploymentHandle
+
+import statelm
+from statelm.cluster.balancer import Balancer, Policy
+from statelm.cluster.metrics import RouterMetrics
+from statelm.cluster.placement import Placement
+from statelm.cluster.replica import EngineReplica
+from statelm.cluster.router import RouterApp
+from statelm.cluster.store import DirectoryStore
+from statelm.config import ClusterConfig, EngineConfig, ServerConfig
+from statelm.server.drain import DrainGate, DrainingServer, DrainMiddleware
+from statelm.server.launch import SHUTDOWN_GRACE_S, LaunchError, configure_logging, key_ring
+
+log = logging.getLogger("statelm")
+APP_PREFIX = "statelm-"
+CONTROL_CALLS = 64  # room for the router's own calls (ping, holds, adopt) beside requests
+
+
+def replica_names(count: int) -> list[str]:
+    """The replicas' names: replica-0, replica-1, …"""
+    return [f"replica-{index}" for index in range(count)]
+
+
+def start_ray(cluster: ClusterConfig) -> None:
+    """Join the Ray cluster at --ray-address, or start a local instance sized for the replicas; workers import this
+    statelm (a local instance's workers get its directory on their path)."""
+    if cluster.ray_address is not None:
+        ray.init(address=cluster.ray_address, log_to_driver=True)
+        return
+    source = str(Path(statelm.__file__).resolve().parents[1])
+    path = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
+    ray.init(
+        num_cpus=max(math.ceil(cluster.replicas * cluster.replica_cpus), 1),
+        num_gpus=math.ceil(cluster.replicas * cluster.replica_gpus),
+        include_dashboard=False,
+        runtime_env={"env_vars": {"PYTHONPATH": path}},
+    )
+
+
+def deploy_replicas(
+    engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig
+) -> dict[str, DeploymentHandle]:
+    """N engine replicas, each its own Ray Serve application of one replica (so that the router can address each),
+    started together; returns once every one serves."""
+    replica_config = replace(server_config, resume_sessions=False)
+    deployment = serve.deployment(
+        EngineReplica,
+        num_replicas=1,
+        max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_queue + CONTROL_CALLS,
+        graceful_shutdown_timeout_s=server_config.drain_timeout + 120,  # requests finish, then sessions are saved
+        ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
+        logging_config={"enable_access_log": False},  # the replica's own app logs what it answers
+    )
+    names = replica_names(cluster.replicas)
+    targets = [
+        serve.RunTarget(
+            deployment.options(name=name).bind(name, engine_config, replica_config), APP_PREFIX + name, None
+        )
+        for name in names
+    ]
+    return dict(zip(names, serve.run_many(targets), strict=True))
+
+
+def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig) -> None:
+    """Serve N replicas behind the router until a signal, then drain the router and stop every replica."""
+    configure_logging(server_config.log_level)
+    keys = key_ring(server_config)
+    try:
+        policy = Policy(cluster.routing)
+    except ValueError:
+        raise LaunchError(f"unknown routing {cluster.routing!r}: use {', '.join(Policy)}") from None
+    start_ray(cluster)
+    try:
+        serve.start(http_options={"location": "NoServer"})  # the router below is the only HTTP endpoint
+        handles = deploy_replicas(engine_config, server_config, cluster)
+        log.info("%d replicas serving; routing %s", len(handles), policy)
+        placement = Placement(handles, DirectoryStore(server_config.state_dir), Balancer(policy), RouterMetrics())
+        router = RouterApp(placement, keys, not server_config.metrics_require_key, server_config.max_request_bytes)
+        gate = DrainGate(server_config.drain_timeout)
+        app = DrainMiddleware(router, gate, exempt_paths=frozenset({"/health"}))
+        config = uvicorn.Config(
+            app,
+            host=server_config.host,
+            port=server_config.port,
+            log_level=server_config.log_level,
+            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
+        )
+        DrainingServer(config, gate).run()
+    finally:
+        serve.shutdown()  # every replica's graceful shutdown saves its sessions
+        if cluster.ray_address is None:
+            ray.shutdown()

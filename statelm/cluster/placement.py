@@ -1,0 +1,213 @@
+"""Which replica serves what: the replicas as the router sees them, session affinity, adoption of sessions no replica
+holds, and the watch that notices a replica die, restart or finish draining.
+
+One decision at a time (a lock) for anything that may place an id on a replica, so that a session is never held
+by two replicas: an id is looked up in the affinity table, else asked of every live replica, else placed on the
+least loaded one, which adopts it from the shared store if it is there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from ray.exceptions import RayActorError
+from ray.serve.handle import DeploymentHandle
+
+from statelm.cluster.affinity import AffinityTable
+from statelm.cluster.balancer import Balancer, Choice
+from statelm.cluster.metrics import RouterMetrics
+from statelm.cluster.store import SessionStore
+from statelm.cluster.targets import Target, TargetKind
+
+log = logging.getLogger(__name__)
+WATCH_PERIOD_S = 1.0
+PING_TIMEOUT_S = 2.0
+
+
+class ReplicaState(enum.StrEnum):
+    """A replica's state as the router sees it."""
+
+    LIVE = "live"
+    DRAINING = "draining"  # saving its sessions; requests for them wait
+    DRAINED = "drained"  # saved everything and stopped its engine; gets nothing more
+    LOST = "lost"  # died or unreachable; Ray Serve restarts it, and it is live again as a new incarnation
+
+
+class NoReplicaError(RuntimeError):
+    """No replica can take the request."""
+
+
+@dataclass
+class Replica:
+    """A replica as the router sees it: its handle, state, incarnation and requests in flight."""
+
+    name: str
+    handle: DeploymentHandle
+    state: ReplicaState = ReplicaState.LOST
+    incarnation: str = ""
+    actor: Any = None  # its Ray actor, pinged to notice a death at once
+    pid: int | None = None
+    in_flight: int = 0
+    done_draining: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+class Placement:
+    """The replicas, where each session and stored object lives, and where stateless requests go."""
+
+    def __init__(
+        self, handles: dict[str, DeploymentHandle], store: SessionStore, balancer: Balancer, metrics: RouterMetrics
+    ) -> None:
+        self.replicas = {name: Replica(name, handle) for name, handle in handles.items()}
+        self.store = store
+        self.balancer = balancer
+        self.metrics = metrics
+        self.table = AffinityTable()
+        self._lock = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Learn who the replicas are, give the store's sessions to them, and watch them from now on."""
+        for replica in self.replicas.values():
+            await self._refresh(replica, timeout=None, adopt=False)
+        async with self._lock:
+            await self._adopt_orphans()
+        self._watch = asyncio.create_task(self._watch_replicas())
+
+    async def stop(self) -> None:
+        """Stop watching."""
+        if self._watch is not None:
+            self._watch.cancel()
+
+    def live(self) -> list[Replica]:
+        """The replicas that take requests."""
+        return [replica for replica in self.replicas.values() if replica.state is ReplicaState.LIVE]
+
+    async def route(self, target: Target) -> Choice:
+        """The replica a request goes to."""
+        if target.kind in (TargetKind.SESSION, TargetKind.RESPONSE, TargetKind.COMPLETION) and target.key:
+            return Choice(await self._locate(target.kind, target.key), "session")
+        loads = {replica.name: replica.in_flight for replica in self.live()}
+        if not loads:
+            raise NoReplicaError("no replica is serving")
+        return self.balancer.pick(loads, target.text if target.kind is TargetKind.PROMPT else None)
+
+    async def lost(self, replica: Replica, incarnation: str) -> None:
+        """A replica died or restarted: what it held is orphaned, and live replicas adopt it from the store."""
+        async with self._lock:
+            if replica.incarnation != incarnation or replica.state is not ReplicaState.LIVE:
+                return  # already handled
+            replica.state = ReplicaState.LOST
+            log.warning("replica %s (pid %s) is gone; its sessions go to the others", replica.name, replica.pid)
+            self.metrics.replicas_lost.labels(replica.name).inc()
+            self._forget(replica)
+            await self._adopt_orphans()
+
+    async def drain(self, name: str) -> int:
+        """Drain a replica: it finishes its requests and saves its sessions, which live replicas then adopt."""
+        replica = self.replicas.get(name)
+        if replica is None or replica.state is not ReplicaState.LIVE:
+            raise KeyError(name)
+        replica.state = ReplicaState.DRAINING
+        try:
+            saved = await replica.handle.drain.remote(replica.incarnation)
+        finally:
+            async with self._lock:
+                replica.state = ReplicaState.DRAINED
+                self._forget(replica)
+                await self._adopt_orphans()
+            replica.done_draining.set()
+        log.info("drained replica %s: %d sessions saved and adopted by the others", name, saved)
+        return saved
+
+    async def _locate(self, kind: TargetKind, key: str) -> str:
+        while True:
+            replica = self.replicas.get(self.table.get(kind, key) or "")
+            if replica is not None and replica.state is ReplicaState.DRAINING:
+                await replica.done_draining.wait()
+                continue
+            if replica is not None and replica.state is ReplicaState.LIVE:
+                return replica.name
+            async with self._lock:
+                return await self._discover(kind, key)
+
+    async def _discover(self, kind: TargetKind, key: str) -> str:
+        """Where an id the table does not place is: the live replica holding it, else the least loaded one (which
+        adopts a session the store holds)."""
+        known = self.replicas.get(self.table.get(kind, key) or "")
+        if known is not None and known.state is ReplicaState.LIVE:
+            return known.name  # placed while this waited for the lock
+        live = self.live()
+        if not live:
+            raise NoReplicaError("no replica is serving")
+        answers = await asyncio.gather(*(r.handle.holds.remote(kind, key, r.incarnation) for r in live))
+        holders = [replica for replica, holds in zip(live, answers, strict=True) if holds]
+        loads = {replica.name: replica.in_flight for replica in live}
+        chosen = holders[0] if holders else self.replicas[self.balancer.pick(loads).replica]
+        if not holders and kind is TargetKind.SESSION and await asyncio.to_thread(self.store.has_session, key):
+            await chosen.handle.adopt.remote([key], chosen.incarnation)
+        self.table.set(kind, key, chosen.name)
+        return chosen.name
+
+    async def _adopt_orphans(self) -> None:
+        """Give the sessions the store holds and no live replica holds to the live replicas, fewest sessions first.
+
+        The store is listed before replicas are asked, so that a session made meanwhile is held, not orphaned.
+        """
+        live = self.live()
+        if not live:
+            return
+        stored = await asyncio.to_thread(self.store.session_ids)
+        held = await asyncio.gather(*(replica.handle.held.remote(replica.incarnation) for replica in live))
+        counts = {replica.name: len(ids) for replica, ids in zip(live, held, strict=True)}
+        assigned: dict[str, list[str]] = defaultdict(list)
+        for session_id in sorted(stored - set().union(*map(set, held))):
+            name = min(counts, key=lambda replica: (counts[replica], replica))
+            counts[name] += 1
+            assigned[name].append(session_id)
+        for name, session_ids in assigned.items():
+            replica = self.replicas[name]
+            for session_id in await replica.handle.adopt.remote(session_ids, replica.incarnation):
+                self.table.set(TargetKind.SESSION, session_id, name)
+        if assigned:
+            log.info("replicas adopted %d sessions from the store", sum(map(len, assigned.values())))
+
+    def _forget(self, replica: Replica) -> None:
+        self.table.forget_replica(replica.name)
+        self.balancer.forget(replica.name)
+
+    async def _watch_replicas(self) -> None:
+        """Notice a replica's death at once (its actor stops answering) and its restart (a new incarnation)."""
+        while True:
+            await asyncio.sleep(WATCH_PERIOD_S)
+            for replica in list(self.replicas.values()):
+                if replica.state in (ReplicaState.LIVE, ReplicaState.LOST):
+                    await self._refresh(replica, PING_TIMEOUT_S)
+
+    async def _refresh(self, replica: Replica, timeout: float | None, adopt: bool = True) -> None:
+        """Ping a live replica's actor; ask a lost one who it is now: once it answers it is live again (and, with
+        adopt, takes its share of the sessions nobody holds)."""
+        if replica.state is ReplicaState.LIVE and replica.actor is not None:
+            try:
+                await asyncio.wait_for(replica.actor.__ray_ready__.remote(), timeout)
+            except RayActorError:
+                await self.lost(replica, replica.incarnation)
+            except TimeoutError:
+                pass  # busy, not gone
+            return
+        try:
+            info = await asyncio.wait_for(replica.handle.info.remote(), timeout)
+        except (TimeoutError, RayActorError):
+            return
+        async with self._lock:
+            if info["incarnation"] == replica.incarnation:
+                return  # live already, or the incarnation declared lost (whose sessions others hold now)
+            replica.incarnation, replica.actor, replica.pid = info["incarnation"], info["actor"], info["pid"]
+            replica.state = ReplicaState.LIVE
+            log.info("replica %s is live (pid %s)", replica.name, replica.pid)
+            if adopt:
+                await self._adopt_orphans()

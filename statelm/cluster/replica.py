@@ -1,0 +1,118 @@
+"""One engine replica, deployed by Ray Serve: statelm's own app and engine, unchanged, answering forwarded HTTP.
+
+A replica starts holding no session: the router has it adopt sessions from the shared store. Each start is a new
+incarnation; a call meant for an earlier one fails (StaleReplicaError), so that nothing is served by a restarted
+replica that lost what its earlier incarnation held.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import ray
+from starlette.types import Message
+
+from statelm.api.errors import APIError
+from statelm.cluster.bridge import ForwardedRequest, run_app
+from statelm.cluster.targets import TargetKind
+from statelm.config import EngineConfig, ServerConfig
+from statelm.server.launch import build_app, configure_logging
+from statelm.sessions.ownership import LOCAL
+from statelm.sessions.session import SessionKind
+
+
+class StaleReplicaError(RuntimeError):
+    """A call meant for an earlier incarnation of a replica, which restarted and holds nothing of that one's."""
+
+
+class EngineReplica:
+    """statelm's app over one engine, reached through its Ray Serve handle."""
+
+    async def __init__(self, name: str, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+        configure_logging(server_config.log_level)
+        self.name = name
+        self.incarnation = uuid.uuid4().hex
+        self.app, self.gate = build_app(engine_config, server_config)
+        self._lifespan = self.app.router.lifespan_context(self.app)
+        await self._lifespan.__aenter__()
+        self._closed = False
+
+    async def serve_http(self, request: ForwardedRequest, incarnation: str) -> AsyncIterator[Message]:
+        """The app's answer to a request, as ASGI messages."""
+        self._check(incarnation)
+        async for message in run_app(self.app, request):
+            yield message
+
+    async def holds(self, kind: TargetKind, key: str, incarnation: str) -> bool:
+        """Whether this replica holds that session, stored response or stored completion (whoever owns it)."""
+        self._check(incarnation)
+        state = self.app.state
+        if kind is TargetKind.SESSION:
+            return key in state.sessions.manager.sessions
+        if kind is TargetKind.RESPONSE:
+            return state.responses.chains.find(key, LOCAL, time.time()) is not None
+        try:
+            state.chat.completions.get(LOCAL, key)
+        except APIError:
+            return False
+        return True
+
+    async def held(self, incarnation: str) -> list[str]:
+        """Ids of every session this replica holds, response chains included."""
+        self._check(incarnation)
+        return list(self.app.state.sessions.manager.sessions)
+
+    async def adopt(self, session_ids: list[str], incarnation: str) -> list[str]:
+        """Take over sessions from the shared store (nobody else holds them); the ids taken."""
+        self._check(incarnation)
+        sessions = await self.app.state.sessions.manager.adopt(session_ids)
+        self.app.state.responses.chains.resume(session for session in sessions if session.kind is SessionKind.RESPONSES)
+        return [session.id for session in sessions]
+
+    async def info(self) -> dict[str, Any]:
+        """Who this replica is (its incarnation, process and Ray actor) and its load."""
+        engine = self.app.state.engine.engine
+        return {
+            "name": self.name,
+            "incarnation": self.incarnation,
+            "pid": os.getpid(),
+            "actor": ray.get_runtime_context().current_actor,
+            "sessions": len(self.app.state.sessions.manager.sessions),
+            "running": len(engine.scheduler.running),
+            "waiting": len(engine.scheduler.waiting),
+            "draining": self.gate.draining,
+        }
+
+    async def metrics(self) -> bytes:
+        """This replica's Prometheus text."""
+        return self.app.state.metrics.render()
+
+    async def drain(self, incarnation: str) -> int:
+        """Take no new requests, let running ones finish (up to the drain timeout), save every session to the shared
+        store and stop the engine; the number of sessions it held."""
+        self._check(incarnation)
+        self.gate.draining = True
+        deadline = time.monotonic() + self.gate.timeout_s
+        while self.gate.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        held = len(self.app.state.sessions.manager.sessions)
+        await self._close()
+        return held
+
+    async def __del__(self) -> None:
+        """Ray Serve's graceful shutdown (a scale-down, the cluster stopping): save every session, as drain does."""
+        await self._close()
+
+    async def _close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await self._lifespan.__aexit__(None, None, None)
+
+    def _check(self, incarnation: str) -> None:
+        if incarnation != self.incarnation:
+            raise StaleReplicaError(f"replica {self.name} restarted; the call was meant for its earlier incarnation")
