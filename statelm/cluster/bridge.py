@@ -8,7 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from starlette.types import ASGIApp, Message, Receive, Scope
+from starlette.types import ASGIApp, Message, Scope
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -89,19 +89,3 @@ async def run_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Mess
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-
-
-async def read_body(receive: Receive, limit: int) -> bytes | None:
-    """A request's whole body; None once it passes limit bytes."""
-    chunks, size, more = [], 0, True
-    while more:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            break
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            return None
-        chunks.append(chunk)
-        more = message.get("more_body", False)
-    return b"".join(chunks)

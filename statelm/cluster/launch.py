@@ -10,7 +10,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import ray
-import uvicorn
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
@@ -22,8 +21,8 @@ from statelm.cluster.replica import EngineReplica
 from statelm.cluster.router import RouterApp
 from statelm.cluster.store import DirectoryStore
 from statelm.config import ClusterConfig, EngineConfig, ServerConfig
-from statelm.server.drain import DrainGate, DrainingServer, DrainMiddleware
-from statelm.server.launch import SHUTDOWN_GRACE_S, LaunchError, configure_logging, key_ring
+from statelm.server.drain import DrainGate, DrainMiddleware
+from statelm.server.launch import LaunchError, configure_logging, key_ring, serve_http
 
 log = logging.getLogger("statelm")
 APP_PREFIX = "statelm-"
@@ -92,14 +91,7 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         router = RouterApp(placement, keys, not server_config.metrics_require_key, server_config.max_request_bytes)
         gate = DrainGate(server_config.drain_timeout)
         app = DrainMiddleware(router, gate, exempt_paths=frozenset({"/health"}))
-        config = uvicorn.Config(
-            app,
-            host=server_config.host,
-            port=server_config.port,
-            log_level=server_config.log_level,
-            timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
-        )
-        DrainingServer(config, gate).run()
+        serve_http(app, server_config, gate)
     finally:
         serve.shutdown()  # every replica's graceful shutdown saves its sessions
         if cluster.ray_address is None:

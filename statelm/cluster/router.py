@@ -20,13 +20,14 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from statelm.api.errors import APIError
-from statelm.cluster.bridge import ForwardedRequest, read_body
+from statelm.cluster.bridge import ForwardedRequest
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import NoReplicaError, Placement, Replica
 from statelm.cluster.replica import StaleReplicaError
 from statelm.cluster.targets import TargetKind, classify
 from statelm.server.auth import KeyRing, presented_key
 from statelm.server.errors import error_body, error_response
+from statelm.server.limits import read_body
 from statelm.sessions.ownership import LOCAL, Principal
 
 log = logging.getLogger(__name__)

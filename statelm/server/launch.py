@@ -10,6 +10,7 @@ import time
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 from statelm.api.chat import ChatService, ServedModel
 from statelm.api.limits import GenerationLimits
@@ -177,6 +178,11 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     app, drain = build_app(engine_config, server_config)
     log.info("model %s loaded in %.1fs", app.state.model_name, time.perf_counter() - started)
     gc.freeze()  # what start-up made lives as long as the server: the collector need not walk it again
+    serve_http(app, server_config, drain)
+
+
+def serve_http(app: ASGIApp, server_config: ServerConfig, gate: DrainGate) -> None:
+    """Serve app with uvicorn on the configured address until a signal drains it through gate."""
     config = uvicorn.Config(
         app,
         host=server_config.host,
@@ -184,4 +190,4 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
         log_level=server_config.log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    DrainingServer(config, drain).run()
+    DrainingServer(config, gate).run()

@@ -29,6 +29,22 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's \uD
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what is left of one once JSON has joined the pairs
 
 
+async def read_body(receive: Receive, limit: int) -> bytes | None:
+    """A request's whole body; None once it passes limit bytes."""
+    chunks, size, more = [], 0, True
+    while more:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            break
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            return None
+        chunks.append(chunk)
+        more = message.get("more_body", False)
+    return b"".join(chunks)
+
+
 class RequestLimitMiddleware:
     """Reads each request body up to max_body_bytes (413 past it) and checks capped routes' bodies against limits."""
 
@@ -57,18 +73,10 @@ class RequestLimitMiddleware:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
             raise self._too_large()
-        chunks, size, more = [], 0, True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                break
-            chunk = message.get("body", b"")
-            size += len(chunk)
-            if size > self.max_body_bytes:
-                raise self._too_large()
-            chunks.append(chunk)
-            more = message.get("more_body", False)
-        return b"".join(chunks)
+        body = await read_body(receive, self.max_body_bytes)
+        if body is None:
+            raise self._too_large()
+        return body
 
     def _check_body(self, scope: Scope, body: bytes) -> None:
         check_unicode(body)
