@@ -138,7 +138,7 @@ def test_every_cpu_class_build_gives_the_same_bits(capability: str, tmp_path: Pa
     if CLASS_ORDER[capability] >= CLASS_ORDER.get(native_class(), 0):
         pytest.skip(f"this machine computes at {native_class()}: no wider build to compare with")
     weights = {qtype.name: pack_gguf(qtype, gguf_tensor(qtype, 77, 96, seed=8), (77, 96)) for qtype in EXACT_TYPES}
-    x = torch.randn(13, 96, generator=torch.Generator().manual_seed(9))
+    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(9))  # every tile kind, widened blocks too
     inputs = {
         "x": x,
         "weights": {name: (w.kind, (w.out_features, w.in_features), w.state()) for name, w in weights.items()},
