@@ -60,10 +60,16 @@ class Placement:
     """The replicas, where each session and stored object lives, and where stateless requests go."""
 
     def __init__(
-        self, handles: dict[str, DeploymentHandle], store: SessionStore, balancer: Balancer, metrics: RouterMetrics
+        self,
+        handles: dict[str, DeploymentHandle],
+        store: SessionStore,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        ledger: Any,
     ) -> None:
         self.replicas = {name: Replica(name, handle) for name, handle in handles.items()}
         self.store = store
+        self.ledger = ledger  # the KeyLedger actor, which counts every key's sessions over the replicas
         self.balancer = balancer
         self.metrics = metrics
         self.table = AffinityTable()
@@ -154,7 +160,8 @@ class Placement:
         return chosen.name
 
     async def _adopt_orphans(self) -> None:
-        """Give the sessions the store holds and no live replica holds to the live replicas, fewest sessions first.
+        """Give the sessions the store holds and no live replica holds to the live replicas, fewest sessions first;
+        the ledger then stops counting sessions that are neither (lost with a replica that never saved them).
 
         The store is listed before replicas are asked, so that a session made meanwhile is held, not orphaned.
         """
@@ -163,6 +170,9 @@ class Placement:
             return
         stored = await asyncio.to_thread(self.store.session_ids)
         held = await asyncio.gather(*(replica.handle.held.remote(replica.incarnation) for replica in live))
+        gone = await self.ledger.retain.remote(stored.union(*map(set, held)))
+        if gone:
+            log.info("%d sessions lost with a replica are no longer counted toward their keys' limits", gone)
         counts = {replica.name: len(ids) for replica, ids in zip(live, held, strict=True)}
         assigned: dict[str, list[str]] = defaultdict(list)
         for session_id in sorted(stored - set().union(*map(set, held))):

@@ -4,7 +4,8 @@ A chain is a session of kind `responses` whose transcript only grows while it is
 records `count`, the number of transcript messages up to its own output, so its id names that prefix of the
 transcript even after later responses extend the chain. Records are saved, spilled and resumed with their
 session, and every record kept or dropped is a change of the session the manager journals (`annotate`), as a
-turn is; this index finds them by id and keeps each key's in creation order for the retention.
+turn is; this index finds them by id and keeps each key's in creation order for the retention (and tells the session
+manager's tally, if it has one, so that the retention holds across a cluster's replicas).
 """
 
 from __future__ import annotations
@@ -100,6 +101,8 @@ class ResponseChains:
             return
         self._annotate(session, response_id, None)
         self._by_owner[session.owner].pop(response_id, None)
+        if self.manager is not None and self.manager.tally is not None:
+            self.manager.tally.forget_responses([response_id])
 
     def expired(self, now: float) -> list[str]:
         """Ids of every key's responses older than the retention's age."""
@@ -122,4 +125,6 @@ class ResponseChains:
         self._sessions[response_id] = session
         owned = self._by_owner.setdefault(session.owner, OrderedDict())
         owned[response_id] = created_at
+        if self.manager is not None and self.manager.tally is not None:  # the retention then holds across servers
+            self.manager.tally.note_response(session.owner, response_id, session.id, created_at)
         return owned

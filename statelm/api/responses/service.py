@@ -127,6 +127,12 @@ class ResponsesService:
         await self.conversations.manager().settled(stored.session)  # answered once durable
         return DeletedResponse(id=response_id)
 
+    async def drop_stored(self, response_ids: list[str]) -> None:
+        """Forget those stored responses, any key's, if held here (the retention counted over several servers)."""
+        for response_id in response_ids:
+            self.chains.drop(response_id)
+        await self.sweep()  # and free what only they held
+
     def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
         """A page of a stored response's input items, in order (`asc`) or latest first (`desc`)."""
         items = list(self._stored(response_id).record["input_items"])
@@ -220,7 +226,7 @@ class ResponsesService:
         """
         manager = self.conversations.manager()
         try:
-            session = manager.create(None, SessionSettings(), kind=CHAIN)
+            session = await manager.create(None, SessionSettings(), kind=CHAIN)
         except SessionLimitError:
             owner = current_principal().owner
             chains = [
@@ -234,7 +240,7 @@ class ResponsesService:
             for response_id in list(records(oldest)):
                 self.chains.drop(response_id)
             await self._tidy(oldest)
-            session = manager.create(None, SessionSettings(), kind=CHAIN)
+            session = await manager.create(None, SessionSettings(), kind=CHAIN)
         return manager.begin_turn(session.id, CHAIN)
 
     def _keep(self, session: Session, builder: ResponseBuilder, listed: list[dict[str, Any]]) -> None:

@@ -1,0 +1,144 @@
+"""Per-key limits over two in-process servers that share a state dir and a KeyLedger (as a cluster's replicas do
+through Ray), on the tiny model: sessions, stored responses and the journal share of the snapshot quota are counted
+over both."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Iterator
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from anyio.from_thread import start_blocking_portal
+from fastapi import FastAPI
+
+from statelm.server import launch
+from tests.http.conftest import InProcessServer, InProcessTransport, lifespan, serve_configs, tiny_args
+
+pytest.importorskip("ray")
+
+from statelm.cluster.ledger import KeyLedger, LedgerTally
+
+SNAPSHOT_QUOTA = 24 * 1024  # a session of about 30 tokens takes about 17 KB (512 bytes of float32 KV a token)
+
+
+class _Done:
+    """An answer already there, awaitable as a Ray call's is (and harmless when nobody awaits it)."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self) -> Generator[None, None, Any]:
+        return self.value
+        yield  # a generator: the await ends at once
+
+
+class _Method:
+    def __init__(self, method: Callable[..., Any]) -> None:
+        self.method = method
+
+    def remote(self, *args: Any) -> _Done:
+        return _Done(self.method(*args))
+
+
+class InProcessLedger:
+    """A KeyLedger called as its Ray actor's handle is (`ledger.claim.remote(...)`), in this process."""
+
+    def __init__(self) -> None:
+        self.ledger = KeyLedger()
+
+    def __getattr__(self, name: str) -> _Method:
+        return _Method(getattr(self.ledger, name))
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[InProcessServer, ...]]:
+    """Two servers as replicas: one state dir, one ledger, each holding only the sessions it made."""
+    state = tmp_path_factory.mktemp("pair") / "state"
+    args = ["--dtype", "float32", "--max-sessions-per-key", "3", "--max-stored-responses", "2"]
+    args += ["--snapshot-quota", str(SNAPSHOT_QUOTA)]
+    engine_config, server_config = serve_configs(tiny_args(tiny_model, state, *args))
+    server_config = replace(server_config, resume_sessions=False)
+    ledger, apps = InProcessLedger(), list[FastAPI]()
+
+    async def drop_everywhere(response_ids: list[str]) -> None:
+        for app in apps:
+            await app.state.responses.drop_stored(response_ids)
+
+    threads = torch.get_num_threads()
+    try:
+        for _ in range(2):
+            tally = LedgerTally(ledger, server_config.max_stored_responses, drop_everywhere)
+            apps.append(launch.build_app(engine_config, server_config, tally)[0])
+        with ExitStack() as stack:
+            portal = stack.enter_context(start_blocking_portal())
+            for app in apps:
+                stack.enter_context(portal.wrap_async_context_manager(lifespan(app)))
+            yield tuple(InProcessServer(app, InProcessTransport(app, portal)) for app in apps)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def clients(pair: tuple[InProcessServer, ...]) -> tuple[httpx.Client, ...]:
+    return tuple(server.http() for server in pair)
+
+
+def respond(api: httpx.Client, text: str) -> str:
+    body = {"model": "default", "temperature": 0, "max_output_tokens": 4, "input": text}
+    response = api.post("/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+    return str(response.json()["id"])
+
+
+def eventually(check: Callable[[], bool]) -> bool:
+    """Whether check() holds within two seconds (the retention acts in the background)."""
+    deadline = time.monotonic() + 2
+    while not check() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return check()
+
+
+def test_a_key_s_sessions_are_counted_over_both_servers(pair: tuple[InProcessServer, ...]) -> None:
+    first, second = clients(pair)
+    for api, session_id in [(first, "one"), (first, "two"), (second, "three")]:
+        assert api.post("/v1/sessions", json={"session_id": session_id}).status_code == 201
+    for api in (first, second):
+        assert api.post("/v1/sessions", json={"session_id": "four"}).status_code == 429
+    assert first.delete("/v1/sessions/one").status_code == 200
+    assert second.post("/v1/sessions", json={"session_id": "four"}).status_code == 201
+    for api, session_id in [(first, "two"), (second, "three"), (second, "four")]:
+        assert api.delete(f"/v1/sessions/{session_id}").status_code == 200
+
+
+def test_the_stored_response_retention_drops_the_oldest_on_either_server(pair: tuple[InProcessServer, ...]) -> None:
+    first, second = clients(pair)
+    oldest, other = respond(first, "First."), respond(second, "Second.")
+    newest = respond(first, "Third.")
+    assert eventually(lambda: first.get(f"/v1/responses/{oldest}").status_code == 404)
+    assert second.get(f"/v1/responses/{other}").status_code == 200
+    assert first.get(f"/v1/responses/{newest}").status_code == 200
+    newest_elsewhere = respond(first, "Fourth.")
+    assert eventually(lambda: second.get(f"/v1/responses/{other}").status_code == 404)  # the other server's
+    for response_id in (newest, newest_elsewhere):
+        assert first.delete(f"/v1/responses/{response_id}").status_code == 200
+
+
+def test_journals_on_the_other_server_count_toward_the_snapshot_quota(pair: tuple[InProcessServer, ...]) -> None:
+    first, second = clients(pair)
+    assert first.post("/v1/sessions", json={"session_id": "snap"}).status_code == 201
+    turn = {"model": "default", "session_id": "snap", "max_tokens": 4, "messages": [{"role": "user", "content": "Hi"}]}
+    assert first.post("/v1/chat/completions", json=turn).status_code == 200
+    system = "A long system prompt. " * 600  # a journal of about 13 KB on the second server
+    assert second.post("/v1/sessions", json={"session_id": "long", "system": system}).status_code == 201
+    journal = pair[1].app.state.sessions.manager.journal.path("long")
+    assert eventually(lambda: journal.is_file() and journal.stat().st_size > len(system))
+    assert first.post("/v1/sessions/snap/snapshot", json={}).status_code == 507
+    assert second.delete("/v1/sessions/long").status_code == 200
+    snapshot = first.post("/v1/sessions/snap/snapshot", json={})
+    assert snapshot.status_code == 201, snapshot.text
+    assert first.delete(f"/v1/snapshots/{snapshot.json()['id']}").status_code == 200
