@@ -40,6 +40,7 @@ from statelm.sessions.session import Session, SessionKind, SessionSettings, Sess
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.snapshots import SnapshotStore
 from statelm.sessions.tally import KeyTally
+from statelm.sessions.temporaries import clean_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,7 @@ class SessionManager:
         tally: KeyTally | None = None,
     ) -> None:
         self.engine = engine
-        self.resume = resume  # take every session the state dir holds at start (else only those adopted)
+        self.resume = resume  # take every session the state dir holds at start (else share it, adopting some)
         self.limits = limits or SessionLimits()
         self.tally = tally  # counts every key's sessions beyond this server (a cluster's replicas), if any
         self.model_name = model_name
@@ -101,7 +102,7 @@ class SessionManager:
             else None
         )
         self._last_lsn = 0  # log sequence number of the latest change of any session
-        self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint)
+        self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint, exclusive=resume)
         self._kv = engine.engine.sessions
         self._disk_locks: dict[str, asyncio.Lock] = {}
         self._quota_locks: dict[str, asyncio.Lock] = {}
@@ -116,6 +117,9 @@ class SessionManager:
             self.journal.directory.mkdir(parents=True, exist_ok=True)
             if self.resume:
                 await self._resume(self.journal)
+            else:  # what other servers sharing the state dir write stays; what dead ones left goes
+                for directory in (self.sessions_dir, self.journal.directory):
+                    await asyncio.to_thread(clean_temporaries, directory, False)
 
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
