@@ -143,7 +143,7 @@ class Placement:
 
     async def _discover(self, kind: TargetKind, key: str) -> str:
         """Where an id the table does not place is: the live replica holding it, else the least loaded one (which
-        adopts a session the store holds)."""
+        adopts a session the store holds, or is where a new session with that id will be made)."""
         known = self.replicas.get(self.table.get(kind, key) or "")
         if known is not None and known.state is ReplicaState.LIVE:
             return known.name  # placed while this waited for the lock
@@ -154,7 +154,9 @@ class Placement:
         holders = [replica for replica, holds in zip(live, answers, strict=True) if holds]
         loads = {replica.name: replica.in_flight for replica in live}
         chosen = holders[0] if holders else self.replicas[self.balancer.pick(loads).replica]
-        if not holders and kind is TargetKind.SESSION and await asyncio.to_thread(self.store.has_session, key):
+        if kind is not TargetKind.SESSION and not holders:
+            return chosen.name  # nobody holds it: any replica answers 404, and the table keeps no entry for it
+        if not holders and await asyncio.to_thread(self.store.has_session, key):
             await chosen.handle.adopt.remote([key], chosen.incarnation)
         self.table.set(kind, key, chosen.name)
         return chosen.name

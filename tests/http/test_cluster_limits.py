@@ -5,11 +5,10 @@ over both."""
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
@@ -19,41 +18,13 @@ from fastapi import FastAPI
 
 from statelm.server import launch
 from tests.http.conftest import InProcessServer, InProcessTransport, lifespan, serve_configs, tiny_args
+from tests.ray_fakes import Remote
 
 pytest.importorskip("ray")
 
 from statelm.cluster.ledger import KeyLedger, LedgerTally
 
 SNAPSHOT_QUOTA = 24 * 1024  # a session of about 30 tokens takes about 17 KB (512 bytes of float32 KV a token)
-
-
-class _Done:
-    """An answer already there, awaitable as a Ray call's is (and harmless when nobody awaits it)."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __await__(self) -> Generator[None, None, Any]:
-        return self.value
-        yield  # a generator: the await ends at once
-
-
-class _Method:
-    def __init__(self, method: Callable[..., Any]) -> None:
-        self.method = method
-
-    def remote(self, *args: Any) -> _Done:
-        return _Done(self.method(*args))
-
-
-class InProcessLedger:
-    """A KeyLedger called as its Ray actor's handle is (`ledger.claim.remote(...)`), in this process."""
-
-    def __init__(self) -> None:
-        self.ledger = KeyLedger()
-
-    def __getattr__(self, name: str) -> _Method:
-        return _Method(getattr(self.ledger, name))
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +35,7 @@ def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     args += ["--snapshot-quota", str(SNAPSHOT_QUOTA)]
     engine_config, server_config = serve_configs(tiny_args(tiny_model, state, *args))
     server_config = replace(server_config, resume_sessions=False)
-    ledger, apps = InProcessLedger(), list[FastAPI]()
+    ledger, apps = Remote(KeyLedger()), list[FastAPI]()
 
     async def drop_everywhere(response_ids: list[str]) -> None:
         for app in apps:
