@@ -151,8 +151,8 @@ class SessionManager:
             self._take(found, journal)
             adopted.extend(found.sessions)
         if self.tally is not None:
-            for session in adopted:
-                self.tally.register(session.owner, [session.id])
+            for owner in {session.owner for session in adopted}:
+                self.tally.register(owner, [session.id for session in adopted if session.owner == owner])
         return adopted
 
     def _take(self, found: Recovered, journal: SessionJournal) -> None:
