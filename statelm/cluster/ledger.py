@@ -114,9 +114,9 @@ class LedgerTally:
         """Count sessions taken over from the store."""
         self.ledger.register.remote(owner, list(session_ids))
 
-    def release(self, session_id: str) -> None:
-        """Stop counting a deleted session."""
-        self.ledger.release.remote(session_id)
+    def release(self, session_id: str) -> Awaitable[object]:
+        """Stop counting a deleted session (the call, to await for its end)."""
+        return self.ledger.release.remote(session_id)
 
     async def owned(self, owner: str) -> list[str]:
         """owner's session ids in the cluster."""
@@ -130,9 +130,9 @@ class LedgerTally:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    def forget_responses(self, response_ids: Iterable[str]) -> None:
-        """Stop counting dropped responses."""
-        self.ledger.forget_responses.remote(list(response_ids))
+    def forget_responses(self, response_ids: Iterable[str]) -> Awaitable[object]:
+        """Stop counting dropped responses (the call, to await for its end)."""
+        return self.ledger.forget_responses.remote(list(response_ids))
 
     async def _drop(self, dropped: Awaitable[list[str]]) -> None:
         try:

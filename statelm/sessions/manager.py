@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -246,7 +246,7 @@ class SessionManager:
         """Forget a session, its KV, its saved copy and its journal (which first records the deletion durably)."""
         session = self._idle(session_id, kind)
         del self.sessions[session.id]
-        self._untally(session.id)
+        released = self._untally(session.id)
         self.engine.submit(lambda: self._kv.release(session.id))
         lsn = self._next_lsn()
         if self.journal is not None:
@@ -255,6 +255,8 @@ class SessionManager:
             await asyncio.to_thread(shutil.rmtree, self.sessions_dir / session.id, True)
         if self.journal is not None:
             self.journal.forget(session.id, lsn)
+        if released is not None:
+            await released  # out of the key's count on every server before the deletion is answered
 
     def rollback(self, session_id: str, keep_messages: int, kind: SessionKind = SessionKind.SESSION) -> Session:
         """Cut the transcript to its first keep_messages messages; the KV is trimmed by LCP on the next turn."""
@@ -336,7 +338,7 @@ class SessionManager:
         if self.sessions.get(session.id) is not session:
             return
         del self.sessions[session.id]
-        self._untally(session.id)
+        self._untally(session.id)  # in the background
         if self.journal is not None and self.journal.appending:
             self.journal.discard(session.id)
 
@@ -525,9 +527,8 @@ class SessionManager:
             raise SessionBusyError(f"session {session_id!r} is busy with another request; retry when it is done")
         return session
 
-    def _untally(self, session_id: str) -> None:
-        if self.tally is not None:
-            self.tally.release(session_id)
+    def _untally(self, session_id: str) -> Awaitable[object] | None:
+        return self.tally.release(session_id) if self.tally is not None else None
 
     def _disk_lock(self, session_id: str) -> asyncio.Lock:
         return self._disk_locks.setdefault(session_id, asyncio.Lock())

@@ -6,7 +6,7 @@ A single server counts what it holds itself and needs none; the replicas of a cl
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from typing import Protocol
 
 
@@ -21,8 +21,8 @@ class KeyTally(Protocol):
         """Count sessions that already exist (taken over from the state dir), whatever the limit."""
         ...
 
-    def release(self, session_id: str) -> None:
-        """Stop counting a session that was deleted."""
+    def release(self, session_id: str) -> Awaitable[object]:
+        """Stop counting a session that was deleted: done once the result is (awaiting it is optional)."""
         ...
 
     async def owned(self, owner: str) -> list[str]:
@@ -33,6 +33,6 @@ class KeyTally(Protocol):
         """Count a stored response; the key's oldest past the retention are then dropped wherever they are."""
         ...
 
-    def forget_responses(self, response_ids: Iterable[str]) -> None:
-        """Stop counting stored responses that were dropped."""
+    def forget_responses(self, response_ids: Iterable[str]) -> Awaitable[object]:
+        """Stop counting stored responses that were dropped: done once the result is (awaiting it is optional)."""
         ...

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -94,15 +94,16 @@ class ResponseChains:
         for dropped in list(owned)[: max(len(owned) - limit, 0)] if limit is not None else []:
             self.drop(dropped)
 
-    def drop(self, response_id: str) -> None:
-        """Forget a stored response (its chain session is left for the caller to tidy)."""
+    def drop(self, response_id: str) -> Awaitable[object] | None:
+        """Forget a stored response (its chain session is left for the caller to tidy); with a tally, its
+        acknowledgement, for a caller that answers once the response is counted out on every server."""
         session = self._sessions.pop(response_id, None)
         if session is None:
-            return
+            return None
         self._annotate(session, response_id, None)
         self._by_owner[session.owner].pop(response_id, None)
-        if self.manager is not None and self.manager.tally is not None:
-            self.manager.tally.forget_responses([response_id])
+        tally = self.manager.tally if self.manager is not None else None
+        return tally.forget_responses([response_id]) if tally is not None else None
 
     def expired(self, now: float) -> list[str]:
         """Ids of every key's responses older than the retention's age."""

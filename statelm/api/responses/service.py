@@ -122,8 +122,10 @@ class ResponsesService:
     async def delete(self, response_id: str) -> DeletedResponse:
         """Forget a stored response and free what only it held."""
         stored = self._stored(response_id)
-        self.chains.drop(response_id)
+        forgotten = self.chains.drop(response_id)
         await self._tidy(stored.session)
+        if forgotten is not None:
+            await forgotten  # out of the key's count on every server
         await self.conversations.manager().settled(stored.session)  # answered once durable
         return DeletedResponse(id=response_id)
 
