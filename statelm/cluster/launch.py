@@ -88,7 +88,9 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
     start_ray(cluster)
     try:
         serve.start(http_options={"location": "NoServer"})  # the router below is the only HTTP endpoint
-        ledger = ray.remote(num_cpus=0)(KeyLedger).remote()
+        restarted = {"max_restarts": -1, "max_task_retries": -1}  # Ray restarts the ledger; calls wait it out
+        ledger_actor = ray.remote(num_cpus=0, **restarted)(KeyLedger)
+        ledger = ledger_actor.remote()
         handles = deploy_replicas(engine_config, server_config, cluster, ledger)
         log.info("%d replicas serving; routing %s", len(handles), policy)
         store = DirectoryStore(server_config.state_dir)

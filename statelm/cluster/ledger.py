@@ -4,7 +4,8 @@
 `KeyLedger` is one Ray actor (its calls run one at a time, so a claim is atomic); each replica reaches it through a
 `LedgerTally`, the `KeyTally` its session manager and response chains count through. The ledger is a cache of what
 the replicas and the shared store hold, like the router's affinity table: the router drops entries of sessions that
-are gone (a replica that died with sessions it never saved) each time it has orphans adopted.
+are gone (a replica that died with sessions it never saved) each time it has orphans adopted, and when Ray restarts
+the ledger (empty, a new incarnation) the router has every live replica count what it holds again.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -25,10 +27,15 @@ class KeyLedger:
     """Every key's session ids and stored response ids, over the whole cluster."""
 
     def __init__(self) -> None:
+        self.incarnation = uuid.uuid4().hex  # a restarted ledger (empty) has a new one
         self._owners: dict[str, str] = {}  # session id → owner
         self._claimed: dict[str, float] = {}  # session id → when it was counted
         self._sessions: dict[str, set[str]] = {}  # owner → session ids
         self._responses: dict[str, dict[str, tuple[float, str]]] = {}  # owner → response id → (created_at, session)
+
+    def current_incarnation(self) -> str:
+        """Which start of the ledger this is."""
+        return self.incarnation
 
     def claim(self, owner: str, session_id: str, limit: int | None) -> bool:
         """Count a new session unless owner has limit sessions already (an id counted already counts as claimed)."""

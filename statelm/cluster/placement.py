@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.serve.handle import DeploymentHandle
 
 from statelm.cluster.affinity import AffinityTable
@@ -75,6 +75,7 @@ class Placement:
         self.table = AffinityTable()
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._ledger_incarnation: str | None = None  # the ledger's start the live replicas counted in
 
     async def start(self) -> None:
         """Learn who the replicas are, give the store's sessions to them, and watch them from now on."""
@@ -82,6 +83,7 @@ class Placement:
             await self._refresh(replica, timeout=None, adopt=False)
         async with self._lock:
             await self._adopt_orphans()
+        self._ledger_incarnation = await self.ledger.current_incarnation.remote()
         self._watch = asyncio.create_task(self._watch_replicas())
 
     async def stop(self) -> None:
@@ -193,12 +195,28 @@ class Placement:
         self.balancer.forget(replica.name)
 
     async def _watch_replicas(self) -> None:
-        """Notice a replica's death at once (its actor stops answering) and its restart (a new incarnation)."""
+        """Notice a replica's death at once (its actor stops answering) and its restart (a new incarnation), and a
+        restart of the ledger."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             for replica in list(self.replicas.values()):
                 if replica.state in (ReplicaState.LIVE, ReplicaState.LOST):
                     await self._refresh(replica, PING_TIMEOUT_S)
+            await self._check_ledger()
+
+    async def _check_ledger(self) -> None:
+        """After Ray restarted the ledger (empty), have every live replica count what it holds in it again."""
+        try:
+            incarnation = await asyncio.wait_for(self.ledger.current_incarnation.remote(), PING_TIMEOUT_S)
+        except (TimeoutError, RayError):
+            return
+        if incarnation == self._ledger_incarnation:
+            return
+        log.warning("the key ledger restarted; the replicas count their sessions and stored responses in it again")
+        live = self.live()
+        answers = await asyncio.gather(*(r.handle.recount.remote(r.incarnation) for r in live), return_exceptions=True)
+        if not any(isinstance(answer, BaseException) for answer in answers):
+            self._ledger_incarnation = incarnation  # else again at the next look
 
     async def _refresh(self, replica: Replica, timeout: float | None, adopt: bool = True) -> None:
         """Ping a live replica's actor; ask a lost one who it is now: once it answers it is live again (and, with

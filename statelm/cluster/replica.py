@@ -80,6 +80,12 @@ class EngineReplica:
         self.app.state.responses.chains.resume(session for session in sessions if session.kind is SessionKind.RESPONSES)
         return [session.id for session in sessions]
 
+    async def recount(self, incarnation: str) -> None:
+        """Count every session and stored response this replica holds in the key ledger again (it restarted empty)."""
+        self._check(incarnation)
+        self.app.state.sessions.manager.recount()
+        self.app.state.responses.chains.recount()
+
     async def drop_responses(self, response_ids: list[str]) -> None:
         """Drop those stored responses if this replica holds them (the retention counted over the cluster)."""
         if not self._closed:

@@ -150,10 +150,17 @@ class SessionManager:
                 continue
             self._take(found, journal)
             adopted.extend(found.sessions)
-        if self.tally is not None:
-            for owner in {session.owner for session in adopted}:
-                self.tally.register(owner, [session.id for session in adopted if session.owner == owner])
+        self._register(adopted)
         return adopted
+
+    def recount(self) -> None:
+        """Count every session held here with the tally again (after the tally lost its count)."""
+        self._register(list(self.sessions.values()))
+
+    def _register(self, sessions: list[Session]) -> None:
+        if self.tally is not None:
+            for owner in {session.owner for session in sessions}:
+                self.tally.register(owner, [session.id for session in sessions if session.owner == owner])
 
     def _take(self, found: Recovered, journal: SessionJournal) -> None:
         """Hold recovered sessions; later changes get log sequence numbers above any they had."""

@@ -86,6 +86,29 @@ def test_a_key_s_sessions_are_counted_over_both_servers(pair: tuple[InProcessSer
         assert api.delete(f"/v1/sessions/{session_id}").status_code == 200
 
 
+def test_a_restarted_ledger_counts_again_what_the_servers_hold(pair: tuple[InProcessServer, ...]) -> None:
+    first, second = clients(pair)
+    for api, session_id in [(first, "kept-1"), (second, "kept-2")]:
+        assert api.post("/v1/sessions", json={"session_id": session_id}).status_code == 201
+    stored = respond(second, "Counted.")  # its chain is the key's third session
+    ledger = KeyLedger()
+    pair[0].app.state.sessions.manager.tally.ledger.target = ledger  # Ray's restart: empty
+
+    async def recount(app: FastAPI) -> None:  # what EngineReplica.recount does
+        app.state.sessions.manager.recount()
+        app.state.responses.chains.recount()
+
+    for server in pair:
+        server.transport.portal.call(recount, server.app)
+    assert first.post("/v1/sessions", json={"session_id": "one-too-many"}).status_code == 429
+    (owner,) = {session.owner for session in pair[0].app.state.sessions.manager.sessions.values()}
+    assert ledger.add_response(owner, "probe", "probe-chain", time.time(), 1) == [stored]  # counted again
+    ledger.forget_responses(["probe"])
+    for api, session_id in [(first, "kept-1"), (second, "kept-2")]:
+        assert api.delete(f"/v1/sessions/{session_id}").status_code == 200
+    assert second.delete(f"/v1/responses/{stored}").status_code == 200
+
+
 def test_the_stored_response_retention_drops_the_oldest_on_either_server(pair: tuple[InProcessServer, ...]) -> None:
     first, second = clients(pair)
     oldest, other = respond(first, "First."), respond(second, "Second.")

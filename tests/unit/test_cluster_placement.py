@@ -22,6 +22,7 @@ class StandIn:
     def __init__(self, held: set[str]) -> None:
         self.held = held
         self.adopted: list[str] = []
+        self.recounts = 0
 
     def holds(self, kind: TargetKind, key: str, incarnation: str) -> bool:
         return key in self.held
@@ -29,6 +30,9 @@ class StandIn:
     def adopt(self, session_ids: list[str], incarnation: str) -> list[str]:
         self.adopted.extend(session_ids)
         return session_ids
+
+    def recount(self, incarnation: str) -> None:
+        self.recounts += 1
 
 
 class Store:
@@ -66,3 +70,16 @@ def test_a_session_nobody_holds_is_adopted_from_the_store_and_placed() -> None:
     assert replicas[name].adopted == ["sess-stored"] and placed.table.get(TargetKind.SESSION, "sess-stored") == name
     new = asyncio.run(placed.route(Target(TargetKind.SESSION, "sess-new"))).replica  # where POST /v1/sessions makes it
     assert placed.table.get(TargetKind.SESSION, "sess-new") == new
+
+
+def test_after_the_ledger_restarts_every_live_replica_counts_into_it_again() -> None:
+    replicas = {"replica-0": StandIn(set()), "replica-1": StandIn(set())}
+    placed = placement(replicas, set())
+    asyncio.run(placed._check_ledger())  # the router learns which start of the ledger the replicas count in
+    before = [replica.recounts for replica in replicas.values()]
+    asyncio.run(placed._check_ledger())
+    assert [replica.recounts for replica in replicas.values()] == before
+    placed.ledger.target = KeyLedger()  # what Ray's restart gives: an empty ledger, a new incarnation
+    asyncio.run(placed._check_ledger())
+    asyncio.run(placed._check_ledger())
+    assert [replica.recounts for replica in replicas.values()] == [count + 1 for count in before]

@@ -105,6 +105,12 @@ class ResponseChains:
         tally = self.manager.tally if self.manager is not None else None
         return tally.forget_responses([response_id]) if tally is not None else None
 
+    def recount(self) -> None:
+        """Count every stored response held here with the session manager's tally again (after it lost its count)."""
+        tally = self.manager.tally if self.manager is not None else None
+        for response_id, session in self._sessions.items() if tally is not None else ():
+            tally.note_response(session.owner, response_id, session.id, records(session)[response_id]["created_at"])
+
     def expired(self, now: float) -> list[str]:
         """Ids of every key's responses older than the retention's age."""
         if self.retention.max_age is None:
