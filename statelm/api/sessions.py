@@ -105,7 +105,7 @@ class SessionService:
         if body.messages is not None:
             system = [{"role": "system", "content": body.system}] if body.system is not None else []
             transcript = system + [message.for_transcript() for message in body.messages]
-        session = self.manager.create(body.session_id, settings, transcript)
+        session = await self.manager.create(body.session_id, settings, transcript)
         self._set_metadata(session, body.metadata)
         return await self._object(session)
 

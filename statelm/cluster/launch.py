@@ -8,6 +8,7 @@ import math
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import ray
 from ray import serve
@@ -15,6 +16,7 @@ from ray.serve.handle import DeploymentHandle
 
 import statelm
 from statelm.cluster.balancer import Balancer, Policy
+from statelm.cluster.ledger import KeyLedger
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import Placement
 from statelm.cluster.replica import EngineReplica
@@ -51,10 +53,10 @@ def start_ray(cluster: ClusterConfig) -> None:
 
 
 def deploy_replicas(
-    engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig
+    engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig, ledger: Any
 ) -> dict[str, DeploymentHandle]:
     """N engine replicas, each its own Ray Serve application of one replica (so that the router can address each),
-    started together; returns once every one serves."""
+    counting every key's sessions and responses in ledger, started together; returns once every one serves."""
     replica_config = replace(server_config, resume_sessions=False)
     deployment = serve.deployment(
         EngineReplica,
@@ -65,11 +67,12 @@ def deploy_replicas(
         logging_config={"enable_access_log": False},  # the replica's own app logs what it answers
     )
     names = replica_names(cluster.replicas)
+    apps = [APP_PREFIX + name for name in names]
     targets = [
         serve.RunTarget(
-            deployment.options(name=name).bind(name, engine_config, replica_config), APP_PREFIX + name, None
+            deployment.options(name=name).bind(name, engine_config, replica_config, ledger, apps), app, None
         )
-        for name in names
+        for name, app in zip(names, apps, strict=True)
     ]
     return dict(zip(names, serve.run_many(targets), strict=True))
 
@@ -85,9 +88,13 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
     start_ray(cluster)
     try:
         serve.start(http_options={"location": "NoServer"})  # the router below is the only HTTP endpoint
-        handles = deploy_replicas(engine_config, server_config, cluster)
+        restarted = {"max_restarts": -1, "max_task_retries": -1}  # Ray restarts the ledger; calls wait it out
+        ledger_actor = ray.remote(num_cpus=0, **restarted)(KeyLedger)
+        ledger = ledger_actor.remote()
+        handles = deploy_replicas(engine_config, server_config, cluster, ledger)
         log.info("%d replicas serving; routing %s", len(handles), policy)
-        placement = Placement(handles, DirectoryStore(server_config.state_dir), Balancer(policy), RouterMetrics())
+        store = DirectoryStore(server_config.state_dir)
+        placement = Placement(handles, store, Balancer(policy), RouterMetrics(), ledger)
         router = RouterApp(placement, keys, not server_config.metrics_require_key, server_config.max_request_bytes)
         gate = DrainGate(server_config.drain_timeout)
         app = DrainMiddleware(router, gate, exempt_paths=frozenset({"/health"}))

@@ -15,7 +15,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from ray.exceptions import RayActorError
+from ray.exceptions import RayActorError, RayError
 from ray.serve.handle import DeploymentHandle
 
 from statelm.cluster.affinity import AffinityTable
@@ -60,15 +60,22 @@ class Placement:
     """The replicas, where each session and stored object lives, and where stateless requests go."""
 
     def __init__(
-        self, handles: dict[str, DeploymentHandle], store: SessionStore, balancer: Balancer, metrics: RouterMetrics
+        self,
+        handles: dict[str, DeploymentHandle],
+        store: SessionStore,
+        balancer: Balancer,
+        metrics: RouterMetrics,
+        ledger: Any,
     ) -> None:
         self.replicas = {name: Replica(name, handle) for name, handle in handles.items()}
         self.store = store
+        self.ledger = ledger  # the KeyLedger actor, which counts every key's sessions over the replicas
         self.balancer = balancer
         self.metrics = metrics
         self.table = AffinityTable()
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._ledger_incarnation: str | None = None  # the ledger's start the live replicas counted in
 
     async def start(self) -> None:
         """Learn who the replicas are, give the store's sessions to them, and watch them from now on."""
@@ -76,6 +83,7 @@ class Placement:
             await self._refresh(replica, timeout=None, adopt=False)
         async with self._lock:
             await self._adopt_orphans()
+        self._ledger_incarnation = await self.ledger.current_incarnation.remote()
         self._watch = asyncio.create_task(self._watch_replicas())
 
     async def stop(self) -> None:
@@ -137,7 +145,7 @@ class Placement:
 
     async def _discover(self, kind: TargetKind, key: str) -> str:
         """Where an id the table does not place is: the live replica holding it, else the least loaded one (which
-        adopts a session the store holds)."""
+        adopts a session the store holds, or is where a new session with that id will be made)."""
         known = self.replicas.get(self.table.get(kind, key) or "")
         if known is not None and known.state is ReplicaState.LIVE:
             return known.name  # placed while this waited for the lock
@@ -148,13 +156,16 @@ class Placement:
         holders = [replica for replica, holds in zip(live, answers, strict=True) if holds]
         loads = {replica.name: replica.in_flight for replica in live}
         chosen = holders[0] if holders else self.replicas[self.balancer.pick(loads).replica]
-        if not holders and kind is TargetKind.SESSION and await asyncio.to_thread(self.store.has_session, key):
+        if kind is not TargetKind.SESSION and not holders:
+            return chosen.name  # nobody holds it: any replica answers 404, and the table keeps no entry for it
+        if not holders and await asyncio.to_thread(self.store.has_session, key):
             await chosen.handle.adopt.remote([key], chosen.incarnation)
         self.table.set(kind, key, chosen.name)
         return chosen.name
 
     async def _adopt_orphans(self) -> None:
-        """Give the sessions the store holds and no live replica holds to the live replicas, fewest sessions first.
+        """Give the sessions the store holds and no live replica holds to the live replicas, fewest sessions first;
+        the ledger then stops counting sessions that are neither (lost with a replica that never saved them).
 
         The store is listed before replicas are asked, so that a session made meanwhile is held, not orphaned.
         """
@@ -163,6 +174,9 @@ class Placement:
             return
         stored = await asyncio.to_thread(self.store.session_ids)
         held = await asyncio.gather(*(replica.handle.held.remote(replica.incarnation) for replica in live))
+        gone = await self.ledger.retain.remote(stored.union(*map(set, held)))
+        if gone:
+            log.info("%d sessions lost with a replica are no longer counted toward their keys' limits", gone)
         counts = {replica.name: len(ids) for replica, ids in zip(live, held, strict=True)}
         assigned: dict[str, list[str]] = defaultdict(list)
         for session_id in sorted(stored - set().union(*map(set, held))):
@@ -181,12 +195,28 @@ class Placement:
         self.balancer.forget(replica.name)
 
     async def _watch_replicas(self) -> None:
-        """Notice a replica's death at once (its actor stops answering) and its restart (a new incarnation)."""
+        """Notice a replica's death at once (its actor stops answering) and its restart (a new incarnation), and a
+        restart of the ledger."""
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             for replica in list(self.replicas.values()):
                 if replica.state in (ReplicaState.LIVE, ReplicaState.LOST):
                     await self._refresh(replica, PING_TIMEOUT_S)
+            await self._check_ledger()
+
+    async def _check_ledger(self) -> None:
+        """After Ray restarted the ledger (empty), have every live replica count what it holds in it again."""
+        try:
+            incarnation = await asyncio.wait_for(self.ledger.current_incarnation.remote(), PING_TIMEOUT_S)
+        except (TimeoutError, RayError):
+            return
+        if incarnation == self._ledger_incarnation:
+            return
+        log.warning("the key ledger restarted; the replicas count their sessions and stored responses in it again")
+        live = self.live()
+        answers = await asyncio.gather(*(r.handle.recount.remote(r.incarnation) for r in live), return_exceptions=True)
+        if not any(isinstance(answer, BaseException) for answer in answers):
+            self._ledger_incarnation = incarnation  # else again at the next look
 
     async def _refresh(self, replica: Replica, timeout: float | None, adopt: bool = True) -> None:
         """Ping a live replica's actor; ask a lost one who it is now: once it answers it is live again (and, with

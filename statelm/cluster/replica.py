@@ -15,10 +15,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import ray
+from ray import serve
 from starlette.types import Message
 
 from statelm.api.errors import APIError
 from statelm.cluster.bridge import ForwardedRequest, run_app
+from statelm.cluster.ledger import LedgerTally
 from statelm.cluster.targets import TargetKind
 from statelm.config import EngineConfig, ServerConfig
 from statelm.server.launch import build_app, configure_logging
@@ -33,11 +35,15 @@ class StaleReplicaError(RuntimeError):
 class EngineReplica:
     """statelm's app over one engine, reached through its Ray Serve handle."""
 
-    async def __init__(self, name: str, engine_config: EngineConfig, server_config: ServerConfig) -> None:
+    async def __init__(
+        self, name: str, engine_config: EngineConfig, server_config: ServerConfig, ledger: Any, apps: list[str]
+    ) -> None:
         configure_logging(server_config.log_level)
         self.name = name
         self.incarnation = uuid.uuid4().hex
-        self.app, self.gate = build_app(engine_config, server_config)
+        self.apps = apps  # every replica's Ray Serve application, this one's included
+        tally = LedgerTally(ledger, server_config.max_stored_responses, self._drop_everywhere)
+        self.app, self.gate = build_app(engine_config, server_config, tally)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self._closed = False
@@ -73,6 +79,17 @@ class EngineReplica:
         sessions = await self.app.state.sessions.manager.adopt(session_ids)
         self.app.state.responses.chains.resume(session for session in sessions if session.kind is SessionKind.RESPONSES)
         return [session.id for session in sessions]
+
+    async def recount(self, incarnation: str) -> None:
+        """Count every session and stored response this replica holds in the key ledger again (it restarted empty)."""
+        self._check(incarnation)
+        self.app.state.sessions.manager.recount()
+        self.app.state.responses.chains.recount()
+
+    async def drop_responses(self, response_ids: list[str]) -> None:
+        """Drop those stored responses if this replica holds them (the retention counted over the cluster)."""
+        if not self._closed:
+            await self.app.state.responses.drop_stored(response_ids)
 
     async def info(self) -> dict[str, Any]:
         """Who this replica is (its incarnation, process and Ray actor) and its load."""
@@ -112,6 +129,11 @@ class EngineReplica:
         if not self._closed:
             self._closed = True
             await self._lifespan.__aexit__(None, None, None)
+
+    async def _drop_everywhere(self, response_ids: list[str]) -> None:
+        """Have every replica drop those stored responses (only the one holding each has it)."""
+        calls = [serve.get_app_handle(app).drop_responses.remote(response_ids) for app in self.apps]
+        await asyncio.gather(*calls, return_exceptions=True)  # a replica gone has nothing to drop
 
     def _check(self, incarnation: str) -> None:
         if incarnation != self.incarnation:

@@ -110,7 +110,7 @@ class RouterApp:
         incarnation = replica.incarnation
         answer = replica.handle.options(stream=True).serve_http.remote(request, incarnation)
         gone = asyncio.create_task(_disconnected(receive))
-        gone.add_done_callback(lambda _: answer.cancel())
+        gone.add_done_callback(lambda task: task.cancelled() or answer.cancel())  # only if the client went away
         started = False
         replica.in_flight += 1
         try:

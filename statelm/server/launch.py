@@ -27,6 +27,7 @@ from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
 from statelm.sessions.manager import SessionLimits, SessionManager
+from statelm.sessions.tally import KeyTally
 from statelm.webui import DIST
 
 log = logging.getLogger("statelm")
@@ -43,9 +44,10 @@ def build_services(
     server_config: ServerConfig,
     metrics: ServingMetrics,
     limits: GenerationLimits,
+    tally: KeyTally | None = None,
 ) -> tuple[ChatService, SessionService, ResponsesService]:
     """Chat, session and responses services over a built engine, answering to the served name and the `--model`
-    value."""
+    value (with tally, a key's limits count what it holds on every server sharing it)."""
     name = server_config.served_model_name or built.loaded.name
     engine = built.engine.engine
     output_settings = {
@@ -71,6 +73,7 @@ def build_services(
         SessionLimits(server_config.max_sessions_per_key, server_config.snapshot_quota),
         metrics.journal,
         resume=server_config.resume_sessions,
+        tally=tally,
     )
     try:
         chat = ChatService(
@@ -132,8 +135,11 @@ def configure_logging(level: str) -> None:
     logging.Formatter.converter = time.gmtime
 
 
-def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple[FastAPI, DrainGate]:
-    """Load the model and build the application (and the gate its server drains through), without serving it."""
+def build_app(
+    engine_config: EngineConfig, server_config: ServerConfig, tally: KeyTally | None = None
+) -> tuple[FastAPI, DrainGate]:
+    """Load the model and build the application (and the gate its server drains through), without serving it; with
+    tally, the per-key limits count over every server sharing it (a cluster's replicas)."""
     keys = key_ring(server_config)
     try:
         built = build_engine(engine_config)
@@ -141,7 +147,7 @@ def build_app(engine_config: EngineConfig, server_config: ServerConfig) -> tuple
         raise LaunchError(str(exc)) from None
     metrics = ServingMetrics(built.engine.engine)
     limits = generation_limits(server_config, built.engine.engine.max_model_len)
-    chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits)
+    chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits, tally)
     guards = Guards(
         keys=keys,
         public_metrics=not server_config.metrics_require_key,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import json
 import os
 import struct
-import uuid
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,11 @@ from typing import Any
 
 from statelm.sessions.errors import SessionError
 from statelm.sessions.synced_files import fsync_directory, write_synced
+from statelm.sessions.temporaries import TEMP_PREFIX, temporary_path
 
 MAGIC = b"SLJ\x01"
 HEADER = struct.Struct("<4sII")
 SUFFIX = ".journal"
-TEMP_PREFIX = ".tmp-"
 
 
 class JournalCorruptError(SessionError):
@@ -73,7 +72,7 @@ def append_record(path: Path, record: bytes) -> int:
 
 def replace_journal(path: Path, record: bytes) -> int:
     """Make record the journal's only content, atomically (temporary file, fsync, rename); the new size."""
-    temporary = path.parent / f"{TEMP_PREFIX}{path.name}-{uuid.uuid4().hex}"
+    temporary = temporary_path(path.parent, TEMP_PREFIX, path.name)
     write_synced(temporary, record)
     os.replace(temporary, path)
     fsync_directory(path.parent)

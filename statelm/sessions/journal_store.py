@@ -21,7 +21,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from statelm.sessions.errors import check_id
+from statelm.sessions.errors import SessionError, check_id
 from statelm.sessions.journal import SUFFIX, append_record, encode_record, remove_journal, replace_journal
 from statelm.sessions.journal_records import delete_record
 
@@ -61,6 +61,16 @@ class SessionJournal:
     def path(self, session_id: str) -> Path:
         """The journal file of a session."""
         return self.directory / f"{check_id(session_id, 'session_id')}{SUFFIX}"
+
+    def file_sizes(self, session_ids: list[str]) -> int:
+        """Bytes of the journal files of sessions this journal may not be writing (another server's); blocks."""
+        total = 0
+        for session_id in session_ids:
+            try:
+                total += self.path(session_id).stat().st_size
+            except (OSError, SessionError):
+                continue  # none (compacted), or not an id
+        return total
 
     def needs_rewrite(self, session_id: str) -> bool:
         """Whether a write to the session's journal failed since the last whole-session record."""

@@ -15,7 +15,7 @@ import os
 import shutil
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,8 @@ from statelm.sessions.recovery import Recovered, recover_session, recover_sessio
 from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.snapshots import SnapshotStore
+from statelm.sessions.tally import KeyTally
+from statelm.sessions.temporaries import clean_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +85,12 @@ class SessionManager:
         limits: SessionLimits | None = None,
         journal_counters: JournalCounters | None = None,
         resume: bool = True,
+        tally: KeyTally | None = None,
     ) -> None:
         self.engine = engine
-        self.resume = resume  # take every session the state dir holds at start (else only those adopted)
+        self.resume = resume  # take every session the state dir holds at start (else share it, adopting some)
         self.limits = limits or SessionLimits()
+        self.tally = tally  # counts every key's sessions beyond this server (a cluster's replicas), if any
         self.model_name = model_name
         self.fingerprint = fingerprint
         self.persist = durability is not SessionDurability.OFF
@@ -98,7 +102,7 @@ class SessionManager:
             else None
         )
         self._last_lsn = 0  # log sequence number of the latest change of any session
-        self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint)
+        self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint, exclusive=resume)
         self._kv = engine.engine.sessions
         self._disk_locks: dict[str, asyncio.Lock] = {}
         self._quota_locks: dict[str, asyncio.Lock] = {}
@@ -113,6 +117,9 @@ class SessionManager:
             self.journal.directory.mkdir(parents=True, exist_ok=True)
             if self.resume:
                 await self._resume(self.journal)
+            else:  # what other servers sharing the state dir write stays; what dead ones left goes
+                for directory in (self.sessions_dir, self.journal.directory):
+                    await asyncio.to_thread(clean_temporaries, directory, False)
 
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
@@ -143,7 +150,17 @@ class SessionManager:
                 continue
             self._take(found, journal)
             adopted.extend(found.sessions)
+        self._register(adopted)
         return adopted
+
+    def recount(self) -> None:
+        """Count every session held here with the tally again (after the tally lost its count)."""
+        self._register(list(self.sessions.values()))
+
+    def _register(self, sessions: list[Session]) -> None:
+        if self.tally is not None:
+            for owner in {session.owner for session in sessions}:
+                self.tally.register(owner, [session.id for session in sessions if session.owner == owner])
 
     def _take(self, found: Recovered, journal: SessionJournal) -> None:
         """Hold recovered sessions; later changes get log sequence numbers above any they had."""
@@ -172,7 +189,7 @@ class SessionManager:
 
     # --- session CRUD -------------------------------------------------------------------------------
 
-    def create(
+    async def create(
         self,
         session_id: str | None,
         settings: SessionSettings,
@@ -181,21 +198,29 @@ class SessionManager:
     ) -> Session:
         """A new session of kind owned by the caller: with transcript, or empty but for the system message if given.
 
-        Sessions of every kind count toward the caller's limit.
+        Sessions of every kind count toward the caller's limit: on this server, and with a tally on every server
+        that shares it.
         """
         session_id = check_id(session_id, "session_id") if session_id is not None else new_session_id()
-        if session_id in self.sessions:
-            raise AlreadyExistsError(f"session {session_id!r} already exists", param="session_id")
+        self._check_new(session_id)
         owner = current_principal().owner
         limit = self.limits.max_sessions_per_key
         if limit is not None and sum(session.owner == owner for session in self.sessions.values()) >= limit:
-            raise SessionLimitError(f"this key already has {limit} sessions, the most it may have; delete some first")
+            raise _limit_error(limit)
+        if self.tally is not None:
+            if not await self.tally.claim(owner, session_id, limit):
+                raise _limit_error(limit)
+            self._check_new(session_id)  # made by another request while this one waited
         if transcript is None:
             transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
         session = Session(session_id, settings, transcript, owner=owner, kind=kind)
         self.sessions[session_id] = session
         self._changed(session, session_record)
         return session
+
+    def _check_new(self, session_id: str) -> None:
+        if session_id in self.sessions:
+            raise AlreadyExistsError(f"session {session_id!r} already exists", param="session_id")
 
     def get(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> Session:
         """The session of that kind with that id, if the caller may see it."""
@@ -228,6 +253,7 @@ class SessionManager:
         """Forget a session, its KV, its saved copy and its journal (which first records the deletion durably)."""
         session = self._idle(session_id, kind)
         del self.sessions[session.id]
+        released = self._untally(session.id)
         self.engine.submit(lambda: self._kv.release(session.id))
         lsn = self._next_lsn()
         if self.journal is not None:
@@ -236,6 +262,8 @@ class SessionManager:
             await asyncio.to_thread(shutil.rmtree, self.sessions_dir / session.id, True)
         if self.journal is not None:
             self.journal.forget(session.id, lsn)
+        if released is not None:
+            await released  # out of the key's count on every server before the deletion is answered
 
     def rollback(self, session_id: str, keep_messages: int, kind: SessionKind = SessionKind.SESSION) -> Session:
         """Cut the transcript to its first keep_messages messages; the KV is trimmed by LCP on the next turn."""
@@ -254,7 +282,7 @@ class SessionManager:
         """A new session with the parent's transcript, sharing its KV blocks (copied on write)."""
         parent = self._idle(session_id)
         settings = SessionSettings.from_dict(parent.settings.to_dict())
-        child = self.create(child_id, settings, [dict(message) for message in parent.transcript])
+        child = await self.create(child_id, settings, [dict(message) for message in parent.transcript])
         child.busy = parent.busy = True
         try:
             if not await self.engine.call(lambda: self._kv.fork(parent.id, child.id)):
@@ -317,6 +345,7 @@ class SessionManager:
         if self.sessions.get(session.id) is not session:
             return
         del self.sessions[session.id]
+        self._untally(session.id)  # in the background
         if self.journal is not None and self.journal.appending:
             self.journal.discard(session.id)
 
@@ -355,8 +384,7 @@ class SessionManager:
         async with self._quota_locks.setdefault(owner, asyncio.Lock()):
             room = None if quota is None else quota - await asyncio.to_thread(self.snapshots.usage, owner)
             if room is not None and self.journal is not None:  # the key's session journals count as well
-                room -= sum(self.journal.sizes.get(other.id, 0) for other in self.sessions.values()
-                            if other.owner == owner)  # fmt: skip
+                room -= await self._journal_bytes(owner)
             return await asyncio.to_thread(
                 self.snapshots.create, content, session.manifest_fields(), metadata, owner, room
             )
@@ -375,9 +403,20 @@ class SessionManager:
                     f"session {target!r} already exists; pass overwrite=true to replace it", param="session_id"
                 )
             await self.delete(target)
-        session = self.create(target, SessionSettings.from_dict(manifest.get("session", {})), content.transcript)
+        session = await self.create(target, SessionSettings.from_dict(manifest.get("session", {})), content.transcript)
         await self._place(session, content.kv)
         return session
+
+    async def _journal_bytes(self, owner: str) -> int:
+        """Bytes of the journals of owner's sessions: those held here, and with a tally those held elsewhere."""
+        journal = self.journal
+        if journal is None:
+            return 0
+        held = sum(journal.sizes.get(session.id, 0) for session in self.sessions.values() if session.owner == owner)
+        if self.tally is None:
+            return held
+        elsewhere = [session_id for session_id in await self.tally.owned(owner) if session_id not in self.sessions]
+        return held + await asyncio.to_thread(journal.file_sizes, elsewhere)
 
     # --- KV placement -------------------------------------------------------------------------------
 
@@ -495,5 +534,12 @@ class SessionManager:
             raise SessionBusyError(f"session {session_id!r} is busy with another request; retry when it is done")
         return session
 
+    def _untally(self, session_id: str) -> Awaitable[object] | None:
+        return self.tally.release(session_id) if self.tally is not None else None
+
     def _disk_lock(self, session_id: str) -> asyncio.Lock:
         return self._disk_locks.setdefault(session_id, asyncio.Lock())
+
+
+def _limit_error(limit: int) -> SessionLimitError:
+    return SessionLimitError(f"this key already has {limit} sessions, the most it may have; delete some first")

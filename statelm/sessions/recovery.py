@@ -20,10 +20,11 @@ from typing import Any
 
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import SessionError, check_id
-from statelm.sessions.journal import SUFFIX, TEMP_PREFIX, read_journal, remove_journal, truncate_journal
+from statelm.sessions.journal import SUFFIX, read_journal, remove_journal, truncate_journal
 from statelm.sessions.journal_records import record_lsn, replay, supersedes
 from statelm.sessions.session import Session
-from statelm.sessions.snapshot_format import MANIFEST, read_manifest, read_transcript, recover_directory
+from statelm.sessions.snapshot_format import MANIFEST, read_manifest, read_transcript
+from statelm.sessions.temporaries import clean_temporaries
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,12 @@ def recover_sessions(sessions_dir: Path, journal_dir: Path, fingerprint: ModelFi
     """Every session the last run left in sessions_dir and journal_dir, as of its last change."""
     recovered = Recovered()
     sessions_dir.mkdir(parents=True, exist_ok=True)
-    recover_directory(sessions_dir)
+    clean_temporaries(sessions_dir)
     directories = {entry.name: entry for entry in _entries(sessions_dir) if entry.is_dir()}
     journal_dir.mkdir(parents=True, exist_ok=True)
+    clean_temporaries(journal_dir)
     journals = {
-        entry.name.removesuffix(SUFFIX): entry
-        for entry in _entries(journal_dir, cleaned=True)
-        if entry.name.endswith(SUFFIX)
+        entry.name.removesuffix(SUFFIX): entry for entry in _entries(journal_dir) if entry.name.endswith(SUFFIX)
     }
     for session_id in sorted(directories.keys() | journals.keys()):
         _recover_into(recovered, session_id, directories.get(session_id), journals.get(session_id), fingerprint)
@@ -149,12 +149,6 @@ def _lsn(manifest: dict[str, object]) -> int:
     return lsn if type(lsn) is int else 0
 
 
-def _entries(root: Path, cleaned: bool = False) -> list[Path]:
-    """The visible entries of root; with cleaned, hidden temporaries left by a crash are removed first."""
-    entries = []
-    for entry in sorted(root.iterdir()):
-        if cleaned and entry.name.startswith(TEMP_PREFIX):
-            entry.unlink(missing_ok=True)
-        elif not entry.name.startswith("."):
-            entries.append(entry)
-    return entries
+def _entries(root: Path) -> list[Path]:
+    """The visible entries of root."""
+    return [entry for entry in sorted(root.iterdir()) if not entry.name.startswith(".")]

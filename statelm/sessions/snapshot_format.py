@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import shutil
-import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError, SnapshotQuotaError
 from statelm.sessions.synced_files import fsync_directory, write_synced
+from statelm.sessions.temporaries import OLD_PREFIX, TEMP_PREFIX, temporary_path
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "statelm-snapshot"
@@ -39,8 +39,6 @@ MANIFEST = "manifest.json"
 TOKENS = "tokens.json"
 TRANSCRIPT = "transcript.json"
 KV = "kv.safetensors"
-TEMP_PREFIX = ".tmp-"
-OLD_PREFIX = ".old-"
 
 
 @dataclass
@@ -81,7 +79,7 @@ def write_snapshot(
             f"the snapshot needs {size} bytes but only {max(max_bytes, 0)} bytes of this key's snapshot quota "
             "are left; delete snapshots to make room"
         )
-    temporary = target.parent / f"{TEMP_PREFIX}{target.name}-{uuid.uuid4().hex}"
+    temporary = temporary_path(target.parent, TEMP_PREFIX, target.name)
     temporary.mkdir(parents=True)
     try:
         for name, data in files.items():
@@ -95,7 +93,7 @@ def write_snapshot(
 
 def rewrite_manifest(directory: Path, manifest: dict[str, Any]) -> None:
     """Replace a snapshot's manifest atomically (temporary file, fsync, rename)."""
-    temporary = directory / f"{TEMP_PREFIX}{MANIFEST}-{uuid.uuid4().hex}"
+    temporary = temporary_path(directory, TEMP_PREFIX, MANIFEST)
     write_synced(temporary, json.dumps(manifest, indent=2, ensure_ascii=False).encode())
     os.replace(temporary, directory / MANIFEST)
     fsync_directory(directory)
@@ -152,21 +150,6 @@ def read_transcript(directory: Path, fingerprint: ModelFingerprint) -> tuple[dic
     return manifest, _parse_transcript(_read_checked(directory, TRANSCRIPT, manifest))
 
 
-def recover_directory(root: Path) -> None:
-    """Clean up after a crash mid-write: drop temporaries, put back a replaced directory that was not restored."""
-    if not root.is_dir():
-        return
-    for entry in root.iterdir():
-        if entry.name.startswith(TEMP_PREFIX):
-            shutil.rmtree(entry, ignore_errors=True)
-        elif entry.name.startswith(OLD_PREFIX):
-            original = root / entry.name.removeprefix(OLD_PREFIX).rsplit("-", 1)[0]
-            if original.exists():
-                shutil.rmtree(entry, ignore_errors=True)
-            else:
-                entry.rename(original)
-
-
 def directory_size(directory: Path) -> int:
     """Bytes of the files in a snapshot directory."""
     return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
@@ -216,7 +199,7 @@ def _replace_directory(source: Path, target: Path) -> None:
     if not target.exists():
         source.rename(target)
     else:
-        old = target.parent / f"{OLD_PREFIX}{target.name}-{uuid.uuid4().hex}"
+        old = temporary_path(target.parent, OLD_PREFIX, target.name)
         target.rename(old)
         source.rename(target)
         shutil.rmtree(old, ignore_errors=True)

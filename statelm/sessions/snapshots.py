@@ -18,10 +18,10 @@ from statelm.sessions.snapshot_format import (
     directory_size,
     read_manifest,
     read_snapshot,
-    recover_directory,
     rewrite_manifest,
     write_snapshot,
 )
+from statelm.sessions.temporaries import clean_temporaries
 
 METADATA_FIELDS = ("title", "description", "tags")
 
@@ -39,12 +39,12 @@ class SnapshotStore:
     that does not exist.
     """
 
-    def __init__(self, root: Path, model_name: str, fingerprint: ModelFingerprint) -> None:
+    def __init__(self, root: Path, model_name: str, fingerprint: ModelFingerprint, exclusive: bool = True) -> None:
         self.root = root
         self.model_name = model_name
         self.fingerprint = fingerprint
         root.mkdir(parents=True, exist_ok=True)
-        recover_directory(root)
+        clean_temporaries(root, exclusive)  # shared with other servers (not exclusive): only abandoned ones
 
     def create(
         self,

@@ -1,4 +1,5 @@
-"""`statelm serve --replicas 2` on a local Ray: affinity, prefix-aware routing, drain, a killed replica, auth.
+"""`statelm serve --replicas 2` on a local Ray: affinity, prefix-aware routing, stored completions, per-key limits,
+drain, a killed replica, auth.
 
 One cluster of two replicas of the default model serves the whole module (it takes a minute or two to start on two
 cores). The router names the replica that answered in `x-statelm-replica`.
@@ -27,6 +28,7 @@ KEY_A, KEY_B, ADMIN = "cluster-key-a", "cluster-key-b", "cluster-admin"
 SYSTEM = "Answer in one short sentence."
 STARTUP_TIMEOUT_S = 420
 REPLICA = "x-statelm-replica"
+MAX_SESSIONS = 8  # per key, over both replicas: KEY_A's tests make 7 sessions in all, KEY_B's limit test 8
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,8 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     args = ["--replicas", "2", "--port", str(port), "--kv-cache-memory", "256MiB", "--threads", "1",
             "--state-dir", str(root / "state"), "--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN,
-            "--drain-timeout", "10"]  # fmt: skip
+            "--drain-timeout", "10", "--max-sessions-per-key", str(MAX_SESSIONS),
+            "--max-stored-responses", "2"]  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(
             [sys.executable, "-m", "statelm", "serve", *args],
@@ -150,6 +153,31 @@ def test_stateless_requests_sharing_a_prefix_land_on_the_same_replica(cluster: s
         answers.append(client.post("/v1/chat/completions", json=body))
     assert len({answer.headers[REPLICA] for answer in answers}) == 1
     assert all(a.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 100 for a in answers[1:])
+
+
+def test_stored_chat_completions_are_found_on_the_replica_that_stored_them(cluster: str) -> None:
+    client = http(cluster)
+    for question in ["Name a colour.", "Name a fruit.", "Name a river.", "Name a city."]:
+        body = {"model": "default", "temperature": 0, "max_tokens": 4, "store": True,
+                "messages": [{"role": "user", "content": question}]}  # fmt: skip
+        made = client.post("/v1/chat/completions", json=body)
+        assert made.status_code == 200, made.text
+        stored = client.get(f"/v1/chat/completions/{made.json()['id']}")
+        assert stored.status_code == 200 and stored.headers[REPLICA] == made.headers[REPLICA]
+        assert http(cluster, KEY_B).get(f"/v1/chat/completions/{made.json()['id']}").status_code == 404
+
+
+def test_a_key_s_limits_hold_over_both_replicas(cluster: str) -> None:
+    client = http(cluster, KEY_B)
+    placed = [new_session(client, f"limit-{index}") for index in range(MAX_SESSIONS)]
+    assert set(placed) == {"replica-0", "replica-1"}
+    assert client.post("/v1/sessions", json={"session_id": "limit-over"}).status_code == 429
+    for index in range(MAX_SESSIONS):
+        assert client.delete(f"/v1/sessions/limit-{index}").status_code == 200
+    body = {"model": "default", "temperature": 0, "max_output_tokens": 2}
+    stored = [client.post("/v1/responses", json={**body, "input": text}).json()["id"] for text in ["A.", "B.", "C."]]
+    wait_until(lambda: client.get(f"/v1/responses/{stored[0]}").status_code == 404, 10)  # the oldest of three
+    assert all(client.get(f"/v1/responses/{response_id}").status_code == 200 for response_id in stored[1:])
 
 
 def test_auth_and_ownership_hold_through_the_router(cluster: str) -> None:

@@ -21,10 +21,10 @@ from statelm.sessions.snapshot_format import (
     SnapshotContent,
     read_snapshot,
     read_transcript,
-    recover_directory,
     write_snapshot,
 )
 from statelm.sessions.snapshots import SnapshotStore
+from statelm.sessions.temporaries import clean_temporaries
 
 FINGERPRINT = ModelFingerprint({"config": "c", "weights": "w", "dtype": "bfloat16", "tokenizer": "t"})
 TRANSCRIPT = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}]
@@ -103,7 +103,7 @@ def test_rewriting_replaces_the_directory_and_a_crash_mid_write_leaves_nothing_v
     assert read_snapshot(tmp_path / "snap", FINGERPRINT)[0]["num_tokens"] == 7
     (tmp_path / ".tmp-half-written-abc").mkdir()  # what a crash during write_snapshot leaves
     (tmp_path / "snap").rename(tmp_path / ".old-snap-0123")  # a crash between the two renames of a rewrite
-    recover_directory(tmp_path)
+    clean_temporaries(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
     assert read_snapshot(tmp_path / "snap", FINGERPRINT)[0]["num_tokens"] == 7
 

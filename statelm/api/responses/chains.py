@@ -4,14 +4,15 @@ A chain is a session of kind `responses` whose transcript only grows while it is
 records `count`, the number of transcript messages up to its own output, so its id names that prefix of the
 transcript even after later responses extend the chain. Records are saved, spilled and resumed with their
 session, and every record kept or dropped is a change of the session the manager journals (`annotate`), as a
-turn is; this index finds them by id and keeps each key's in creation order for the retention.
+turn is; this index finds them by id and keeps each key's in creation order for the retention (and tells the session
+manager's tally, if it has one, so that the retention holds across a cluster's replicas).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,13 +94,22 @@ class ResponseChains:
         for dropped in list(owned)[: max(len(owned) - limit, 0)] if limit is not None else []:
             self.drop(dropped)
 
-    def drop(self, response_id: str) -> None:
-        """Forget a stored response (its chain session is left for the caller to tidy)."""
+    def drop(self, response_id: str) -> Awaitable[object] | None:
+        """Forget a stored response (its chain session is left for the caller to tidy); with a tally, its
+        acknowledgement, for a caller that answers once the response is counted out on every server."""
         session = self._sessions.pop(response_id, None)
         if session is None:
-            return
+            return None
         self._annotate(session, response_id, None)
         self._by_owner[session.owner].pop(response_id, None)
+        tally = self.manager.tally if self.manager is not None else None
+        return tally.forget_responses([response_id]) if tally is not None else None
+
+    def recount(self) -> None:
+        """Count every stored response held here with the session manager's tally again (after it lost its count)."""
+        tally = self.manager.tally if self.manager is not None else None
+        for response_id, session in self._sessions.items() if tally is not None else ():
+            tally.note_response(session.owner, response_id, session.id, records(session)[response_id]["created_at"])
 
     def expired(self, now: float) -> list[str]:
         """Ids of every key's responses older than the retention's age."""
@@ -122,4 +132,6 @@ class ResponseChains:
         self._sessions[response_id] = session
         owned = self._by_owner.setdefault(session.owner, OrderedDict())
         owned[response_id] = created_at
+        if self.manager is not None and self.manager.tally is not None:  # the retention then holds across servers
+            self.manager.tally.note_response(session.owner, response_id, session.id, created_at)
         return owned

@@ -122,10 +122,18 @@ class ResponsesService:
     async def delete(self, response_id: str) -> DeletedResponse:
         """Forget a stored response and free what only it held."""
         stored = self._stored(response_id)
-        self.chains.drop(response_id)
+        forgotten = self.chains.drop(response_id)
         await self._tidy(stored.session)
+        if forgotten is not None:
+            await forgotten  # out of the key's count on every server
         await self.conversations.manager().settled(stored.session)  # answered once durable
         return DeletedResponse(id=response_id)
+
+    async def drop_stored(self, response_ids: list[str]) -> None:
+        """Forget those stored responses, any key's, if held here (the retention counted over several servers)."""
+        for response_id in response_ids:
+            self.chains.drop(response_id)
+        await self.sweep()  # and free what only they held
 
     def input_items(self, response_id: str, after: str | None, limit: int, order: str) -> InputItemList:
         """A page of a stored response's input items, in order (`asc`) or latest first (`desc`)."""
@@ -220,7 +228,7 @@ class ResponsesService:
         """
         manager = self.conversations.manager()
         try:
-            session = manager.create(None, SessionSettings(), kind=CHAIN)
+            session = await manager.create(None, SessionSettings(), kind=CHAIN)
         except SessionLimitError:
             owner = current_principal().owner
             chains = [
@@ -234,7 +242,7 @@ class ResponsesService:
             for response_id in list(records(oldest)):
                 self.chains.drop(response_id)
             await self._tidy(oldest)
-            session = manager.create(None, SessionSettings(), kind=CHAIN)
+            session = await manager.create(None, SessionSettings(), kind=CHAIN)
         return manager.begin_turn(session.id, CHAIN)
 
     def _keep(self, session: Session, builder: ResponseBuilder, listed: list[dict[str, Any]]) -> None:
