@@ -109,15 +109,18 @@ class RouterApp:
         """Stream the replica's answer to the client; False if the replica restarted before answering."""
         incarnation = replica.incarnation
         answer = replica.handle.options(stream=True).serve_http.remote(request, incarnation)
+        started = complete = False
         gone = asyncio.create_task(_disconnected(receive))
-        gone.add_done_callback(lambda task: task.cancelled() or answer.cancel())  # only if the client went away
-        started = False
+        # only if the client went away: once the answer is whole, the server reports a disconnect too, and a cancel
+        # then would cancel what the replica's request started and has yet to finish (a key ledger call, say)
+        gone.add_done_callback(lambda task: task.cancelled() or complete or answer.cancel())
         replica.in_flight += 1
         try:
             async for message in answer:
                 if message["type"] == "http.response.start":
                     started = True
                     message = {**message, "headers": [*message["headers"], (REPLICA_HEADER, replica.name.encode())]}
+                complete = message["type"] == "http.response.body" and not message.get("more_body", False)
                 await send(message)
         except StaleReplicaError:
             await self.placement.lost(replica, incarnation)
