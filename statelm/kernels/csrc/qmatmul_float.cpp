@@ -94,6 +94,15 @@ inline void block_sums_of_rows(const uint8_t* values, const Activations& a, int6
   }
   column_sums<R>(chains, sums);
 }
+
+// This thread's buffer of at least `count` vectors, kept across calls (a column group's widened blocks: written
+// whole before they are read, so never cleared).
+template <typename Vector>
+Vector* widened_scratch(int64_t count) {
+  thread_local std::vector<Vector> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
 #endif
 
 #if defined(__AVX512F__)
@@ -207,15 +216,15 @@ void output_tile(const Weights& w, const Activations& a, int64_t m0, int64_t row
 // All rows of the groups [begin, end), each group's blocks widened once for all row tiles.
 template <bool kQ4>
 void widened_groups(const Weights& w, const Activations& a, int64_t rows, int64_t begin, int64_t end, float* y) {
-  std::vector<__m512> widened(w.blocks * 16);
+  __m512* widened = widened_scratch<__m512>(w.blocks * 16);
   for (int64_t group = begin; group < end; ++group) {
     for (int64_t b = 0; b < w.blocks; ++b) {
       const uint8_t* values = w.values + w.at(group, b) * w.block_bytes();
-      for (int t = 0; t < 8; ++t) widen_quad_wide<!kQ4>(quad_bytes<kQ4>(values, t), widened.data() + b * 16 + 2 * t);
+      for (int t = 0; t < 8; ++t) widen_quad_wide<!kQ4>(quad_bytes<kQ4>(values, t), widened + b * 16 + 2 * t);
     }
     int64_t m0 = 0;
     for (; m0 + kWidenedTileRows <= rows; m0 += kWidenedTileRows) {
-      output_tile_wide<kQ4, kWidenedTileRows, true>(w, a, m0, group, y, widened.data());
+      output_tile_wide<kQ4, kWidenedTileRows, true>(w, a, m0, group, y, widened);
     }
     for (; m0 < rows; m0 += kWideRowsPerTile) output_tile<kQ4>(w, a, m0, std::min<int64_t>(kWideRowsPerTile, rows - m0), group, y);
   }
@@ -289,15 +298,15 @@ void widened_tile(const Weights& w, const Activations& a, const __m256* widened,
 // All rows of the groups [begin, end), each group widened once.
 template <bool kQ4>
 void widened_groups(const Weights& w, const Activations& a, int64_t rows, int64_t begin, int64_t end, float* y) {
-  std::vector<__m256> widened(w.blocks * kVectorsPerBlock);
+  __m256* widened = widened_scratch<__m256>(w.blocks * kVectorsPerBlock);
   for (int64_t group = begin; group < end; ++group) {
-    widen_group<kQ4>(w, group, widened.data());
+    widen_group<kQ4>(w, group, widened);
     int64_t m0 = 0;
     for (; m0 + kWidenedTileRows <= rows; m0 += kWidenedTileRows) {
-      widened_tile<kQ4, kWidenedTileRows>(w, a, widened.data(), m0, group, y);
+      widened_tile<kQ4, kWidenedTileRows>(w, a, widened, m0, group, y);
     }
-    if (rows - m0 == 2) widened_tile<kQ4, 2>(w, a, widened.data(), m0, group, y);
-    if (rows - m0 == 1) widened_tile<kQ4, 1>(w, a, widened.data(), m0, group, y);
+    if (rows - m0 == 2) widened_tile<kQ4, 2>(w, a, widened, m0, group, y);
+    if (rows - m0 == 1) widened_tile<kQ4, 1>(w, a, widened, m0, group, y);
   }
 }
 #endif
