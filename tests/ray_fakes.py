@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator
+import inspect
+from collections.abc import Awaitable, Callable, Generator
 from typing import Any
 
 
@@ -21,8 +22,9 @@ class _Method:
     def __init__(self, method: Callable[..., Any]) -> None:
         self.method = method
 
-    def remote(self, *args: Any) -> _Done:
-        return _Done(self.method(*args))
+    def remote(self, *args: Any) -> Awaitable[Any]:
+        answer = self.method(*args)
+        return answer if inspect.isawaitable(answer) else _Done(answer)  # an async method's answer is awaited
 
 
 class Remote:

@@ -1,4 +1,5 @@
-"""`statelm server start|status|stop`: a detached server with its pid file and log under the state dir."""
+"""`statelm server start|status|scale|stop`: a detached server with its pid file and log under the state dir, and the
+number of replicas of a cluster."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import typer
 from rich.text import Text
 
 from statelm.cli.client import ClientError, StatelmClient
-from statelm.cli.common import ApiKeyOption, JsonOption, console, fail, print_json
+from statelm.cli.common import ApiKeyOption, JsonOption, UrlOption, connect, console, fail, print_json, reports_errors
 from statelm.cli.render import duration
 from statelm.cli.server_record import ServerRecord, is_statelm_server, process_command
 from statelm.config import ServerConfig
@@ -164,6 +165,35 @@ def cluster_replicas(client: StatelmClient) -> list[dict[str, object]] | None:
         if exc.status == 404:
             return None
         raise
+
+
+@server_app.command("scale")
+@reports_errors
+def scale(
+    replicas: Annotated[int, typer.Argument(min=1, help="How many replicas the cluster should have.")],
+    wait: Annotated[float, typer.Option(help="Seconds to wait for new replicas to be live (0: do not wait).")] = 600,
+    url: UrlOption = None,
+    api_key: ApiKeyOption = None,
+) -> None:
+    """Change the number of replicas of a server started with --replicas (an admin key when keys are set).
+
+    Replicas removed first finish their requests and save their sessions, which the others take over.
+
+    Example: statelm server scale 4 --api-key "$ADMIN_KEY"
+    """
+    client = connect(url, api_key)
+    with console.status(f"scaling to {replicas} replicas (removed ones drain first)"):
+        result = client.request("POST", "/v1/cluster/scale", {"replicas": replicas})
+        deadline = time.monotonic() + wait
+        while wait and any(row["state"] == "starting" for row in result["replicas"]):
+            if time.monotonic() > deadline:
+                raise fail(f"replicas still starting after {wait:.0f}s; see `statelm server status`")
+            time.sleep(1)
+            result = {**result, "replicas": client.request("GET", "/v1/cluster")["replicas"]}
+    added, removed = ", ".join(result["added"]) or "none", ", ".join(result["removed"]) or "none"
+    console.print(f"{len(result['replicas'])} replicas · added {added} · removed {removed}", highlight=False)
+    for row in result["replicas"]:
+        console.print(f"  {row['name']}: {row['state']} · {row['sessions']} sessions", highlight=False)
 
 
 @server_app.command("stop")

@@ -7,6 +7,7 @@ import logging
 import math
 import os
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -19,21 +20,21 @@ from statelm.cluster.balancer import Balancer, Policy
 from statelm.cluster.ledger import KeyLedger
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import Placement
-from statelm.cluster.replica import EngineReplica
+from statelm.cluster.replica import APP_PREFIX, EngineReplica
 from statelm.cluster.router import RouterApp
+from statelm.cluster.scaling import Scaler
 from statelm.cluster.store import DirectoryStore
 from statelm.config import ClusterConfig, EngineConfig, ServerConfig
 from statelm.server.drain import DrainGate, DrainMiddleware
 from statelm.server.launch import LaunchError, configure_logging, key_ring, serve_http
 
 log = logging.getLogger("statelm")
-APP_PREFIX = "statelm-"
 CONTROL_CALLS = 64  # room for the router's own calls (ping, holds, adopt) beside requests
 
 
-def replica_names(count: int) -> list[str]:
-    """The replicas' names: replica-0, replica-1, …"""
-    return [f"replica-{index}" for index in range(count)]
+def replica_name(index: int) -> str:
+    """The name of the replica with that index: replica-0, replica-1, …"""
+    return f"replica-{index}"
 
 
 def start_ray(cluster: ClusterConfig) -> None:
@@ -45,36 +46,46 @@ def start_ray(cluster: ClusterConfig) -> None:
     source = str(Path(statelm.__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
     ray.init(
-        num_cpus=max(math.ceil(cluster.replicas * cluster.replica_cpus), 1),
+        num_cpus=max(math.ceil(cluster.replicas * cluster.replica_cpus), os.cpu_count() or 1),  # room to scale up
         num_gpus=math.ceil(cluster.replicas * cluster.replica_gpus),
         include_dashboard=False,
         runtime_env={"env_vars": {"PYTHONPATH": path}},
     )
 
 
-def deploy_replicas(
-    engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig, ledger: Any
-) -> dict[str, DeploymentHandle]:
-    """N engine replicas, each its own Ray Serve application of one replica (so that the router can address each),
-    counting every key's sessions and responses in ledger, started together; returns once every one serves."""
-    replica_config = replace(server_config, resume_sessions=False)
-    deployment = serve.deployment(
-        EngineReplica,
-        num_replicas=1,
-        max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_queue + CONTROL_CALLS,
-        graceful_shutdown_timeout_s=server_config.drain_timeout + 120,  # requests finish, then sessions are saved
-        ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
-        logging_config={"enable_access_log": False},  # the replica's own app logs what it answers
-    )
-    names = replica_names(cluster.replicas)
-    apps = [APP_PREFIX + name for name in names]
-    targets = [
-        serve.RunTarget(
-            deployment.options(name=name).bind(name, engine_config, replica_config, ledger, apps), app, None
+class ReplicaDeployer:
+    """Deploys engine replicas, each its own Ray Serve application of one replica (so that the router can address
+    each), counting every key's sessions and responses in the ledger; and deletes them."""
+
+    def __init__(self, engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig, ledger: Any):
+        self.engine_config = engine_config
+        self.server_config = replace(server_config, resume_sessions=False)  # sessions come by adoption
+        self.ledger = ledger
+        self.deployment = serve.deployment(
+            EngineReplica,
+            num_replicas=1,
+            max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_queue + CONTROL_CALLS,
+            graceful_shutdown_timeout_s=server_config.drain_timeout + 120,  # requests finish, then sessions are saved
+            ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
+            logging_config={"enable_access_log": False},  # the replica's own app logs what it answers
         )
-        for name, app in zip(names, apps, strict=True)
-    ]
-    return dict(zip(names, serve.run_many(targets), strict=True))
+
+    def deploy(self, names: list[str], wait: bool = True) -> dict[str, DeploymentHandle]:
+        """Start replicas with those names together; with wait, returns once every one serves (blocks)."""
+        targets = [
+            serve.RunTarget(
+                self.deployment.options(name=name).bind(name, self.engine_config, self.server_config, self.ledger),
+                APP_PREFIX + name,
+                None,
+            )
+            for name in names
+        ]
+        handles = serve.run_many(targets, wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
+        return dict(zip(names, handles, strict=True))
+
+    def delete(self, name: str) -> None:
+        """Remove a replica's application (after its drain; blocks)."""
+        serve.delete(APP_PREFIX + name)
 
 
 def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig) -> None:
@@ -91,11 +102,15 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         restarted = {"max_restarts": -1, "max_task_retries": -1}  # Ray restarts the ledger; calls wait it out
         ledger_actor = ray.remote(num_cpus=0, **restarted)(KeyLedger)
         ledger = ledger_actor.remote()
-        handles = deploy_replicas(engine_config, server_config, cluster, ledger)
+        deployer = ReplicaDeployer(engine_config, server_config, cluster, ledger)
+        handles = deployer.deploy([replica_name(index) for index in range(cluster.replicas)])
         log.info("%d replicas serving; routing %s", len(handles), policy)
         store = DirectoryStore(server_config.state_dir)
         placement = Placement(handles, store, Balancer(policy), RouterMetrics(), ledger)
-        router = RouterApp(placement, keys, not server_config.metrics_require_key, server_config.max_request_bytes)
+        scaler = Scaler(placement, partial(deployer.deploy, wait=False), deployer.delete, replica_name)
+        router = RouterApp(
+            placement, scaler, keys, not server_config.metrics_require_key, server_config.max_request_bytes
+        )
         gate = DrainGate(server_config.drain_timeout)
         app = DrainMiddleware(router, gate, exempt_paths=frozenset({"/health"}))
         serve_http(app, server_config, gate)

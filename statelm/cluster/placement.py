@@ -21,6 +21,7 @@ from ray.serve.handle import DeploymentHandle
 from statelm.cluster.affinity import AffinityTable
 from statelm.cluster.balancer import Balancer, Choice
 from statelm.cluster.metrics import RouterMetrics
+from statelm.cluster.replica import ReplicaDrainingError
 from statelm.cluster.store import SessionStore
 from statelm.cluster.targets import Target, TargetKind
 
@@ -32,10 +33,11 @@ PING_TIMEOUT_S = 2.0
 class ReplicaState(enum.StrEnum):
     """A replica's state as the router sees it."""
 
+    STARTING = "starting"  # deployed, not answering yet
     LIVE = "live"
     DRAINING = "draining"  # saving its sessions; requests for them wait
     DRAINED = "drained"  # saved everything and stopped its engine; gets nothing more
-    LOST = "lost"  # died or unreachable; Ray Serve restarts it, and it is live again as a new incarnation
+    LOST = "lost"  # died, unreachable or ended after a SIGTERM drain; Ray Serve restarts it as a new incarnation
 
 
 class NoReplicaError(RuntimeError):
@@ -48,7 +50,7 @@ class Replica:
 
     name: str
     handle: DeploymentHandle
-    state: ReplicaState = ReplicaState.LOST
+    state: ReplicaState = ReplicaState.STARTING
     incarnation: str = ""
     actor: Any = None  # its Ray actor, pinged to notice a death at once
     pid: int | None = None
@@ -75,6 +77,7 @@ class Placement:
         self.table = AffinityTable()
         self._lock = asyncio.Lock()
         self._watch: asyncio.Task[None] | None = None
+        self._drains: dict[str, asyncio.Task[int]] = {}
         self._ledger_incarnation: str | None = None  # the ledger's start the live replicas counted in
 
     async def start(self) -> None:
@@ -116,36 +119,73 @@ class Placement:
             await self._adopt_orphans()
 
     async def drain(self, name: str) -> int:
-        """Drain a replica: it finishes its requests and saves its sessions, which live replicas then adopt."""
+        """Drain a live replica: it finishes its requests and saves its sessions, which live replicas then adopt; it
+        stays drained (serving nothing). KeyError if no live replica has that name."""
         replica = self.replicas.get(name)
         if replica is None or replica.state is not ReplicaState.LIVE:
             raise KeyError(name)
+        return await asyncio.shield(self._start_drain(replica, ReplicaState.DRAINED))
+
+    def draining(self, replica: Replica, incarnation: str) -> None:
+        """A replica drains on its own (SIGTERM): treat it as draining until it is done; it then ends, and Ray Serve
+        starts a new incarnation."""
+        if replica.incarnation == incarnation and replica.state is ReplicaState.LIVE:
+            log.info("replica %s (pid %s) drains (SIGTERM); its sessions go to the others", replica.name, replica.pid)
+            self._start_drain(replica, ReplicaState.LOST)
+
+    def add(self, handles: dict[str, DeploymentHandle]) -> None:
+        """New replicas (a scale-up); each is live once it answers (at the next watch)."""
+        self.replicas.update((name, Replica(name, handle)) for name, handle in handles.items())
+
+    def remove(self, name: str) -> None:
+        """Forget a drained replica (a scale-down, before its application is deleted)."""
+        replica = self.replicas.pop(name)
+        self._forget(replica)
+
+    def _start_drain(self, replica: Replica, after: ReplicaState) -> asyncio.Task[int]:
+        """Send the replica nothing new from now on, hold requests for its sessions, and drain it; after that it is in
+        state after and the live replicas have adopted its sessions."""
         replica.state = ReplicaState.DRAINING
+        replica.done_draining.clear()
+        task = asyncio.create_task(self._drain(replica, after))
+        self._drains[replica.name] = task
+        return task
+
+    async def _drain(self, replica: Replica, after: ReplicaState) -> int:
+        saved = 0
         try:
             saved = await replica.handle.drain.remote(replica.incarnation)
+        except RayError as exc:  # it died meanwhile: what it saved, and its journals, are in the store
+            log.warning("replica %s ended while draining: %s", replica.name, exc)
         finally:
-            async with self._lock:
-                replica.state = ReplicaState.DRAINED
-                self._forget(replica)
-                await self._adopt_orphans()
-            replica.done_draining.set()
-        log.info("drained replica %s: %d sessions saved and adopted by the others", name, saved)
+            try:
+                async with self._lock:
+                    replica.state = after
+                    self._forget(replica)
+                    await self._adopt_orphans()
+            finally:  # requests held for its sessions go on, even if the others could not be asked to adopt them
+                replica.done_draining.set()
+                self._drains.pop(replica.name, None)
+        log.info("drained replica %s: %d sessions saved and adopted by the others", replica.name, saved)
         return saved
 
     async def _locate(self, kind: TargetKind, key: str) -> str:
         while True:
             replica = self.replicas.get(self.table.get(kind, key) or "")
-            if replica is not None and replica.state is ReplicaState.DRAINING:
-                await replica.done_draining.wait()
-                continue
             if replica is not None and replica.state is ReplicaState.LIVE:
                 return replica.name
+            draining = [r for r in self.replicas.values() if r.state is ReplicaState.DRAINING]
+            if draining:  # it may hold the id, unknown to the table: decide once its sessions are in the store
+                await asyncio.wait([asyncio.create_task(r.done_draining.wait()) for r in draining])
+                continue
             async with self._lock:
-                return await self._discover(kind, key)
+                found = await self._discover(kind, key)
+            if found is not None:
+                return found
 
-    async def _discover(self, kind: TargetKind, key: str) -> str:
+    async def _discover(self, kind: TargetKind, key: str) -> str | None:
         """Where an id the table does not place is: the live replica holding it, else the least loaded one (which
-        adopts a session the store holds, or is where a new session with that id will be made)."""
+        adopts a session the store holds, or is where a new session with that id will be made); None to look again."""
         known = self.replicas.get(self.table.get(kind, key) or "")
         if known is not None and known.state is ReplicaState.LIVE:
             return known.name  # placed while this waited for the lock
@@ -159,7 +199,11 @@ class Placement:
         if kind is not TargetKind.SESSION and not holders:
             return chosen.name  # nobody holds it: any replica answers 404, and the table keeps no entry for it
         if not holders and await asyncio.to_thread(self.store.has_session, key):
-            await chosen.handle.adopt.remote([key], chosen.incarnation)
+            try:
+                await chosen.handle.adopt.remote([key], chosen.incarnation)
+            except ReplicaDrainingError:  # it took SIGTERM meanwhile: look again, without it
+                self.draining(chosen, chosen.incarnation)
+                return None
         self.table.set(kind, key, chosen.name)
         return chosen.name
 
@@ -185,7 +229,12 @@ class Placement:
             assigned[name].append(session_id)
         for name, session_ids in assigned.items():
             replica = self.replicas[name]
-            for session_id in await replica.handle.adopt.remote(session_ids, replica.incarnation):
+            try:
+                adopted = await replica.handle.adopt.remote(session_ids, replica.incarnation)
+            except ReplicaDrainingError:  # it took SIGTERM meanwhile: the others adopt these once it is done
+                self.draining(replica, replica.incarnation)
+                continue
+            for session_id in adopted:
                 self.table.set(TargetKind.SESSION, session_id, name)
         if assigned:
             log.info("replicas adopted %d sessions from the store", sum(map(len, assigned.values())))
@@ -200,7 +249,7 @@ class Placement:
         while True:
             await asyncio.sleep(WATCH_PERIOD_S)
             for replica in list(self.replicas.values()):
-                if replica.state in (ReplicaState.LIVE, ReplicaState.LOST):
+                if replica.state in (ReplicaState.STARTING, ReplicaState.LIVE, ReplicaState.LOST):
                     await self._refresh(replica, PING_TIMEOUT_S)
             await self._check_ledger()
 
@@ -219,15 +268,20 @@ class Placement:
             self._ledger_incarnation = incarnation  # else again at the next look
 
     async def _refresh(self, replica: Replica, timeout: float | None, adopt: bool = True) -> None:
-        """Ping a live replica's actor; ask a lost one who it is now: once it answers it is live again (and, with
-        adopt, takes its share of the sessions nobody holds)."""
+        """Ping a live replica's actor (and notice a drain it started); ask a starting or lost one who it is now: once
+        it answers it is live (and, with adopt, takes its share of the sessions nobody holds)."""
         if replica.state is ReplicaState.LIVE and replica.actor is not None:
+            incarnation = replica.incarnation
             try:
                 await asyncio.wait_for(replica.actor.__ray_ready__.remote(), timeout)
+                info = await asyncio.wait_for(replica.handle.info.remote(), timeout)
             except RayActorError:
-                await self.lost(replica, replica.incarnation)
+                await self.lost(replica, incarnation)
             except TimeoutError:
                 pass  # busy, not gone
+            else:
+                if info["draining"]:
+                    self.draining(replica, incarnation)
             return
         try:
             info = await asyncio.wait_for(replica.handle.info.remote(), timeout)

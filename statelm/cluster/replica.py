@@ -3,11 +3,17 @@
 A replica starts holding no session: the router has it adopt sessions from the shared store. Each start is a new
 incarnation; a call meant for an earlier one fails (StaleReplicaError), so that nothing is served by a restarted
 replica that lost what its earlier incarnation held.
+
+A replica drains when the router asks (the drain route, a scale-down) or when its process gets SIGTERM: it takes no
+new request (ReplicaDrainingError, on which the router routes the request again), lets running ones finish, saves
+every session to the shared store and stops its engine. After a SIGTERM it then exits, and Ray Serve starts a new
+incarnation in its place.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 import uuid
@@ -21,36 +27,48 @@ from starlette.types import Message
 from statelm.api.errors import APIError
 from statelm.cluster.bridge import ForwardedRequest, run_app
 from statelm.cluster.ledger import LedgerTally
+from statelm.cluster.sigterm import drain_on_sigterm, exit_process
 from statelm.cluster.targets import TargetKind
 from statelm.config import EngineConfig, ServerConfig
 from statelm.server.launch import build_app, configure_logging
 from statelm.sessions.ownership import LOCAL
 from statelm.sessions.session import SessionKind
 
+log = logging.getLogger("statelm.cluster")
+APP_PREFIX = "statelm-"  # every replica is the Ray Serve application APP_PREFIX + its name
+EXIT_AFTER_DRAIN_S = 1.0  # a SIGTERM-drained replica lives this long after its drain, to answer the router's call
+
 
 class StaleReplicaError(RuntimeError):
     """A call meant for an earlier incarnation of a replica, which restarted and holds nothing of that one's."""
 
 
+class ReplicaDrainingError(RuntimeError):
+    """A request reached a replica that drains (it takes no new ones): the router routes it again."""
+
+
 class EngineReplica:
     """statelm's app over one engine, reached through its Ray Serve handle."""
 
-    async def __init__(
-        self, name: str, engine_config: EngineConfig, server_config: ServerConfig, ledger: Any, apps: list[str]
-    ) -> None:
+    async def __init__(self, name: str, engine_config: EngineConfig, server_config: ServerConfig, ledger: Any) -> None:
         configure_logging(server_config.log_level)
         self.name = name
         self.incarnation = uuid.uuid4().hex
-        self.apps = apps  # every replica's Ray Serve application, this one's included
         tally = LedgerTally(ledger, server_config.max_stored_responses, self._drop_everywhere)
         self.app, self.gate = build_app(engine_config, server_config, tally)
         self._lifespan = self.app.router.lifespan_context(self.app)
         await self._lifespan.__aenter__()
         self._closed = False
+        self._drained: asyncio.Task[int] | None = None
+        loop = asyncio.get_running_loop()
+        if not drain_on_sigterm(lambda: loop.call_soon_threadsafe(self._terminate)):
+            log.warning("replica %s: this Ray's worker does not handle SIGTERM as statelm expects; SIGTERM ends the "
+                        "replica at once (its sessions continue elsewhere from their journals)", name)  # fmt: skip
 
     async def serve_http(self, request: ForwardedRequest, incarnation: str) -> AsyncIterator[Message]:
         """The app's answer to a request, as ASGI messages."""
         self._check(incarnation)
+        self._check_open()
         async for message in run_app(self.app, request):
             yield message
 
@@ -76,6 +94,7 @@ class EngineReplica:
     async def adopt(self, session_ids: list[str], incarnation: str) -> list[str]:
         """Take over sessions from the shared store (nobody else holds them); the ids taken."""
         self._check(incarnation)
+        self._check_open()
         sessions = await self.app.state.sessions.manager.adopt(session_ids)
         self.app.state.responses.chains.resume(session for session in sessions if session.kind is SessionKind.RESPONSES)
         return [session.id for session in sessions]
@@ -111,15 +130,30 @@ class EngineReplica:
 
     async def drain(self, incarnation: str) -> int:
         """Take no new requests, let running ones finish (up to the drain timeout), save every session to the shared
-        store and stop the engine; the number of sessions it held."""
+        store and stop the engine; the number of sessions it held. Drains once, whoever asks and however often."""
         self._check(incarnation)
-        self.gate.draining = True
+        return await asyncio.shield(self._drain())
+
+    def _drain(self) -> asyncio.Task[int]:
+        if self._drained is None:
+            self.gate.draining = True
+            self._drained = asyncio.create_task(self._drain_once())
+        return self._drained
+
+    async def _drain_once(self) -> int:
         deadline = time.monotonic() + self.gate.timeout_s
         while self.gate.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         held = len(self.app.state.sessions.manager.sessions)
         await self._close()
+        log.info("replica %s drained: %d sessions saved to the store", self.name, held)
         return held
+
+    def _terminate(self) -> None:
+        """SIGTERM: drain, then end the process (Ray Serve starts a new incarnation)."""
+        log.info("replica %s: SIGTERM, draining %d requests in flight", self.name, self.gate.in_flight)
+        loop = asyncio.get_running_loop()
+        self._drain().add_done_callback(lambda _: loop.call_later(EXIT_AFTER_DRAIN_S, exit_process))
 
     async def __del__(self) -> None:
         """Ray Serve's graceful shutdown (a scale-down, the cluster stopping): save every session, as drain does."""
@@ -132,9 +166,15 @@ class EngineReplica:
 
     async def _drop_everywhere(self, response_ids: list[str]) -> None:
         """Have every replica drop those stored responses (only the one holding each has it)."""
-        calls = [serve.get_app_handle(app).drop_responses.remote(response_ids) for app in self.apps]
+        status = await asyncio.to_thread(serve.status)  # the replicas there are now (a scale changes them)
+        apps = [app for app in status.applications if app.startswith(APP_PREFIX)]
+        calls = [serve.get_app_handle(app).drop_responses.remote(response_ids) for app in apps]
         await asyncio.gather(*calls, return_exceptions=True)  # a replica gone has nothing to drop
 
     def _check(self, incarnation: str) -> None:
         if incarnation != self.incarnation:
             raise StaleReplicaError(f"replica {self.name} restarted; the call was meant for its earlier incarnation")
+
+    def _check_open(self) -> None:
+        if self.gate.draining:
+            raise ReplicaDrainingError(f"replica {self.name} is draining")

@@ -23,7 +23,8 @@ from statelm.api.errors import APIError
 from statelm.cluster.bridge import ForwardedRequest
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import NoReplicaError, Placement, Replica
-from statelm.cluster.replica import StaleReplicaError
+from statelm.cluster.replica import ReplicaDrainingError, StaleReplicaError
+from statelm.cluster.scaling import Scaler
 from statelm.cluster.targets import TargetKind, classify
 from statelm.server.auth import KeyRing, presented_key
 from statelm.server.errors import error_body, error_response
@@ -32,6 +33,8 @@ from statelm.sessions.ownership import LOCAL, Principal
 
 log = logging.getLogger(__name__)
 CLUSTER_PATH = "/v1/cluster"
+SCALE_PATH = f"{CLUSTER_PATH}/scale"
+ATTEMPTS = 3  # tries of a request whose replica turned out to have restarted or to drain
 REPLICA_HEADER = b"x-statelm-replica"  # on every forwarded answer: the replica that gave it
 
 
@@ -43,8 +46,11 @@ def unavailable(message: str) -> APIError:
 class RouterApp:
     """The ASGI app in front of the replicas."""
 
-    def __init__(self, placement: Placement, keys: KeyRing | None, public_metrics: bool, max_body_bytes: int) -> None:
+    def __init__(
+        self, placement: Placement, scaler: Scaler, keys: KeyRing | None, public_metrics: bool, max_body_bytes: int
+    ) -> None:
         self.placement = placement
+        self.scaler = scaler
         self.keys = keys
         self.public_metrics = public_metrics
         self.max_body_bytes = max_body_bytes
@@ -63,6 +69,8 @@ class RouterApp:
             response = await own[path](scope)
         elif path.startswith(f"{CLUSTER_PATH}/replicas/") and path.endswith("/drain") and scope["method"] == "POST":
             response = await self._drain(scope, path.split("/")[4])
+        elif path == SCALE_PATH and scope["method"] == "POST":
+            response = await self._scale(scope, receive)
         else:
             await self._forward(scope, receive, send)
             return
@@ -94,7 +102,7 @@ class RouterApp:
                 response = await self._session_list(request)
                 await response(scope, receive, send)
                 return
-            for _ in range(2):  # once more if the replica turns out to have restarted
+            for _ in range(ATTEMPTS):
                 choice = await self.placement.route(target)
                 replica = self.placement.replicas[choice.replica]
                 self.metrics.routed.labels(replica.name, choice.reason).inc()
@@ -103,10 +111,11 @@ class RouterApp:
         except NoReplicaError as exc:
             await error_response(unavailable(str(exc)), request.path)(scope, receive, send)
             return
-        await error_response(unavailable("the replica restarted; retry"), request.path)(scope, receive, send)
+        error = unavailable("no replica could take the request; retry")
+        await error_response(error, request.path)(scope, receive, send)
 
     async def _relay(self, replica: Replica, request: ForwardedRequest, receive: Receive, send: Send) -> bool:
-        """Stream the replica's answer to the client; False if the replica restarted before answering."""
+        """Stream the replica's answer to the client; False if the replica restarted or drains (nothing was sent)."""
         incarnation = replica.incarnation
         answer = replica.handle.options(stream=True).serve_http.remote(request, incarnation)
         started = complete = False
@@ -124,6 +133,9 @@ class RouterApp:
                 await send(message)
         except StaleReplicaError:
             await self.placement.lost(replica, incarnation)
+            return False
+        except ReplicaDrainingError:
+            self.placement.draining(replica, incarnation)
             return False
         except RequestCancelledError:
             pass  # the client went away
@@ -202,6 +214,24 @@ class RouterApp:
             error = APIError(f"no live replica named {name!r}", status=404, type="not_found_error", param="replica")
             return error_response(error, scope["path"])
         return JSONResponse({"object": "cluster.replica", "name": name, "state": "drained", "sessions": saved})
+
+    async def _scale(self, scope: Scope, receive: Receive) -> Response:
+        refusal = self._refusal(scope, lambda principal: principal.admin)
+        if refusal is not None:
+            return refusal
+        body = await read_body(receive, self.max_body_bytes)
+        try:
+            count = json.loads(body or b"null").get("replicas")
+        except (ValueError, AttributeError):
+            count = None
+        if type(count) is not int or count < 1:
+            error = APIError("Send {\"replicas\": N} with N a whole number of at least 1.", status=400,
+                             type="invalid_request_error", param="replicas")  # fmt: skip
+            return error_response(error, scope["path"])
+        added, removed = await self.scaler.scale(count)
+        status = await self._status(scope)
+        body = {**json.loads(status.body), "added": added, "removed": removed}
+        return JSONResponse(body)
 
     def _refusal(self, scope: Scope, allowed: Callable[[Principal], bool]) -> Response | None:
         """None if the request's key may use a router route; else its 401 or 403."""

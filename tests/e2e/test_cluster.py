@@ -1,5 +1,5 @@
 """`statelm serve --replicas 2` on a local Ray: affinity, prefix-aware routing, stored completions, per-key limits,
-drain, a killed replica, auth.
+a killed replica, SIGTERM to a replica, drain, scaling, auth.
 
 One cluster of two replicas of the default model serves the whole module (it takes a minute or two to start on two
 cores). The router names the replica that answered in `x-statelm-replica`.
@@ -28,7 +28,7 @@ KEY_A, KEY_B, ADMIN = "cluster-key-a", "cluster-key-b", "cluster-admin"
 SYSTEM = "Answer in one short sentence."
 STARTUP_TIMEOUT_S = 420
 REPLICA = "x-statelm-replica"
-MAX_SESSIONS = 8  # per key, over both replicas: KEY_A's tests make 7 sessions in all, KEY_B's limit test 8
+MAX_SESSIONS = 10  # per key, over both replicas: KEY_A's tests make 9 sessions in all, KEY_B's limit test 10
 
 
 @pytest.fixture(scope="module")
@@ -121,6 +121,14 @@ def stateless_reference(client: httpx.Client, session_id: str, question: str) ->
     body = {"model": "default", "temperature": 0, "max_tokens": 24,
             "messages": [*history, {"role": "user", "content": question}]}  # fmt: skip
     return client.post("/v1/chat/completions", json=body).json()["choices"][0]["message"]["content"]
+
+
+def assert_adopted_with_its_kv(client: httpx.Client, session_id: str, drained: str) -> None:
+    """The session is now on another replica, which took its KV from the store: spilled, its tokens there (a session
+    recovered from its journal alone would have none until its next turn)."""
+    response = client.get(f"/v1/sessions/{session_id}")
+    assert response.headers[REPLICA] != drained
+    assert response.json()["state"] == "spilled" and response.json()["num_tokens"] > 0, response.text
 
 
 def new_session(client: httpx.Client, session_id: str) -> str:
@@ -219,6 +227,36 @@ def test_a_killed_replica_loses_only_its_in_flight_turn(cluster: str) -> None:
     wait_until(lambda: replicas(cluster)[replica]["state"] == "live", STARTUP_TIMEOUT_S)  # Ray Serve restarted it
 
 
+def test_sigterm_to_a_replica_drains_it_and_its_sessions_continue_on_the_other(cluster: str) -> None:
+    client = http(cluster)
+    wait_until(lambda: all(row["state"] == "live" for row in replicas(cluster).values()), STARTUP_TIMEOUT_S)
+    replica = new_session(client, "terminated")
+    turn(client, "terminated", "What is the capital of France?")
+    pid = replicas(cluster)[replica]["pid"]
+    body = {"model": "default", "session_id": "terminated", "temperature": 0, "max_tokens": 48, "ignore_eos": True,
+            "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}  # fmt: skip
+    events = []
+    with client.stream("POST", "/v1/chat/completions", json=body) as stream:
+        assert stream.status_code == 200
+        for line in stream.iter_lines():
+            if line.startswith("data: "):
+                events.append(line.removeprefix("data: "))
+                if len(events) == 3:
+                    os.kill(pid, signal.SIGTERM)
+    assert events[-1] == "[DONE]" and not any('"error"' in event for event in events)  # the turn in flight finished
+    assert_adopted_with_its_kv(client, "terminated", replica)
+    question = "And of Spain?"
+    expected = stateless_reference(client, "terminated", question)  # the history has the streamed turn
+    answer = turn(client, "terminated", question)
+    assert answer.headers[REPLICA] != replica
+    assert answer.json()["choices"][0]["message"]["content"] == expected
+
+    def restarted() -> bool:  # the process ended after its drain, and Ray Serve started a new one
+        return replicas(cluster)[replica]["state"] == "live" and replicas(cluster)[replica]["pid"] != pid
+
+    wait_until(restarted, STARTUP_TIMEOUT_S)
+
+
 def test_a_drained_replica_s_sessions_continue_on_the_other(cluster: str) -> None:
     client = http(cluster)
     wait_until(lambda: all(row["state"] == "live" for row in replicas(cluster).values()), STARTUP_TIMEOUT_S)
@@ -226,10 +264,37 @@ def test_a_drained_replica_s_sessions_continue_on_the_other(cluster: str) -> Non
     turn(client, "drained", "What is the capital of France?")
     drained = http(cluster, ADMIN).post(f"/v1/cluster/replicas/{replica}/drain")
     assert drained.status_code == 200 and drained.json()["sessions"] >= 1
+    assert_adopted_with_its_kv(client, "drained", replica)
     question = "And of Spain?"
     expected = stateless_reference(client, "drained", question)
     answer = turn(client, "drained", question)
     assert answer.headers[REPLICA] != replica
     assert answer.json()["choices"][0]["message"]["content"] == expected
-    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0  # its KV came through the store
     assert replicas(cluster)[replica]["state"] == "drained"
+
+
+def test_the_cluster_scales_up_and_down_and_a_removed_replica_s_sessions_continue(cluster: str) -> None:
+    admin = http(cluster, ADMIN)
+    assert http(cluster).post("/v1/cluster/scale", json={"replicas": 2}).status_code == 403
+    refused = admin.post("/v1/cluster/scale", json={"replicas": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "replicas"
+    before = replicas(cluster)
+    (drained,) = [name for name, row in before.items() if row["state"] == "drained"]
+    command = [sys.executable, "-m", "statelm", "server", "scale", "2", "--url", cluster, "--api-key", ADMIN]
+    up = subprocess.run(command, capture_output=True, text=True, timeout=STARTUP_TIMEOUT_S, env=server_environment())
+    assert up.returncode == 0, up.stderr  # the drained replica goes, a new one starts, and the command waits for it
+    after = replicas(cluster)
+    (added,) = set(after) - set(before)
+    assert drained not in after and after[added]["state"] == "live"
+    assert f"added {added} · removed {drained}" in up.stdout
+    client = http(cluster)
+    assert new_session(client, "scaled") == added  # the new replica has been given the fewest requests
+    turn(client, "scaled", "What is the capital of France?")
+    down = admin.post("/v1/cluster/scale", json={"replicas": 1})  # the highest number goes: the new one
+    assert down.status_code == 200 and down.json()["removed"] == [added], down.text
+    assert_adopted_with_its_kv(client, "scaled", added)
+    question = "And of Portugal?"
+    expected = stateless_reference(client, "scaled", question)
+    answer = turn(client, "scaled", question)
+    assert answer.headers[REPLICA] != added and list(replicas(cluster)) == [answer.headers[REPLICA]]
+    assert answer.json()["choices"][0]["message"]["content"] == expected

@@ -12,6 +12,7 @@ from statelm.cluster.balancer import Balancer, Policy
 from statelm.cluster.ledger import KeyLedger
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import Placement, ReplicaState
+from statelm.cluster.scaling import Scaler
 from statelm.cluster.targets import Target, TargetKind
 from tests.ray_fakes import Remote
 
@@ -20,12 +21,12 @@ class StandIn:
     """A replica that holds some ids of every kind and adopts what it is given."""
 
     def __init__(self, held: set[str]) -> None:
-        self.held = held
+        self.holding = held
         self.adopted: list[str] = []
         self.recounts = 0
 
     def holds(self, kind: TargetKind, key: str, incarnation: str) -> bool:
-        return key in self.held
+        return key in self.holding
 
     def adopt(self, session_ids: list[str], incarnation: str) -> list[str]:
         self.adopted.extend(session_ids)
@@ -33,6 +34,28 @@ class StandIn:
 
     def recount(self, incarnation: str) -> None:
         self.recounts += 1
+
+    def held(self, incarnation: str) -> list[str]:
+        return sorted(self.held_sessions())
+
+    def held_sessions(self) -> set[str]:
+        return self.holding | set(self.adopted)
+
+
+class Saving(StandIn):
+    """A replica whose drain saves what it holds to the store once released."""
+
+    def __init__(self, held: set[str], store: set[str]) -> None:
+        super().__init__(held)
+        self.store = store
+        self.released = asyncio.Event()
+
+    async def drain(self, incarnation: str) -> int:
+        await self.released.wait()
+        saved = self.held_sessions()
+        self.store |= saved
+        self.holding, self.adopted = set(), []
+        return len(saved)
 
 
 class Store:
@@ -83,3 +106,53 @@ def test_after_the_ledger_restarts_every_live_replica_counts_into_it_again() -> 
     asyncio.run(placed._check_ledger())
     asyncio.run(placed._check_ledger())
     assert [replica.recounts for replica in replicas.values()] == [count + 1 for count in before]
+
+
+def test_a_replica_draining_on_its_own_holds_its_sessions_turns_until_the_others_adopted_them() -> None:
+    async def scenario() -> None:
+        store: set[str] = set()
+        saving, other = Saving({"sess-a"}, store), StandIn(set())
+        placed = placement({"replica-0": saving, "replica-1": other}, store)
+        placed.table.set(TargetKind.SESSION, "sess-a", "replica-0")
+        placed.draining(placed.replicas["replica-0"], placed.replicas["replica-0"].incarnation)  # it took SIGTERM
+        assert placed.replicas["replica-0"].state is ReplicaState.DRAINING
+        known, unknown = (
+            asyncio.create_task(placed.route(Target(TargetKind.SESSION, k))) for k in ("sess-a", "sess-x")
+        )
+        stateless = await placed.route(Target(TargetKind.PROMPT, text="hello"))
+        assert stateless.replica == "replica-1"
+        await asyncio.sleep(0.05)
+        assert not known.done() and not unknown.done()  # it may still hold them: decided once they are saved
+        saving.released.set()
+        assert (await known).replica == (await unknown).replica == "replica-1"
+        assert other.adopted == ["sess-a"]
+        assert placed.replicas["replica-0"].state is ReplicaState.LOST  # it ends; Ray Serve starts it again
+
+    asyncio.run(scenario())
+
+
+def test_scaling_down_drains_the_highest_replicas_and_scaling_up_starts_new_ones() -> None:
+    async def scenario() -> None:
+        store: set[str] = set()
+        replicas = {"replica-0": Saving(set(), store), "replica-1": Saving({"sess-b"}, store)}
+        for replica in replicas.values():
+            replica.released.set()
+        placed = placement(replicas, store)
+        deployed: list[str] = []
+        deleted: list[str] = []
+
+        def deploy(names: list[str]) -> dict[str, Remote]:
+            deployed.extend(names)
+            return {name: Remote(StandIn(set())) for name in names}
+
+        scaler = Scaler(placed, deploy, deleted.append, lambda index: f"replica-{index}")
+        assert await scaler.scale(1) == ([], ["replica-1"])
+        assert deleted == ["replica-1"] and list(placed.replicas) == ["replica-0"]
+        assert replicas["replica-0"].adopted == ["sess-b"]  # saved by the drain, adopted by the one left
+        assert await scaler.scale(3) == (["replica-2", "replica-3"], [])  # a name is never given twice
+        assert deployed == ["replica-2", "replica-3"]
+        assert placed.replicas["replica-3"].state is ReplicaState.STARTING  # live once it answers
+        await placed.drain("replica-0")
+        assert await scaler.scale(3) == (["replica-4"], ["replica-0"])  # a drained replica goes and does not count
+
+    asyncio.run(scenario())

@@ -1,0 +1,68 @@
+"""Changing the number of replicas while the cluster serves: `POST /v1/cluster/scale`.
+
+A scale-up deploys new replicas (named with numbers never used before in this cluster) and returns at once; each is `starting` until it answers, then live (holding nothing
+until it is given sessions). A scale-down drains the replicas with the highest numbers, one after another: each
+finishes its requests and saves its sessions to the store, the others adopt them, and its Ray Serve application is
+deleted. Replicas already drained by the drain route are deleted first and do not count.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+
+from ray.serve.handle import DeploymentHandle
+
+from statelm.cluster.placement import Placement, ReplicaState
+
+log = logging.getLogger(__name__)
+
+
+def replica_index(name: str) -> int:
+    """The number in a replica's name (replica-3: 3)."""
+    return int(name.rsplit("-", 1)[1])
+
+
+class Scaler:
+    """Scales the replicas one request at a time."""
+
+    def __init__(
+        self,
+        placement: Placement,
+        deploy: Callable[[list[str]], dict[str, DeploymentHandle]],
+        delete: Callable[[str], None],
+        name_of: Callable[[int], str],
+    ) -> None:
+        self.placement = placement
+        self.deploy = deploy  # starts replicas by name without waiting for them (blocks briefly)
+        self.delete = delete  # deletes a replica's application (blocks)
+        self.name_of = name_of
+        self._next = max(map(replica_index, placement.replicas), default=-1) + 1  # names are never used twice
+        self._lock = asyncio.Lock()
+
+    async def scale(self, count: int) -> tuple[list[str], list[str]]:
+        """Have count replicas that are not drained; the names added and the names removed."""
+        async with self._lock:
+            removed = [name for name, r in self.placement.replicas.items() if r.state is ReplicaState.DRAINED]
+            for name in removed:
+                await self._remove(name)
+            names = sorted(self.placement.replicas, key=replica_index)
+            added: list[str] = []
+            if count > len(names):
+                added = [self.name_of(self._next + offset) for offset in range(count - len(names))]
+                self._next += len(added)
+                self.placement.add(await asyncio.to_thread(self.deploy, added))
+                log.info("scaling up: started %s", ", ".join(added))
+            for name in reversed(names[count:]):
+                if self.placement.replicas[name].state is ReplicaState.LIVE:
+                    await self.placement.drain(name)
+                await self._remove(name)
+                removed.append(name)
+            if removed:
+                log.info("scaled down: removed %s", ", ".join(removed))
+            return added, removed
+
+    async def _remove(self, name: str) -> None:
+        self.placement.remove(name)
+        await asyncio.to_thread(self.delete, name)
