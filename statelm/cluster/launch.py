@@ -21,10 +21,11 @@ from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import Placement
 from statelm.cluster.replica import EngineReplica
 from statelm.cluster.router import RouterApp
-from statelm.cluster.store import DirectoryStore
+from statelm.cluster.store import StoredSessions
 from statelm.config import ClusterConfig, EngineConfig, ServerConfig
 from statelm.server.drain import DrainGate, DrainMiddleware
 from statelm.server.launch import LaunchError, configure_logging, key_ring, serve_http
+from statelm.sessions.directory_store import DirectoryStore
 
 log = logging.getLogger("statelm")
 APP_PREFIX = "statelm-"
@@ -93,7 +94,7 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         ledger = ledger_actor.remote()
         handles = deploy_replicas(engine_config, server_config, cluster, ledger)
         log.info("%d replicas serving; routing %s", len(handles), policy)
-        store = DirectoryStore(server_config.state_dir)
+        store = StoredSessions(DirectoryStore(server_config.state_dir))
         placement = Placement(handles, store, Balancer(policy), RouterMetrics(), ledger)
         router = RouterApp(placement, keys, not server_config.metrics_require_key, server_config.max_request_bytes)
         gate = DrainGate(server_config.drain_timeout)

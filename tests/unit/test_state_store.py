@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
+from statelm.cluster.store import StoredSessions
+from statelm.engine.session_kv import SessionKVData
 from statelm.sessions.directory_store import DirectoryStore
+from statelm.sessions.journal import encode_record
+from statelm.sessions.snapshot_format import SnapshotContent, encode_snapshot, write_snapshot
 from statelm.sessions.state_store import Area, StateStore
 from statelm.sessions.temporaries import OLD_PREFIX, TEMP_PREFIX
 
@@ -75,6 +81,27 @@ def test_a_private_store_is_separate_and_destroyed_whole(state_store: StateStore
     assert private.bundle_names(Area.SESSIONS) == [] and state_store.bundle_names(Area.SESSIONS) == ["shared"]
 
 
+def test_the_directory_layout_and_bytes_are_the_single_servers(tmp_path: Path) -> None:
+    store = DirectoryStore(tmp_path)
+    kv = SessionKVData([1, 2], [torch.zeros(2, 1, 2)], [torch.ones(2, 1, 2)])
+    content, manifest = SnapshotContent([{"role": "user", "content": "hi"}], kv), {"id": "sess-a", "lsn": 3}
+    written = write_snapshot(store, Area.SESSIONS, "sess-a", manifest, content)
+    write_snapshot(store, Area.SNAPSHOTS, "snap-b", manifest, content)
+    record = encode_record({"type": "delete", "lsn": 4})
+    store.prepare(Area.JOURNAL, exclusive=True)
+    store.append_log("sess-a", record)
+    _, files = encode_snapshot(manifest, content)
+    for area, name in ((Area.SESSIONS, "sess-a"), (Area.SNAPSHOTS, "snap-b")):
+        directory = tmp_path / area / name
+        assert sorted(path.name for path in directory.iterdir()) == sorted(files)
+        assert all((directory / file).read_bytes() == data for file, data in files.items() if file != "manifest.json")
+    manifest_file = tmp_path / "sessions" / "sess-a" / "manifest.json"
+    assert manifest_file.read_bytes() == json.dumps(written, indent=2, ensure_ascii=False).encode()
+    assert [path.name for path in (tmp_path / "journal").iterdir()] == ["sess-a.journal"]
+    assert (tmp_path / "journal" / "sess-a.journal").read_bytes() == record
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["journal", "sessions", "snapshots"]
+
+
 def test_the_directory_hides_temporaries_and_prepare_puts_back_a_bundle_moved_aside(tmp_path: Path) -> None:
     store = DirectoryStore(tmp_path)
     store.write_bundle(Area.SNAPSHOTS, "snap", FILES)
@@ -88,3 +115,15 @@ def test_the_directory_hides_temporaries_and_prepare_puts_back_a_bundle_moved_as
     assert sorted(path.name for path in (tmp_path / "snapshots").iterdir()) == ["snap"]
     assert store.read_file(Area.SNAPSHOTS, "snap", "a.bin") == FILES["a.bin"]
     assert list((tmp_path / "journal").iterdir()) == []
+
+
+def test_the_router_sees_the_sessions_with_a_saved_bundle_or_a_journal(state_store: StateStore) -> None:
+    state_store.write_bundle(Area.SESSIONS, "saved", FILES)
+    state_store.write_bundle(Area.SNAPSHOTS, "snap-1", FILES)
+    state_store.prepare(Area.JOURNAL, exclusive=True)
+    for name in ("journalled", "saved", "-no-id"):
+        state_store.append_log(name, b"record")
+    stored = StoredSessions(state_store)
+    assert stored.session_ids() == {"saved", "journalled"}
+    assert stored.has_session("saved") and stored.has_session("journalled")
+    assert not any(map(stored.has_session, ("snap-1", "-no-id", "../sessions", "missing")))
