@@ -37,12 +37,14 @@ import torch
 from bench.common import machine_report, server_for
 from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
+from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.journal import encode_record
 from statelm.sessions.journal_records import session_record, turn_record
 from statelm.sessions.journal_store import WORKERS, SessionJournal
 from statelm.sessions.recovery import recover_sessions
 from statelm.sessions.session import Session, SessionSettings
 from statelm.sessions.snapshot_format import SnapshotContent, write_snapshot
+from statelm.sessions.state_store import Area
 
 QUESTION = {"role": "user", "content": "Which of the observatory's storm records mentions the wind first? " * 3}
 REPLY = {"role": "assistant", "content": "The entry of the ninth of March, which notes a strong westerly wind. " * 6}
@@ -74,7 +76,9 @@ def new_session(session_id: str) -> Session:
 
 async def journal_writes(directory: Path, records: int) -> None:
     """(a)"""
-    journal = SessionJournal(directory, appending=True)
+    store = DirectoryStore(directory)
+    store.prepare(Area.JOURNAL, exclusive=True)
+    journal = SessionJournal(store, appending=True)
     session = new_session("bench")
     journal.rewrite("bench", session_record(session))
     await journal.settled("bench")
@@ -106,8 +110,9 @@ async def journal_writes(directory: Path, records: int) -> None:
 
 async def all_at_once(directory: Path, workers: int) -> float:
     """Seconds until the records of 64 sessions asked for at once are all durable (median of 5)."""
-    directory.mkdir()
-    journal = SessionJournal(directory, appending=True, workers=workers)
+    store = DirectoryStore(directory)
+    store.prepare(Area.JOURNAL, exclusive=True)
+    journal = SessionJournal(store, appending=True, workers=workers)
     timings = []
     for _ in range(5):
         started = time.perf_counter()
@@ -192,14 +197,14 @@ def end_to_end(args: argparse.Namespace) -> None:
 
 def recovery(directory: Path, sessions: int) -> None:
     """(d)"""
-    sessions_dir, journal_dir = directory / "sessions", directory / "journal"
-    sessions_dir.mkdir()
+    store = DirectoryStore(directory)
+    for area in (Area.SESSIONS, Area.JOURNAL):
+        store.prepare(area, exclusive=True)
     layer = lambda: torch.zeros(64, 3, 64, dtype=torch.bfloat16)  # noqa: E731  # the default model's KV shape
     kv = SessionKVData(list(range(64)), [layer() for _ in range(30)], [layer() for _ in range(30)])
 
     async def write() -> None:
-        journal = SessionJournal(journal_dir, appending=True)
-        journal_dir.mkdir()
+        journal = SessionJournal(store, appending=True)
         lsn = 0
         for index in range(sessions):
             session = new_session(f"session-{index}")
@@ -215,16 +220,16 @@ def recovery(directory: Path, sessions: int) -> None:
                     await journal.settled(session.id)
                     manifest = {"model": {"name": "m", "fingerprint": FINGERPRINT.parts}, "lsn": lsn,
                                 **session.manifest_fields()}  # fmt: skip
-                    write_snapshot(sessions_dir / session.id, manifest, SnapshotContent(session.transcript, kv))
+                    write_snapshot(store, Area.SESSIONS, session.id, manifest, SnapshotContent(session.transcript, kv))
                     journal.compact(session.id)
         await journal.close()
 
     asyncio.run(write())
-    journal_bytes = sum(path.stat().st_size for path in journal_dir.iterdir())
+    journal_bytes = sum(store.log_size(name) for name in store.log_names())
     timings = []
     for _ in range(5):
         started = time.perf_counter()
-        recovered = recover_sessions(sessions_dir, journal_dir, FINGERPRINT)
+        recovered = recover_sessions(store, FINGERPRINT)
         timings.append(time.perf_counter() - started)
     assert len(recovered.sessions) == sessions and all(len(s.transcript) == 21 for s in recovered.sessions)
     alone, kib = sessions - sessions // 2, journal_bytes / 1024

@@ -23,10 +23,11 @@ from statelm.cluster.placement import Placement
 from statelm.cluster.replica import APP_PREFIX, EngineReplica
 from statelm.cluster.router import RouterApp
 from statelm.cluster.scaling import Scaler
-from statelm.cluster.store import DirectoryStore
+from statelm.cluster.store import StoredSessions
 from statelm.config import ClusterConfig, EngineConfig, ServerConfig
 from statelm.server.drain import DrainGate, DrainMiddleware
 from statelm.server.launch import LaunchError, configure_logging, key_ring, serve_http
+from statelm.sessions.directory_store import DirectoryStore
 
 log = logging.getLogger("statelm")
 CONTROL_CALLS = 64  # room for the router's own calls (ping, holds, adopt) beside requests
@@ -105,7 +106,7 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         deployer = ReplicaDeployer(engine_config, server_config, cluster, ledger)
         handles = deployer.deploy([replica_name(index) for index in range(cluster.replicas)])
         log.info("%d replicas serving; routing %s", len(handles), policy)
-        store = DirectoryStore(server_config.state_dir)
+        store = StoredSessions(DirectoryStore(server_config.state_dir))
         placement = Placement(handles, store, Balancer(policy), RouterMetrics(), ledger)
         scaler = Scaler(placement, partial(deployer.deploy, wait=False), deployer.delete, replica_name)
         router = RouterApp(

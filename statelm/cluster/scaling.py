@@ -1,9 +1,10 @@
 """Changing the number of replicas while the cluster serves: `POST /v1/cluster/scale`.
 
-A scale-up deploys new replicas (named with numbers never used before in this cluster) and returns at once; each is `starting` until it answers, then live (holding nothing
-until it is given sessions). A scale-down drains the replicas with the highest numbers, one after another: each
-finishes its requests and saves its sessions to the store, the others adopt them, and its Ray Serve application is
-deleted. Replicas already drained by the drain route are deleted first and do not count.
+A scale-up deploys new replicas (named with numbers never used before in this cluster) and returns at once; each is
+`starting` until it answers, then live (holding nothing until it is given sessions). A scale-down drains the
+replicas with the highest numbers, one after another: each finishes its requests and saves its sessions to the
+store, the others adopt them, and its Ray Serve application is deleted. Replicas already drained by the drain route
+are deleted first and do not count.
 """
 
 from __future__ import annotations

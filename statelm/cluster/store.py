@@ -1,17 +1,16 @@
-"""The state store every replica shares: which sessions it holds, for the router to place those no replica holds.
+"""The sessions the replicas' shared state store holds, for the router to place those no replica holds.
 
-The default is a directory (`--state-dir` on a filesystem every replica mounts) in the single server's layout:
-`sessions/<id>/` (snapshot format), `journal/<id>.journal`, `snapshots/<id>/`. Replicas read and write it through
-their SessionManager as a single server does; an object store would implement this protocol and that I/O.
+The store is the one every replica's SessionManager reads and writes (statelm.sessions.state_store): by default a
+DirectoryStore on `--state-dir`, a file system every replica mounts, in the single server's layout. The router only
+asks it which sessions it holds: those with a saved bundle or a journal.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Protocol
 
 from statelm.sessions.errors import ID_PATTERN
-from statelm.sessions.journal import SUFFIX
+from statelm.sessions.state_store import Area, StateStore
 
 
 class SessionStore(Protocol):
@@ -26,25 +25,19 @@ class SessionStore(Protocol):
         ...
 
 
-class DirectoryStore:
-    """A shared state directory in the single server's layout."""
+class StoredSessions:
+    """The sessions of a state store, as the router asks about them."""
 
-    def __init__(self, root: Path) -> None:
-        self.sessions_dir = root / "sessions"
-        self.journal_dir = root / "journal"
+    def __init__(self, store: StateStore) -> None:
+        self.store = store
 
     def session_ids(self) -> set[str]:
-        """Ids of the session directories and journals (temporaries and names that are no ids left out)."""
-        names = {entry.name for entry in _entries(self.sessions_dir) if entry.is_dir()}
-        names |= {entry.name.removesuffix(SUFFIX) for entry in _entries(self.journal_dir) if entry.suffix == SUFFIX}
+        """Ids of the saved sessions and journals (names that are no ids left out)."""
+        names = set(self.store.bundle_names(Area.SESSIONS)) | set(self.store.log_names())
         return {name for name in names if ID_PATTERN.fullmatch(name)}
 
     def has_session(self, session_id: str) -> bool:
-        """Whether the session has a directory or a journal (False for anything that is not an id)."""
+        """Whether the session has a saved bundle or a journal (False for anything that is not an id)."""
         if not ID_PATTERN.fullmatch(session_id):
             return False
-        return (self.sessions_dir / session_id).is_dir() or (self.journal_dir / f"{session_id}{SUFFIX}").is_file()
-
-
-def _entries(directory: Path) -> list[Path]:
-    return list(directory.iterdir()) if directory.is_dir() else []
+        return self.store.bundle_exists(Area.SESSIONS, session_id) or self.store.log_exists(session_id)

@@ -26,6 +26,7 @@ from statelm.models.loader import ModelLoadError
 from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
+from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.manager import SessionLimits, SessionManager
 from statelm.sessions.tally import KeyTally
 from statelm.webui import DIST
@@ -68,7 +69,7 @@ def build_services(
         built.engine,
         built.loaded.name,
         built.loaded.fingerprint,
-        server_config.state_dir,
+        DirectoryStore(server_config.state_dir),
         server_config.session_durability,
         SessionLimits(server_config.max_sessions_per_key, server_config.snapshot_quota),
         metrics.journal,

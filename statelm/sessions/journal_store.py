@@ -1,4 +1,4 @@
-"""The journals of all sessions under one directory: each session's writes in order, in worker threads.
+"""The journals of all sessions in a state store: each session's writes in order, in worker threads.
 
 A change is encoded on the event loop when it happens, so a record states the session as it was then, and
 written by a few worker threads: one session's writes run one after another in the order they were asked
@@ -18,12 +18,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Any
 
 from statelm.sessions.errors import SessionError, check_id
-from statelm.sessions.journal import SUFFIX, append_record, encode_record, remove_journal, replace_journal
+from statelm.sessions.journal import encode_record
 from statelm.sessions.journal_records import delete_record
+from statelm.sessions.state_store import StateStore
 
 log = logging.getLogger(__name__)
 WORKERS = 4  # fsyncs of different sessions in flight at once (a journaling file system commits them together)
@@ -40,34 +40,30 @@ class JournalCounters:
 
 
 class SessionJournal:
-    """The journal files under directory, written off the event loop, one session's writes in order.
+    """The journals (logs) of a state store, written off the event loop, one session's writes in order.
 
     With `appending` false (spill durability) no change is journalled; journals left by an earlier run are
     still compacted away and deleted with their sessions.
     """
 
     def __init__(
-        self, directory: Path, appending: bool, counters: JournalCounters | None = None, workers: int = WORKERS
+        self, store: StateStore, appending: bool, counters: JournalCounters | None = None, workers: int = WORKERS
     ) -> None:
-        self.directory = directory
+        self.store = store
         self.appending = appending
         self.counters = counters or JournalCounters()
-        self.sizes: dict[str, int] = {}  # bytes of each session's journal on disk
+        self.sizes: dict[str, int] = {}  # bytes of each session's journal in the store
         self._broken: set[str] = set()
         self._lock = threading.Lock()
         self._executor = ThreadPoolExecutor(workers, thread_name_prefix="statelm-journal")
         self._tails: dict[str, asyncio.Task[None]] = {}
 
-    def path(self, session_id: str) -> Path:
-        """The journal file of a session."""
-        return self.directory / f"{check_id(session_id, 'session_id')}{SUFFIX}"
-
-    def file_sizes(self, session_ids: list[str]) -> int:
-        """Bytes of the journal files of sessions this journal may not be writing (another server's); blocks."""
+    def stored_bytes(self, session_ids: list[str]) -> int:
+        """Bytes of the journals of sessions this journal may not be writing (another server's); blocks."""
         total = 0
         for session_id in session_ids:
             try:
-                total += self.path(session_id).stat().st_size
+                total += self.store.log_size(check_id(session_id, "session_id"))
             except (OSError, SessionError):
                 continue  # none (compacted), or not an id
         return total
@@ -87,20 +83,20 @@ class SessionJournal:
         self._submit(session_id, "rewrite", partial(self._rewrite, session_id, data))
 
     def compact(self, session_id: str) -> None:
-        """Remove the session's journal: its saved directory now holds everything the journal said."""
+        """Remove the session's journal: its saved bundle now holds everything the journal said."""
         self._submit(session_id, "compaction", partial(self._remove, session_id, None))
 
     async def delete(self, session_id: str, lsn: int) -> None:
-        """Record durably that the session is deleted, before its directory goes (the journal then only says so)."""
+        """Record durably that the session is deleted, before its saved bundle goes (the journal then only says so)."""
         self._submit(session_id, "delete", partial(self._rewrite, session_id, encode_record(delete_record(lsn))))
         await self.settled(session_id)
 
     def forget(self, session_id: str, lsn: int) -> None:
-        """Remove the journal of a deleted session once its directory is gone, unless a new session took its id."""
+        """Remove the journal of a deleted session once its saved bundle is gone, unless a new session took its id."""
         self._submit(session_id, "removal", partial(self._remove, session_id, encode_record(delete_record(lsn))))
 
     def discard(self, session_id: str) -> None:
-        """Remove the journal of a session forgotten before it was ever saved (nothing else of it is on disk)."""
+        """Remove the journal of a session forgotten before it was ever saved (nothing else of it is in the store)."""
         self._submit(session_id, "removal", partial(self._remove, session_id, None))
 
     async def settled(self, session_id: str) -> None:
@@ -123,10 +119,10 @@ class SessionJournal:
             await asyncio.wait(list(self._tails.values()))
         self._executor.shutdown()
 
-    def _submit(self, session_id: str, what: str, write: Callable[[Path], None]) -> None:
-        path = self.path(session_id)
+    def _submit(self, session_id: str, what: str, write: Callable[[], None]) -> None:
+        check_id(session_id, "session_id")
         task = asyncio.get_running_loop().create_task(
-            self._run(self._tails.get(session_id), partial(self._guarded, session_id, what, write, path))
+            self._run(self._tails.get(session_id), partial(self._guarded, session_id, what, write))
         )
         self._tails[session_id] = task
         task.add_done_callback(partial(self._retire, session_id))
@@ -140,37 +136,37 @@ class SessionJournal:
         if self._tails.get(session_id) is task:
             del self._tails[session_id]
 
-    def _guarded(self, session_id: str, what: str, write: Callable[[Path], None], path: Path) -> None:
+    def _guarded(self, session_id: str, what: str, write: Callable[[], None]) -> None:
         """Run a write in a worker thread; a failure breaks the journal until its next rewrite."""
         try:
-            write(path)
+            write()
         except OSError as exc:
             self._broken.add(session_id)
             self._count(failures=1)
             log.error("journal of session %s: %s failed (%s); its changes are not durable until rewritten",
                       session_id, what, exc)  # fmt: skip
 
-    def _append(self, session_id: str, data: bytes, path: Path) -> None:
+    def _append(self, session_id: str, data: bytes) -> None:
         if session_id in self._broken:
             self._count(failures=1)
             return
-        self.sizes[session_id] = append_record(path, data)
+        self.sizes[session_id] = self.store.append_log(session_id, data)
         self._count(appends=1, written=len(data))
 
-    def _rewrite(self, session_id: str, data: bytes, path: Path) -> None:
-        self.sizes[session_id] = replace_journal(path, data)
+    def _rewrite(self, session_id: str, data: bytes) -> None:
+        self.sizes[session_id] = self.store.replace_log(session_id, data)
         self._broken.discard(session_id)
         self._count(appends=1, written=len(data))
 
-    def _remove(self, session_id: str, only_if: bytes | None, path: Path) -> None:
+    def _remove(self, session_id: str, only_if: bytes | None) -> None:
         """Remove the journal; with only_if, only while that is all it holds."""
         if only_if is not None:
             try:
-                if path.read_bytes() != only_if:
+                if self.store.read_log(session_id) != only_if:
                     return
             except FileNotFoundError:
                 return
-        remove_journal(path)
+        self.store.remove_log(session_id)
         self.sizes.pop(session_id, None)
         self._broken.discard(session_id)
 

@@ -1,23 +1,21 @@
 """Sessions on the event loop's side: create, list, turn bookkeeping, fork, rollback, spill, persist, snapshot.
 
 The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, moves KV
-between the pool and disk, and journals every change of a session (statelm.sessions.journal_store).
-Blocking disk I/O runs in worker threads; engine work goes through AsyncEngine.call/submit, which the
-engine thread runs in order between steps.
+between the pool and the state store (statelm.sessions.state_store), and journals every change of a session
+(statelm.sessions.journal_store). Blocking store I/O runs in worker threads; engine work goes through
+AsyncEngine.call/submit, which the engine thread runs in order between steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import logging
-import os
-import shutil
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from statelm.config import SessionDurability
@@ -39,15 +37,15 @@ from statelm.sessions.recovery import Recovered, recover_session, recover_sessio
 from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.snapshots import SnapshotStore
+from statelm.sessions.state_store import Area, StateStore
 from statelm.sessions.tally import KeyTally
-from statelm.sessions.temporaries import clean_temporaries
 
 log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
 class SessionLimits:
-    """What one key may hold: sessions, and bytes of snapshots on disk (None: no limit)."""
+    """What one key may hold: sessions, and bytes of snapshots in the store (None: no limit)."""
 
     max_sessions_per_key: int | None = None
     snapshot_quota: int | None = None
@@ -80,7 +78,7 @@ class SessionManager:
         engine: AsyncEngine,
         model_name: str,
         fingerprint: ModelFingerprint,
-        state_dir: Path,
+        store: StateStore,
         durability: SessionDurability,
         limits: SessionLimits | None = None,
         journal_counters: JournalCounters | None = None,
@@ -88,21 +86,19 @@ class SessionManager:
         tally: KeyTally | None = None,
     ) -> None:
         self.engine = engine
-        self.resume = resume  # take every session the state dir holds at start (else share it, adopting some)
+        self.resume = resume  # take every session the store holds at start (else share it, adopting some)
         self.limits = limits or SessionLimits()
         self.tally = tally  # counts every key's sessions beyond this server (a cluster's replicas), if any
         self.model_name = model_name
         self.fingerprint = fingerprint
         self.persist = durability is not SessionDurability.OFF
         self.sessions: dict[str, Session] = {}
-        self.sessions_dir = state_dir / "sessions" if self.persist else state_dir / f".spill-{os.getpid()}"
+        self.saved = store if self.persist else store.private()  # where sessions are saved and spilled
         self.journal = (
-            SessionJournal(state_dir / "journal", durability is SessionDurability.TURN, journal_counters)
-            if self.persist
-            else None
+            SessionJournal(store, durability is SessionDurability.TURN, journal_counters) if self.persist else None
         )
         self._last_lsn = 0  # log sequence number of the latest change of any session
-        self.snapshots = SnapshotStore(state_dir / "snapshots", model_name, fingerprint, exclusive=resume)
+        self.snapshots = SnapshotStore(store, model_name, fingerprint, exclusive=resume)
         self._kv = engine.engine.sessions
         self._disk_locks: dict[str, asyncio.Lock] = {}
         self._quota_locks: dict[str, asyncio.Lock] = {}
@@ -112,26 +108,25 @@ class SessionManager:
         """Take spilled KV from the engine from now on, and resume the sessions the last run left."""
         loop = asyncio.get_running_loop()
         self._kv.spill_handler = lambda session_id, data: loop.call_soon_threadsafe(self._spilled, session_id, data)
-        self.sessions_dir.mkdir(parents=True, exist_ok=True)
-        if self.journal is not None:
-            self.journal.directory.mkdir(parents=True, exist_ok=True)
-            if self.resume:
-                await self._resume(self.journal)
-            else:  # what other servers sharing the state dir write stays; what dead ones left goes
-                for directory in (self.sessions_dir, self.journal.directory):
-                    await asyncio.to_thread(clean_temporaries, directory, False)
+        if self.journal is None:  # nothing is kept: spills go to a private store, removed at close
+            await asyncio.to_thread(self.saved.prepare, Area.SESSIONS, True)
+        elif self.resume:
+            await self._resume(self.journal)
+        else:  # what other servers sharing the store write stays; what dead ones left goes
+            for area in (Area.SESSIONS, Area.JOURNAL):
+                await asyncio.to_thread(self.saved.prepare, area, False)
 
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
         started = time.perf_counter()
-        found = await asyncio.to_thread(recover_sessions, self.sessions_dir, journal.directory, self.fingerprint)
+        found = await asyncio.to_thread(recover_sessions, self.saved, self.fingerprint)
         self._take(found, journal)
         if found.sessions:
             log.info("resumed %d sessions (%d brought up to date by their journals) in %.0f ms",
                      len(found.sessions), found.from_journal, (time.perf_counter() - started) * 1000)  # fmt: skip
 
     async def adopt(self, session_ids: Iterable[str]) -> list[Session]:
-        """Take over sessions that another server left in the state dir, each as of its last change (its directory
+        """Take over sessions that another server left in the store, each as of its last change (its saved bundle
         and journal); ids already held, missing or unreadable are skipped. The caller ensures nobody else holds them.
         """
         adopted: list[Session] = []
@@ -142,9 +137,7 @@ class SessionManager:
             if session_id in self.sessions:
                 continue
             try:
-                found = await asyncio.to_thread(
-                    recover_session, self.sessions_dir, journal.directory, session_id, self.fingerprint
-                )
+                found = await asyncio.to_thread(recover_session, self.saved, session_id, self.fingerprint)
             except SessionError as exc:
                 log.warning("not adopting session %s: %s", session_id, exc)
                 continue
@@ -170,12 +163,12 @@ class SessionManager:
         journal.counters.recoveries += found.from_journal
 
     async def close(self) -> None:
-        """Save every session (when persisting) or remove the spill directory; the engine must still run."""
+        """Save every session (when persisting) or remove the private spill store; the engine must still run."""
         self._kv.spill_handler = None
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         if not self.persist:
-            await asyncio.to_thread(shutil.rmtree, self.sessions_dir, True)
+            await asyncio.to_thread(self.saved.destroy)
             return
         saved = 0
         for session in list(self.sessions.values()):
@@ -183,7 +176,7 @@ class SessionManager:
                 saved += await self._save(session)
             except (OSError, SessionError) as exc:
                 log.error("could not save session %s: %s", session.id, exc)
-        log.info("saved %d sessions to %s", saved, self.sessions_dir)
+        log.info("saved %d sessions to %s", saved, self.saved)
         if self.journal is not None:
             await self.journal.close()
 
@@ -250,7 +243,7 @@ class SessionManager:
         return views
 
     async def delete(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> None:
-        """Forget a session, its KV, its saved copy and its journal (which first records the deletion durably)."""
+        """Forget a session, its KV, its saved bundle and its journal (which first records the deletion durably)."""
         session = self._idle(session_id, kind)
         del self.sessions[session.id]
         released = self._untally(session.id)
@@ -259,7 +252,7 @@ class SessionManager:
         if self.journal is not None:
             await self.journal.delete(session.id, lsn)
         async with self._disk_lock(session.id):
-            await asyncio.to_thread(shutil.rmtree, self.sessions_dir / session.id, True)
+            await asyncio.to_thread(self._delete_saved, session.id)
         if self.journal is not None:
             self.journal.forget(session.id, lsn)
         if released is not None:
@@ -416,7 +409,7 @@ class SessionManager:
         if self.tally is None:
             return held
         elsewhere = [session_id for session_id in await self.tally.owned(owner) if session_id not in self.sessions]
-        return held + await asyncio.to_thread(journal.file_sizes, elsewhere)
+        return held + await asyncio.to_thread(journal.stored_bytes, elsewhere)
 
     # --- KV placement -------------------------------------------------------------------------------
 
@@ -436,14 +429,16 @@ class SessionManager:
         return data if data is not None else self._empty_kv()
 
     async def _kv_outside_pool(self, session: Session) -> SessionKVData | None:
-        """Spilled KV, from memory if it is not written yet, else from the session's directory."""
+        """Spilled KV, from memory if it is not written yet, else from the session's saved bundle."""
         if session.spilled_kv is not None:
             return session.spilled_kv
         if not session.on_disk:
             return None
         async with self._disk_lock(session.id):
             try:
-                _, content = await asyncio.to_thread(read_snapshot, self.sessions_dir / session.id, self.fingerprint)
+                _, content = await asyncio.to_thread(
+                    read_snapshot, self.saved, Area.SESSIONS, session.id, self.fingerprint
+                )
             except (OSError, SessionError) as exc:
                 log.warning("spilled KV of session %s is unusable (%s); its next turn recomputes it", session.id, exc)
                 return None
@@ -455,7 +450,7 @@ class SessionManager:
             await asyncio.to_thread(data.pin)
 
     def _spilled(self, session_id: str, data: SessionKVData) -> None:
-        """The engine spilled a session's KV under memory pressure: keep it and write it to disk."""
+        """The engine spilled a session's KV under memory pressure: keep it and write it to the store."""
         session = self.sessions.get(session_id)
         if session is not None:
             log.info("spilled session %s (%d tokens)", session_id, len(data.tokens))
@@ -469,7 +464,7 @@ class SessionManager:
         task.add_done_callback(self._writes.discard)
 
     async def _write_spilled(self, session: Session) -> None:
-        """Write a session's spilled KV to its directory, then let go of the copy in memory."""
+        """Write a session's spilled KV to its saved bundle, then let go of the copy in memory."""
         try:
             data = session.spilled_kv
             written = data is not None and await self._write_session(session, data)
@@ -479,7 +474,7 @@ class SessionManager:
             log.error("could not write spilled session %s, keeping it in memory: %s", session.id, exc)
 
     async def _save(self, session: Session) -> bool:
-        """Write a session for the next run if its directory is not current; True if written."""
+        """Write a session for the next run if its saved bundle is not current; True if written."""
         data = await self.engine.call(lambda: self._kv.export(session.id))
         if data is None and (session.spilled_kv is not None or (session.on_disk and session.disk_stale)):
             data = await self._kv_outside_pool(session)
@@ -487,8 +482,13 @@ class SessionManager:
             return False
         return await self._write_session(session, data if data is not None else self._empty_kv())
 
+    def _delete_saved(self, session_id: str) -> None:
+        """Remove a session's saved bundle, if it has one; blocks."""
+        with contextlib.suppress(OSError):
+            self.saved.delete_bundle(Area.SESSIONS, session_id)
+
     async def _write_session(self, session: Session, data: SessionKVData) -> bool:
-        """Write session (transcript, settings, KV) to its directory; False if it was deleted meanwhile."""
+        """Write session (transcript, settings, KV) as its saved bundle; False if it was deleted meanwhile."""
         async with self._disk_lock(session.id):
             if self.sessions.get(session.id) is not session:
                 return False
@@ -502,7 +502,7 @@ class SessionManager:
                 **copy.deepcopy(session.manifest_fields()),  # annotations may change while a worker writes it
             }
             content = SnapshotContent(transcript, data)
-            await asyncio.to_thread(write_snapshot, self.sessions_dir / session.id, manifest, content)
+            await asyncio.to_thread(write_snapshot, self.saved, Area.SESSIONS, session.id, manifest, content)
             session.on_disk = True
             session.disk_stale = session.lsn != lsn
             if not session.disk_stale and self.journal is not None and self.sessions.get(session.id) is session:
@@ -510,7 +510,7 @@ class SessionManager:
             return True
 
     def _changed(self, session: Session, record: Callable[[Session], dict[str, Any]]) -> None:
-        """A change of session: a new lsn, its directory stale, and a journal record when turns are durable."""
+        """A change of session: a new lsn, its saved bundle stale, and a journal record when turns are durable."""
         session.lsn = self._next_lsn()
         session.disk_stale = True
         journal = self.journal

@@ -1,14 +1,14 @@
-"""The on-disk snapshot format: one directory with a manifest, the token ids, the transcript and the KV.
+"""The snapshot format: a bundle of files with a manifest, the token ids, the transcript and the KV.
 
 ```
-<id>/manifest.json     schema version, model fingerprint, counts, metadata, sha256 and size of every file
-<id>/tokens.json       the token ids whose K/V are stored
-<id>/transcript.json   the conversation's messages
-<id>/kv.safetensors    k.<layer> and v.<layer>, each [tokens, kv_heads, head_dim]
+manifest.json     schema version, model fingerprint, counts, metadata, sha256 and size of every file
+tokens.json       the token ids whose K/V are stored
+transcript.json   the conversation's messages
+kv.safetensors    k.<layer> and v.<layer>, each [tokens, kv_heads, head_dim]
 ```
 
-A snapshot is written into a hidden temporary directory, every file is fsynced, and the directory is
-renamed into place, so a crash never leaves a visible half-written snapshot. Reading verifies the
+A snapshot (a user's, or a session saved or spilled) is a bundle in a state store (statelm.sessions.state_store),
+which writes it atomically and durably, so a crash never leaves a visible half-written snapshot. Reading verifies the
 schema, the model fingerprint and every checksum before anything is used. No pickle anywhere.
 """
 
@@ -16,10 +16,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import shutil
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,8 +27,7 @@ from safetensors.torch import save as save_tensors
 from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError, SnapshotQuotaError
-from statelm.sessions.synced_files import fsync_directory, write_synced
-from statelm.sessions.temporaries import OLD_PREFIX, TEMP_PREFIX, temporary_path
+from statelm.sessions.state_store import Area, StateStore
 
 SCHEMA_VERSION = 1
 FORMAT_NAME = "statelm-snapshot"
@@ -50,12 +46,30 @@ class SnapshotContent:
 
 
 def write_snapshot(
-    target: Path, manifest: dict[str, Any], content: SnapshotContent, max_bytes: int | None = None
+    store: StateStore,
+    area: Area,
+    name: str,
+    manifest: dict[str, Any],
+    content: SnapshotContent,
+    max_bytes: int | None = None,
 ) -> dict[str, Any]:
-    """Write content and manifest (completed with counts and checksums) atomically as directory target.
+    """Write content and manifest (completed with counts and checksums) as the bundle name, atomically.
 
     With max_bytes, a snapshot whose files would take more raises SnapshotQuotaError before anything is written.
     """
+    manifest, files = encode_snapshot(manifest, content)
+    size = sum(len(data) for data in files.values())
+    if max_bytes is not None and size > max_bytes:
+        raise SnapshotQuotaError(
+            f"the snapshot needs {size} bytes but only {max(max_bytes, 0)} bytes of this key's snapshot quota "
+            "are left; delete snapshots to make room"
+        )
+    store.write_bundle(area, name, files)
+    return manifest
+
+
+def encode_snapshot(manifest: dict[str, Any], content: SnapshotContent) -> tuple[dict[str, Any], dict[str, bytes]]:
+    """The manifest completed with counts and checksums, and the snapshot's files (the manifest last)."""
     kv = content.kv
     tensors = {f"k.{layer}": key for layer, key in enumerate(kv.keys)}
     tensors.update({f"v.{layer}": value for layer, value in enumerate(kv.values)})
@@ -72,38 +86,28 @@ def write_snapshot(
         "num_messages": len(content.transcript),
         "files": {name: _file_entry(blob) for name, blob in files.items()},
     }
-    files[MANIFEST] = json.dumps(manifest, indent=2, ensure_ascii=False).encode()
-    size = sum(len(data) for data in files.values())
-    if max_bytes is not None and size > max_bytes:
-        raise SnapshotQuotaError(
-            f"the snapshot needs {size} bytes but only {max(max_bytes, 0)} bytes of this key's snapshot quota "
-            "are left; delete snapshots to make room"
-        )
-    temporary = temporary_path(target.parent, TEMP_PREFIX, target.name)
-    temporary.mkdir(parents=True)
+    files[MANIFEST] = _encode_manifest(manifest)
+    return manifest, files
+
+
+def rewrite_manifest(store: StateStore, area: Area, name: str, manifest: dict[str, Any]) -> None:
+    """Replace a snapshot's manifest atomically."""
+    store.replace_file(area, name, MANIFEST, _encode_manifest(manifest))
+
+
+def read_manifest(store: StateStore, area: Area, name: str) -> dict[str, Any]:
+    """The manifest of a snapshot, checked for format and schema version."""
     try:
-        for name, data in files.items():
-            write_synced(temporary / name, data)
-        fsync_directory(temporary)
-        _replace_directory(temporary, target)
-    finally:
-        shutil.rmtree(temporary, ignore_errors=True)
-    return manifest
+        return decode_manifest(store.read_file(area, name, MANIFEST))
+    except OSError as exc:
+        raise SnapshotCorruptError(f"snapshot manifest is unreadable: {exc}") from exc
 
 
-def rewrite_manifest(directory: Path, manifest: dict[str, Any]) -> None:
-    """Replace a snapshot's manifest atomically (temporary file, fsync, rename)."""
-    temporary = temporary_path(directory, TEMP_PREFIX, MANIFEST)
-    write_synced(temporary, json.dumps(manifest, indent=2, ensure_ascii=False).encode())
-    os.replace(temporary, directory / MANIFEST)
-    fsync_directory(directory)
-
-
-def read_manifest(directory: Path) -> dict[str, Any]:
-    """The manifest of a snapshot directory, checked for format and schema version."""
+def decode_manifest(data: bytes) -> dict[str, Any]:
+    """A manifest from its bytes, checked for format and schema version."""
     try:
-        manifest = json.loads((directory / MANIFEST).read_bytes())
-    except (OSError, ValueError) as exc:
+        manifest = json.loads(data)
+    except ValueError as exc:
         raise SnapshotCorruptError(f"snapshot manifest is unreadable: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT_NAME:
         raise SnapshotCorruptError("not a statelm snapshot (manifest format field missing or wrong)")
@@ -127,32 +131,36 @@ def check_fingerprint(manifest: dict[str, Any], fingerprint: ModelFingerprint) -
         )
 
 
-def read_snapshot(directory: Path, fingerprint: ModelFingerprint) -> tuple[dict[str, Any], SnapshotContent]:
+def read_snapshot(
+    store: StateStore, area: Area, name: str, fingerprint: ModelFingerprint
+) -> tuple[dict[str, Any], SnapshotContent]:
     """Manifest and content of a snapshot, after checking schema, fingerprint, checksums and shapes."""
-    manifest = read_manifest(directory)
+    manifest = read_manifest(store, area, name)
     check_fingerprint(manifest, fingerprint)
-    data = {name: _read_checked(directory, name, manifest) for name in (TOKENS, TRANSCRIPT, KV)}
-    transcript = _parse_transcript(data[TRANSCRIPT])
+    data = {file: _read_checked(store, area, name, file, manifest) for file in (TOKENS, TRANSCRIPT, KV)}
+    return manifest, decode_content(data)
+
+
+def decode_content(files: dict[str, bytes]) -> SnapshotContent:
+    """Transcript and KV from a snapshot's verified tokens, transcript and KV files."""
+    transcript = _parse_transcript(files[TRANSCRIPT])
     try:
-        tokens = json.loads(data[TOKENS])
-        tensors = load_tensors(data[KV])
+        tokens = json.loads(files[TOKENS])
+        tensors = load_tensors(files[KV])
     except (ValueError, SafetensorError) as exc:
         raise SnapshotCorruptError(f"snapshot content is unreadable: {exc}") from exc
     if not (isinstance(tokens, list) and all(type(token) is int for token in tokens)):
         raise SnapshotCorruptError("tokens.json is not a list of token ids")
-    return manifest, SnapshotContent(transcript, _kv_from_tensors(tokens, tensors))
+    return SnapshotContent(transcript, _kv_from_tensors(tokens, tensors))
 
 
-def read_transcript(directory: Path, fingerprint: ModelFingerprint) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def read_transcript(
+    store: StateStore, area: Area, name: str, fingerprint: ModelFingerprint
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """Manifest and verified transcript of a snapshot, without reading its KV."""
-    manifest = read_manifest(directory)
+    manifest = read_manifest(store, area, name)
     check_fingerprint(manifest, fingerprint)
-    return manifest, _parse_transcript(_read_checked(directory, TRANSCRIPT, manifest))
-
-
-def directory_size(directory: Path) -> int:
-    """Bytes of the files in a snapshot directory."""
-    return sum(entry.stat().st_size for entry in directory.iterdir() if entry.is_file())
+    return manifest, _parse_transcript(_read_checked(store, area, name, TRANSCRIPT, manifest))
 
 
 def _parse_transcript(data: bytes) -> list[dict[str, Any]]:
@@ -177,16 +185,17 @@ def _kv_from_tensors(tokens: list[int], tensors: dict[str, torch.Tensor]) -> Ses
     return SessionKVData(tokens, keys, values)
 
 
-def _read_checked(directory: Path, name: str, manifest: dict[str, Any]) -> bytes:
-    expected = manifest.get("files", {}).get(name)
+def _read_checked(store: StateStore, area: Area, name: str, file: str, manifest: dict[str, Any]) -> bytes:
+    """A file of a snapshot, checked against the size and checksum its manifest lists."""
+    expected = manifest.get("files", {}).get(file)
     if not isinstance(expected, dict):
-        raise SnapshotCorruptError(f"snapshot manifest lists no checksum for {name}")
+        raise SnapshotCorruptError(f"snapshot manifest lists no checksum for {file}")
     try:
-        data = (directory / name).read_bytes()
+        data = store.read_file(area, name, file)
     except OSError as exc:
-        raise SnapshotCorruptError(f"cannot read {name}: {exc.strerror}") from exc
+        raise SnapshotCorruptError(f"cannot read {file}: {exc.strerror}") from exc
     if _file_entry(data) != {"sha256": expected.get("sha256"), "size": expected.get("size")}:
-        raise SnapshotCorruptError(f"{name} is corrupt or truncated (checksum mismatch)")
+        raise SnapshotCorruptError(f"{file} is corrupt or truncated (checksum mismatch)")
     return data
 
 
@@ -194,13 +203,5 @@ def _file_entry(data: bytes) -> dict[str, Any]:
     return {"sha256": hashlib.sha256(data).hexdigest(), "size": len(data)}
 
 
-def _replace_directory(source: Path, target: Path) -> None:
-    """Rename source to target; an existing target is moved aside first and removed after."""
-    if not target.exists():
-        source.rename(target)
-    else:
-        old = temporary_path(target.parent, OLD_PREFIX, target.name)
-        target.rename(old)
-        source.rename(target)
-        shutil.rmtree(old, ignore_errors=True)
-    fsync_directory(target.parent)
+def _encode_manifest(manifest: dict[str, Any]) -> bytes:
+    return json.dumps(manifest, indent=2, ensure_ascii=False).encode()

@@ -1,13 +1,11 @@
-"""The user's snapshots: a directory per snapshot under the state dir, listed, read, edited and deleted."""
+"""The user's snapshots: a bundle per snapshot in the state store's SNAPSHOTS area, listed, read, edited and deleted."""
 
 from __future__ import annotations
 
 import contextlib
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from statelm.models.loader import ModelFingerprint
@@ -15,13 +13,12 @@ from statelm.sessions.errors import NotFoundError, SnapshotCorruptError, check_i
 from statelm.sessions.ownership import LOCAL, LOCAL_OWNER, Principal, recorded_owner
 from statelm.sessions.snapshot_format import (
     SnapshotContent,
-    directory_size,
     read_manifest,
     read_snapshot,
     rewrite_manifest,
     write_snapshot,
 )
-from statelm.sessions.temporaries import clean_temporaries
+from statelm.sessions.state_store import Area, StateStore
 
 METADATA_FIELDS = ("title", "description", "tags")
 
@@ -32,19 +29,20 @@ def new_snapshot_id() -> str:
 
 
 class SnapshotStore:
-    """Snapshots under one directory, each visible only to its owner (and admins).
+    """The snapshots of a state store, each visible only to its owner (and admins).
 
     Every method does blocking I/O and is meant for a worker thread. Methods act for a viewer (the local
     user when none is given); a snapshot the viewer may not touch is reported as missing, exactly like one
     that does not exist.
     """
 
-    def __init__(self, root: Path, model_name: str, fingerprint: ModelFingerprint, exclusive: bool = True) -> None:
-        self.root = root
+    def __init__(
+        self, store: StateStore, model_name: str, fingerprint: ModelFingerprint, exclusive: bool = True
+    ) -> None:
+        self.store = store
         self.model_name = model_name
         self.fingerprint = fingerprint
-        root.mkdir(parents=True, exist_ok=True)
-        clean_temporaries(root, exclusive)  # shared with other servers (not exclusive): only abandoned ones
+        store.prepare(Area.SNAPSHOTS, exclusive)  # shared with other servers (not exclusive): only abandoned writes
 
     def create(
         self,
@@ -64,91 +62,85 @@ class SnapshotStore:
             "metadata": {name: metadata.get(name) for name in METADATA_FIELDS},
             **session_fields,
         }
-        directory = self.root / snapshot_id
-        return self._with_size(directory, write_snapshot(directory, manifest, content, max_bytes))
+        written = write_snapshot(self.store, Area.SNAPSHOTS, snapshot_id, manifest, content, max_bytes)
+        return self._with_size(snapshot_id, written)
 
     def list(self, viewer: Principal = LOCAL) -> list[dict[str, Any]]:
         """Manifests of the snapshots viewer may see, oldest first; damaged ones (admins only) as corrupt."""
         manifests = []
-        for directory in self._directories():
+        for snapshot_id in self.store.bundle_names(Area.SNAPSHOTS):
             with contextlib.suppress(NotFoundError):  # deleted while listing
-                manifest = self._listed(directory, viewer)
+                manifest = self._listed(snapshot_id, viewer)
                 if manifest is not None:
                     manifests.append(manifest)
         return sorted(manifests, key=lambda manifest: manifest.get("created", 0))
 
     def usage(self, owner: str) -> int:
-        """Bytes on disk of the snapshots owner created."""
+        """Bytes in the store of the snapshots owner created."""
         total = 0
-        for directory in self._directories():
+        for snapshot_id in self.store.bundle_names(Area.SNAPSHOTS):
             with contextlib.suppress(SnapshotCorruptError, FileNotFoundError):
-                if recorded_owner(read_manifest(directory)) == owner:
-                    total += directory_size(directory)
+                if recorded_owner(read_manifest(self.store, Area.SNAPSHOTS, snapshot_id)) == owner:
+                    total += self.store.bundle_size(Area.SNAPSHOTS, snapshot_id)
         return total
 
     def get(self, snapshot_id: str, viewer: Principal = LOCAL) -> dict[str, Any]:
         """One snapshot's manifest."""
-        directory, manifest = self._accessible(snapshot_id, viewer)
-        return self._with_size(directory, manifest)
+        return self._with_size(snapshot_id, self._accessible(snapshot_id, viewer))
 
     def update(self, snapshot_id: str, changes: dict[str, Any], viewer: Principal = LOCAL) -> dict[str, Any]:
         """Set (or, with None, clear) metadata fields; returns the new manifest."""
-        directory, manifest = self._accessible(snapshot_id, viewer)
+        manifest = self._accessible(snapshot_id, viewer)
         manifest["metadata"] = {**manifest.get("metadata", {}), **changes}
         with _deleted_meanwhile(snapshot_id):
-            rewrite_manifest(directory, manifest)
-        return self._with_size(directory, manifest)
+            rewrite_manifest(self.store, Area.SNAPSHOTS, snapshot_id, manifest)
+        return self._with_size(snapshot_id, manifest)
 
     def delete(self, snapshot_id: str, viewer: Principal = LOCAL) -> None:
         """Remove a snapshot; admins may also remove one whose manifest is damaged."""
-        directory = self._directory(snapshot_id)
+        self._existing(snapshot_id)
         if not viewer.admin:
             self._accessible(snapshot_id, viewer)
         with _deleted_meanwhile(snapshot_id):
-            shutil.rmtree(directory)
+            self.store.delete_bundle(Area.SNAPSHOTS, snapshot_id)
 
     def read(self, snapshot_id: str, viewer: Principal = LOCAL) -> tuple[dict[str, Any], SnapshotContent]:
         """A snapshot's manifest and verified content."""
-        directory, _ = self._accessible(snapshot_id, viewer)
-        return read_snapshot(directory, self.fingerprint)
+        self._accessible(snapshot_id, viewer)
+        return read_snapshot(self.store, Area.SNAPSHOTS, snapshot_id, self.fingerprint)
 
-    def _listed(self, directory: Path, viewer: Principal) -> dict[str, Any] | None:
-        """A directory's manifest as a listing shows it to viewer; None if viewer may not see it."""
+    def _listed(self, snapshot_id: str, viewer: Principal) -> dict[str, Any] | None:
+        """A snapshot's manifest as a listing shows it to viewer; None if viewer may not see it."""
         try:
-            manifest = read_manifest(directory)
+            manifest = read_manifest(self.store, Area.SNAPSHOTS, snapshot_id)
         except SnapshotCorruptError as exc:
-            if not directory.is_dir():
-                raise _missing(directory.name) from None
-            return {"id": directory.name, "created": 0, "corrupt": exc.message} if viewer.admin else None
-        return self._with_size(directory, manifest) if viewer.may_access(recorded_owner(manifest)) else None
+            if not self.store.bundle_exists(Area.SNAPSHOTS, snapshot_id):
+                raise _missing(snapshot_id) from None
+            return {"id": snapshot_id, "created": 0, "corrupt": exc.message} if viewer.admin else None
+        return self._with_size(snapshot_id, manifest) if viewer.may_access(recorded_owner(manifest)) else None
 
-    def _directories(self) -> list[Path]:
-        return [entry for entry in sorted(self.root.iterdir()) if not entry.name.startswith(".") and entry.is_dir()]
-
-    def _directory(self, snapshot_id: str) -> Path:
-        directory = self.root / check_id(snapshot_id, "snapshot_id")
-        if not directory.is_dir():
+    def _existing(self, snapshot_id: str) -> None:
+        """NotFoundError unless the store holds a snapshot of that (valid) id."""
+        if not self.store.bundle_exists(Area.SNAPSHOTS, check_id(snapshot_id, "snapshot_id")):
             raise _missing(snapshot_id)
-        return directory
 
-    def _accessible(self, snapshot_id: str, viewer: Principal) -> tuple[Path, dict[str, Any]]:
-        """Directory and manifest of a snapshot viewer may touch; a damaged one is corrupt to admins only."""
-        directory = self._directory(snapshot_id)
+    def _accessible(self, snapshot_id: str, viewer: Principal) -> dict[str, Any]:
+        """The manifest of a snapshot viewer may touch; a damaged one is corrupt to admins only."""
+        self._existing(snapshot_id)
         try:
-            manifest = read_manifest(directory)
+            manifest = read_manifest(self.store, Area.SNAPSHOTS, snapshot_id)
         except SnapshotCorruptError:
-            if viewer.admin and directory.is_dir():
+            if viewer.admin and self.store.bundle_exists(Area.SNAPSHOTS, snapshot_id):
                 raise
             raise _missing(snapshot_id) from None
         if not viewer.may_access(recorded_owner(manifest)):
             raise _missing(snapshot_id)
-        return directory, manifest
+        return manifest
 
-    @staticmethod
-    def _with_size(directory: Path, manifest: dict[str, Any]) -> dict[str, Any]:
-        """The manifest with the id taken from the directory name (never the reverse) and the size on disk."""
-        with _deleted_meanwhile(directory.name):
-            return {**manifest, "id": directory.name, "size_bytes": directory_size(directory)}
+    def _with_size(self, snapshot_id: str, manifest: dict[str, Any]) -> dict[str, Any]:
+        """The manifest with the id taken from the bundle's name (never the reverse) and its size in the store."""
+        with _deleted_meanwhile(snapshot_id):
+            return {**manifest, "id": snapshot_id, "size_bytes": self.store.bundle_size(Area.SNAPSHOTS, snapshot_id)}
 
 
 def _missing(snapshot_id: str) -> NotFoundError:
@@ -157,7 +149,7 @@ def _missing(snapshot_id: str) -> NotFoundError:
 
 @contextlib.contextmanager
 def _deleted_meanwhile(snapshot_id: str) -> Iterator[None]:
-    """A snapshot directory that vanishes under a request (a concurrent delete) is a missing snapshot."""
+    """A snapshot that vanishes under a request (a concurrent delete) is a missing snapshot."""
     try:
         yield
     except FileNotFoundError:

@@ -129,8 +129,8 @@ def test_journals_on_the_other_server_count_toward_the_snapshot_quota(pair: tupl
     assert first.post("/v1/chat/completions", json=turn).status_code == 200
     system = "A long system prompt. " * 600  # a journal of about 13 KB on the second server
     assert second.post("/v1/sessions", json={"session_id": "long", "system": system}).status_code == 201
-    journal = pair[1].app.state.sessions.manager.journal.path("long")
-    assert eventually(lambda: journal.is_file() and journal.stat().st_size > len(system))
+    journal = pair[1].app.state.sessions.manager.journal
+    assert eventually(lambda: journal.stored_bytes(["long"]) > len(system))
     assert first.post("/v1/sessions/snap/snapshot", json={}).status_code == 507
     assert second.delete("/v1/sessions/long").status_code == 200
     snapshot = first.post("/v1/sessions/snap/snapshot", json={})

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from statelm.cli.main import app as cli
 from statelm.config import SessionDurability
 from statelm.server.auth import key_digest, owner_of
-from statelm.sessions import journal_store
-from statelm.sessions.journal import append_record, read_journal
+from statelm.sessions.directory_store import DirectoryStore
+from statelm.sessions.journal import decode_journal
 from statelm.sessions.session import SessionKind
 from tests.http.conftest import InProcessServer, serve_configs, serve_in_process, tiny_args
 from tests.http.test_responses import chain_of, chains, create, stream_events
@@ -29,6 +29,11 @@ def session_with_a_turn(http: httpx.Client, session_id: str) -> None:
     body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
             "session_id": session_id}  # fmt: skip
     assert http.post("/v1/chat/completions", json=body).status_code == 200
+
+
+def journal_records(path: Path) -> list[dict]:
+    """The records of a journal file."""
+    return decode_journal(path.read_bytes()).records
 
 
 def journal_metrics(http: httpx.Client) -> dict[str, float]:
@@ -62,7 +67,7 @@ def test_turn_durability_journals_every_change_before_answering(
         before = journal_metrics(http)
         session_with_a_turn(http, "journalled")
         assert http.post("/v1/sessions/journalled/rollback", json={"keep_messages": 1}).status_code == 200
-        records = read_journal(state_dir / "journal" / "journalled.journal").records
+        records = journal_records(state_dir / "journal" / "journalled.journal")
         assert [record["type"] for record in records] == ["session", "turn", "rollback"]
         assert records[1]["messages"][0] == {"role": "user", "content": "Hi"}
         after = journal_metrics(http)
@@ -139,11 +144,13 @@ def test_stored_responses_and_chain_turns_survive_a_crash(tiny_model: Path, tmp_
 def slow_appends(monkeypatch: pytest.MonkeyPatch) -> None:
     """Journal appends that take 50 ms: an answer that did not wait for its records would come before them."""
 
-    def append_slowly(path: Path, record: bytes) -> int:
-        time.sleep(0.05)
-        return append_record(path, record)
+    append = DirectoryStore.append_log
 
-    monkeypatch.setattr(journal_store, "append_record", append_slowly)
+    def append_slowly(store: DirectoryStore, name: str, data: bytes) -> int:
+        time.sleep(0.05)
+        return append(store, name, data)
+
+    monkeypatch.setattr(DirectoryStore, "append_log", append_slowly)
 
 
 def test_deleting_a_response_is_journalled_before_it_is_answered(
@@ -158,12 +165,12 @@ def test_deleting_a_response_is_journalled_before_it_is_answered(
         chain = chain_of(server, first["id"])
         journal = state / "journal" / f"{chain.id}.journal"
         kept = len(chain.transcript)
-        assert [record["type"] for record in read_journal(journal).records] == [
+        assert [record["type"] for record in journal_records(journal)] == [
             "session", "turn", "annotation", "turn", "annotation", "turn", "annotation"
         ]  # fmt: skip
         assert api.delete(f"/v1/responses/{second['id']}").status_code == 200  # from the middle: its record only
         assert api.delete(f"/v1/responses/{third['id']}").status_code == 200  # the latest: the chain is cut back
-        records = read_journal(journal).records[-3:]
+        records = journal_records(journal)[-3:]
         assert [(record["type"], record.get("key"), record.get("value", 0)) for record in records] == [
             ("annotation", second["id"], None), ("annotation", third["id"], None), ("rollback", None, 0)
         ]  # fmt: skip
@@ -172,7 +179,7 @@ def test_deleting_a_response_is_journalled_before_it_is_answered(
         assert api.delete(f"/v1/responses/{first['id']}").status_code == 200  # the last one: the chain goes
         assert chains(server) == []
         deleted = crashed(state, tmp_path / "deleted")  # its journal says so durably (or is gone already)
-        assert not journal.exists() or [record["type"] for record in read_journal(journal).records] == ["delete"]
+        assert not journal.exists() or [record["type"] for record in journal_records(journal)] == ["delete"]
 
     with serve_in_process(tiny_args(tiny_model, cut_back)) as server, server.http() as api:
         assert api.get(f"/v1/responses/{first['id']}").json() == first

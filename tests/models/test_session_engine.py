@@ -16,7 +16,9 @@ from statelm.engine.engine import Engine
 from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.models.loader import LoadedModel
+from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
+from statelm.sessions.state_store import Area
 from tests.models.engine_run import generate
 
 pytestmark = [pytest.mark.invariance, pytest.mark.slow]
@@ -98,8 +100,9 @@ def test_snapshot_restore_gives_identical_next_token_logits(
     data = engine.sessions.export("original")
     assert data is not None
     manifest = {"model": {"name": loaded.name, "fingerprint": loaded.fingerprint.parts}}
-    write_snapshot(tmp_path / "snap", manifest, SnapshotContent([{"role": "user", "content": "hi"}], data))
-    _, content = read_snapshot(tmp_path / "snap", loaded.fingerprint)
+    store = DirectoryStore(tmp_path)
+    write_snapshot(store, Area.SNAPSHOTS, "snap", manifest, SnapshotContent([{"role": "user", "content": "hi"}], data))
+    _, content = read_snapshot(store, Area.SNAPSHOTS, "snap", loaded.fingerprint)
     engine.sessions.load("restored", content.kv)
     follow_up = prompt + generated + loaded.tokenizer.encode("<|im_end|>\n<|im_start|>user\nAnd Germany?<|im_end|>\n")
     original = next_token_logits(engine, "original", follow_up)

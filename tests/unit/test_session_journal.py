@@ -4,20 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 
 import pytest
 import torch
 
 from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
-from statelm.sessions.journal import (
-    HEADER,
-    JournalCorruptError,
-    append_record,
-    encode_record,
-    read_journal,
-)
+from statelm.sessions.directory_store import DirectoryStore
+from statelm.sessions.journal import HEADER, JournalCorruptError, decode_journal, encode_record
 from statelm.sessions.journal_records import (
     annotation_record,
     delete_record,
@@ -29,7 +23,8 @@ from statelm.sessions.journal_records import (
 from statelm.sessions.journal_store import SessionJournal
 from statelm.sessions.recovery import recover_sessions
 from statelm.sessions.session import Session, SessionKind, SessionSettings
-from statelm.sessions.snapshot_format import SnapshotContent, write_snapshot
+from statelm.sessions.snapshot_format import KV, MANIFEST, TOKENS, TRANSCRIPT, SnapshotContent, write_snapshot
+from statelm.sessions.state_store import Area, StateStore
 
 FINGERPRINT = ModelFingerprint({"config": "c", "weights": "w", "dtype": "float32", "tokenizer": "t"})
 USER = {"role": "user", "content": 'héllo \x01 "quoted" SLJ'}
@@ -57,21 +52,28 @@ def history_records(session_id: str = "s") -> list[dict]:
     return records
 
 
-def write_journal(path: Path, records: list[dict]) -> list[int]:
-    """The records appended one by one; the byte offset where each starts."""
+def write_journal(store: StateStore, session_id: str, records: list[dict]) -> list[int]:
+    """The records appended one by one to the session's journal; the byte offset where each starts."""
+    store.prepare(Area.JOURNAL, exclusive=False)
     offsets = []
     for record in records:
-        offsets.append(path.stat().st_size if path.exists() else 0)
-        append_record(path, encode_record(record))
+        offsets.append(store.log_size(session_id) if store.log_exists(session_id) else 0)
+        store.append_log(session_id, encode_record(record))
     return offsets
 
 
-def test_records_round_trip_and_replay_to_the_session(tmp_path: Path) -> None:
-    path = tmp_path / "s.journal"
+def read_journal(store: StateStore, session_id: str) -> list[dict]:
+    """The records of the session's journal."""
+    return decode_journal(store.read_log(session_id)).records
+
+
+def test_records_round_trip_and_replay_to_the_session(state_store: StateStore) -> None:
     records = history_records()
-    write_journal(path, records)
-    contents = read_journal(path)
-    assert contents.records == records and contents.torn_bytes == 0 and contents.valid_bytes == path.stat().st_size
+    write_journal(state_store, "s", records)
+    contents = decode_journal(state_store.read_log("s"))
+    assert (
+        contents.records == records and contents.torn_bytes == 0 and contents.valid_bytes == state_store.log_size("s")
+    )
     session = replay("s", None, contents.records)
     assert session is not None and session.lsn == 5
     assert session.transcript == [{"role": "system", "content": "Be brief."}, USER, REPLY, {"role": "user",
@@ -79,35 +81,33 @@ def test_records_round_trip_and_replay_to_the_session(tmp_path: Path) -> None:
     assert session.owner == "owner-hash" and session.settings.max_tokens == 99
 
 
-def test_a_journal_cut_anywhere_in_its_last_record_recovers_to_the_record_before(tmp_path: Path) -> None:
-    whole = tmp_path / "whole.journal"
+def test_a_journal_cut_anywhere_in_its_last_record_recovers_to_the_record_before(state_store: StateStore) -> None:
     records = history_records()
-    last_start = write_journal(whole, records)[-1]
-    data = whole.read_bytes()
+    last_start = write_journal(state_store, "whole", records)[-1]
+    data = state_store.read_log("whole")
     for cut in range(last_start, len(data)):
-        path = tmp_path / f"cut-{cut}.journal"
-        path.write_bytes(data[:cut])
-        contents = read_journal(path)
+        state_store.replace_log(f"cut-{cut}", data[:cut])
+        contents = decode_journal(state_store.read_log(f"cut-{cut}"))
         assert contents.records == records[:-1], cut
         assert contents.valid_bytes == last_start and contents.torn_bytes == cut - last_start
 
 
 @pytest.mark.parametrize("where", ["payload", "checksum", "length", "magic"])
-def test_a_damaged_last_record_is_torn_but_a_damaged_earlier_one_is_corruption(tmp_path: Path, where: str) -> None:
-    path = tmp_path / "s.journal"
+def test_a_damaged_last_record_is_torn_but_a_damaged_earlier_one_is_corruption(
+    state_store: StateStore, where: str
+) -> None:
     records = history_records()
-    offsets = write_journal(path, records)
+    offsets = write_journal(state_store, "s", records)
     position = {"magic": 0, "length": 4, "checksum": 8, "payload": HEADER.size + 3}[where]
     for index, start in ((len(records) - 1, offsets[-1]), (1, offsets[1])):
-        damaged = bytearray(path.read_bytes())
+        damaged = bytearray(state_store.read_log("s"))
         damaged[start + position] ^= 0x5A
-        copy = tmp_path / f"damaged-{index}.journal"
-        copy.write_bytes(bytes(damaged))
+        state_store.replace_log(f"damaged-{index}", bytes(damaged))
         if index == len(records) - 1:
-            assert read_journal(copy).records == records[:-1]
+            assert read_journal(state_store, f"damaged-{index}") == records[:-1]
         else:
             with pytest.raises(JournalCorruptError, match=f"byte {start}"):
-                read_journal(copy)
+                read_journal(state_store, f"damaged-{index}")
 
 
 def test_replay_deletes_and_refuses_a_change_with_no_session_before_it() -> None:
@@ -119,41 +119,44 @@ def test_replay_deletes_and_refuses_a_change_with_no_session_before_it() -> None
         replay("s", None, records[1:])
 
 
-def saved_directory(sessions_dir: Path, session: Session, tokens: int = 4) -> None:
-    """A session's directory as a spill or a graceful stop writes it."""
+def save(store: StateStore, session: Session, tokens: int = 4) -> None:
+    """A session's saved bundle as a spill or a graceful stop writes it."""
     kv = SessionKVData(list(range(tokens)), [torch.zeros(tokens, 1, 2)], [torch.zeros(tokens, 1, 2)])
     manifest = {"model": {"name": "m", "fingerprint": FINGERPRINT.parts}, "lsn": session.lsn,
                 **session.manifest_fields()}  # fmt: skip
-    write_snapshot(sessions_dir / session.id, manifest, SnapshotContent(session.transcript, kv))
+    write_snapshot(store, Area.SESSIONS, session.id, manifest, SnapshotContent(session.transcript, kv))
 
 
-def test_recovery_from_directory_plus_journal_journal_alone_and_deletions(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def edit_manifest(store: StateStore, session_id: str, old: str, new: str) -> None:
+    """Replace text in a saved session's manifest."""
+    manifest = store.read_file(Area.SESSIONS, session_id, MANIFEST)
+    store.replace_file(Area.SESSIONS, session_id, MANIFEST, manifest.replace(old.encode(), new.encode()))
+
+
+def test_recovery_from_bundle_plus_journal_journal_alone_and_deletions(
+    state_store: StateStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sessions_dir, journal_dir = tmp_path / "sessions", tmp_path / "journal"
-    sessions_dir.mkdir()
-    journal_dir.mkdir()
     records = history_records("both")
-    directory_session = replay("both", None, records[:3])  # written after the third change
-    assert directory_session is not None
-    saved_directory(sessions_dir, directory_session)
-    write_journal(journal_dir / "both.journal", records)
+    saved_session = replay("both", None, records[:3])  # written after the third change
+    assert saved_session is not None
+    save(state_store, saved_session)
+    write_journal(state_store, "both", records)
     alone = history_records("alone")
-    write_journal(journal_dir / "alone.journal", alone)
-    with (journal_dir / "alone.journal").open("ab") as file:
-        file.write(encode_record(delete_record(99))[:-4])  # torn
+    write_journal(state_store, "alone", alone)
+    state_store.append_log("alone", encode_record(delete_record(99))[:-4])  # torn
     gone = replay("gone", None, history_records("gone"))
     assert gone is not None
-    saved_directory(sessions_dir, gone)
-    write_journal(journal_dir / "gone.journal", [delete_record(7)])
+    save(state_store, gone)
+    write_journal(state_store, "gone", [delete_record(7)])
     current = replay("current", None, history_records("current"))
     assert current is not None
-    saved_directory(sessions_dir, current)
-    write_journal(journal_dir / "current.journal", history_records("current"))  # compaction was missing
-    (journal_dir / ".tmp-x.journal-123").write_bytes(b"leftover")
+    save(state_store, current)
+    write_journal(state_store, "current", history_records("current"))  # compaction was missing
+    if isinstance(state_store, DirectoryStore):
+        (state_store.root / "journal" / ".tmp-x.journal-123").write_bytes(b"leftover")
 
     with caplog.at_level(logging.WARNING):
-        recovered = recover_sessions(sessions_dir, journal_dir, FINGERPRINT)
+        recovered = recover_sessions(state_store, FINGERPRINT)
 
     by_id = {session.id: session for session in recovered.sessions}
     assert sorted(by_id) == ["alone", "both", "current"]
@@ -166,30 +169,35 @@ def test_recovery_from_directory_plus_journal_journal_alone_and_deletions(
     assert recovered.from_journal == 2 and recovered.last_lsn == 7
     torn = [record for record in caplog.records if "torn" in record.getMessage()]
     assert len(torn) == 1 and "alone" in torn[0].getMessage()
-    assert read_journal(journal_dir / "alone.journal").torn_bytes == 0  # cut off the file
-    assert sorted(path.name for path in journal_dir.iterdir()) == ["alone.journal", "both.journal"]
-    assert sorted(path.name for path in sessions_dir.iterdir()) == ["both", "current"]
+    assert decode_journal(state_store.read_log("alone")).torn_bytes == 0  # cut off the journal
+    assert state_store.log_names() == ["alone", "both"]
+    assert state_store.bundle_names(Area.SESSIONS) == ["both", "current"]
+    if isinstance(state_store, DirectoryStore):
+        assert sorted(path.name for path in (state_store.root / "journal").iterdir()) == [
+            "alone.journal",
+            "both.journal",
+        ]
+        assert sorted(path.name for path in (state_store.root / "sessions").iterdir()) == ["both", "current"]
 
 
-def test_a_damaged_journal_skips_its_session_and_leaves_its_files(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+def test_a_damaged_journal_skips_its_session_and_leaves_it_alone(
+    state_store: StateStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    journal_dir = tmp_path / "journal"
-    journal_dir.mkdir()
-    path = journal_dir / "bad.journal"
-    offsets = write_journal(path, history_records("bad"))
-    damaged = bytearray(path.read_bytes())
+    offsets = write_journal(state_store, "bad", history_records("bad"))
+    damaged = bytearray(state_store.read_log("bad"))
     damaged[offsets[2] + HEADER.size] ^= 1
-    path.write_bytes(bytes(damaged))
+    state_store.replace_log("bad", bytes(damaged))
     with caplog.at_level(logging.WARNING):
-        recovered = recover_sessions(tmp_path / "sessions", journal_dir, FINGERPRINT)
-    assert recovered.sessions == [] and path.read_bytes() == bytes(damaged)
+        recovered = recover_sessions(state_store, FINGERPRINT)
+    assert recovered.sessions == [] and state_store.read_log("bad") == bytes(damaged)
     assert "not resuming session bad" in caplog.text and "damaged" in caplog.text
 
 
-def test_store_writes_in_order_compacts_deletes_and_counts(tmp_path: Path) -> None:
+def test_store_writes_in_order_compacts_deletes_and_counts(state_store: StateStore) -> None:
+    state_store.prepare(Area.JOURNAL, exclusive=True)
+
     async def scenario() -> None:
-        journal = SessionJournal(tmp_path, appending=True)
+        journal = SessionJournal(state_store, appending=True)
         session = new_session("a")
         journal.rewrite("a", session_record(session))
         for lsn in range(2, 40):
@@ -197,54 +205,59 @@ def test_store_writes_in_order_compacts_deletes_and_counts(tmp_path: Path) -> No
             journal.append("a", turn_record(session, [USER]))
         journal.append("b", session_record(new_session("b")))
         await journal.settled("a")
-        assert [record["lsn"] for record in read_journal(tmp_path / "a.journal").records] == list(range(1, 40))
-        assert journal.sizes["a"] == (tmp_path / "a.journal").stat().st_size
+        assert [record["lsn"] for record in read_journal(state_store, "a")] == list(range(1, 40))
+        assert journal.sizes["a"] == state_store.log_size("a") == journal.stored_bytes(["a", "none", "not/an id"])
         journal.compact("a")
         await journal.delete("b", 41)
-        assert read_journal(tmp_path / "b.journal").records == [delete_record(41)]
+        assert read_journal(state_store, "b") == [delete_record(41)]
         journal.forget("b", 41)
         await journal.close()
-        assert list(tmp_path.iterdir()) == [] and journal.sizes == {}
+        assert state_store.log_names() == [] and journal.sizes == {}
         assert journal.counters.appends == 41 and journal.counters.failures == 0
 
     asyncio.run(scenario())
 
 
-def test_a_failed_write_breaks_the_journal_until_a_rewrite(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+def test_a_failed_write_breaks_the_journal_until_a_rewrite(
+    state_store: StateStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state_store.prepare(Area.JOURNAL, exclusive=True)
+
+    def full(name: str, data: bytes) -> int:
+        raise OSError(28, "No space left on device")
+
     async def scenario() -> None:
-        journal = SessionJournal(tmp_path / "missing", appending=True)  # no such directory: writes fail
+        journal = SessionJournal(state_store, appending=True)
+        monkeypatch.setattr(state_store, "replace_log", full)
         session = new_session("a")
         journal.rewrite("a", session_record(session))
         session.lsn = 2
-        journal.append("a", turn_record(session, [USER]))
+        journal.append("a", turn_record(session, [USER]))  # skipped: the journal is broken
         await journal.settled("a")
         assert journal.needs_rewrite("a") and journal.counters.failures == 2
-        (tmp_path / "missing").mkdir()
+        monkeypatch.undo()
         journal.rewrite("a", session_record(session))
         await journal.close()
         assert not journal.needs_rewrite("a")
-        assert read_journal(tmp_path / "missing" / "a.journal").records == [session_record(session)]
+        assert read_journal(state_store, "a") == [session_record(session)]
 
     with caplog.at_level(logging.ERROR):
         asyncio.run(scenario())
     assert "not durable until rewritten" in caplog.text
 
 
-def test_a_session_created_again_is_recovered_from_its_journal_without_the_old_directory(tmp_path: Path) -> None:
-    sessions_dir, journal_dir = tmp_path / "sessions", tmp_path / "journal"
+def test_a_session_created_again_is_recovered_from_its_journal_without_the_old_bundle(state_store: StateStore) -> None:
     old = new_session("reborn", lsn=2)
-    saved_directory(sessions_dir, old)
-    manifest = sessions_dir / "reborn" / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"weights": "w"', '"weights": "another model"'))
+    save(state_store, old)
+    edit_manifest(state_store, "reborn", '"weights": "w"', '"weights": "another model"')
     records = [delete_record(3), {**history_records("reborn")[0], "lsn": 4}, {**history_records("reborn")[1], "lsn": 5}]
-    journal_dir.mkdir()
-    write_journal(journal_dir / "reborn.journal", records)
-    (session,) = recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions
+    write_journal(state_store, "reborn", records)
+    (session,) = recover_sessions(state_store, FINGERPRINT).sessions
     assert session.transcript == [{"role": "system", "content": "Be brief."}, USER, REPLY] and not session.on_disk
     old.lsn = 6
-    saved_directory(sessions_dir, old)  # the same directory, now newer than the journal, but of another model
-    manifest.write_text(manifest.read_text().replace('"weights": "w"', '"weights": "another model"'))
-    assert recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions == []
+    save(state_store, old)  # the same bundle, now newer than the journal, but of another model
+    edit_manifest(state_store, "reborn", '"weights": "w"', '"weights": "another model"')
+    assert recover_sessions(state_store, FINGERPRINT).sessions == []
 
 
 def stored(count: int, created_at: float) -> dict:
@@ -261,14 +274,12 @@ def new_chain(session_id: str, lsn: int = 1) -> Session:
 
 
 def test_response_chains_are_recovered_with_kind_annotations_owner_and_stored_tokens(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    state_store: StateStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sessions_dir, journal_dir = tmp_path / "sessions", tmp_path / "journal"
-    journal_dir.mkdir()
     saved = new_chain("saved")
-    saved_directory(sessions_dir, saved, tokens=6)  # as the directory reader found it, with nothing newer
+    save(state_store, saved, tokens=6)  # as the bundle reader found it, with nothing newer
     both = new_chain("both")
-    saved_directory(sessions_dir, both)
+    save(state_store, both)
     changes = []
     both.lsn = 2
     changes.append(turn_record(both, [{"role": "user", "content": "more"}, REPLY]))
@@ -276,16 +287,15 @@ def test_response_chains_are_recovered_with_kind_annotations_owner_and_stored_to
     changes.append(annotation_record(both, "responses", "resp_4", stored(4, 2.0)))  # the turn's response kept
     both.lsn = 4
     changes.append(annotation_record(both, "responses", "resp_2", None))  # an older one deleted
-    write_journal(journal_dir / "both.journal", changes)
-    alone = new_chain("alone", lsn=5)  # never written to a directory: the journal alone
-    write_journal(journal_dir / "alone.journal", [session_record(alone)])
+    write_journal(state_store, "both", changes)
+    alone = new_chain("alone", lsn=5)  # never saved as a bundle: the journal alone
+    write_journal(state_store, "alone", [session_record(alone)])
     odd = new_chain("odd")
-    saved_directory(sessions_dir, odd)
-    manifest = sessions_dir / "odd" / "manifest.json"
-    manifest.write_text(manifest.read_text().replace('"kind": "responses"', '"kind": "mystery"'))
+    save(state_store, odd)
+    edit_manifest(state_store, "odd", '"kind": "responses"', '"kind": "mystery"')
 
     with caplog.at_level(logging.WARNING):
-        by_id = {session.id: session for session in recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions}
+        by_id = {session.id: session for session in recover_sessions(state_store, FINGERPRINT).sessions}
 
     assert sorted(by_id) == ["alone", "both", "saved"]
     assert "not resuming session odd: unknown kind 'mystery'" in caplog.text
@@ -313,21 +323,20 @@ def test_annotation_records_set_and_remove_one_entry_and_refuse_nonsense() -> No
 
 
 def test_a_deletion_cut_short_by_a_crash_is_finished_at_recovery(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
+    state_store: StateStore, caplog: pytest.LogCaptureFixture
 ) -> None:
-    sessions_dir, journal_dir = tmp_path / "sessions", tmp_path / "journal"
-    journal_dir.mkdir()
-    for session_id in ("deleted", "reborn", "damaged"):  # each directory half removed: its manifest went first
-        saved_directory(sessions_dir, new_session(session_id, lsn=5))
-        (sessions_dir / session_id / "manifest.json").unlink()
-    write_journal(journal_dir / "deleted.journal", [delete_record(6)])  # durable before the directory went
-    write_journal(journal_dir / "reborn.journal", [delete_record(6), {**history_records("reborn")[0], "lsn": 7}])
+    for session_id in ("deleted", "reborn", "damaged"):  # each bundle half removed: its manifest went first
+        save(state_store, new_session(session_id, lsn=5))
+        rest = {file: state_store.read_file(Area.SESSIONS, session_id, file) for file in (TOKENS, TRANSCRIPT, KV)}
+        state_store.write_bundle(Area.SESSIONS, session_id, rest)
+    write_journal(state_store, "deleted", [delete_record(6)])  # durable before the bundle went
+    write_journal(state_store, "reborn", [delete_record(6), {**history_records("reborn")[0], "lsn": 7}])
 
     with caplog.at_level(logging.WARNING):
-        (reborn,) = recover_sessions(sessions_dir, journal_dir, FINGERPRINT).sessions
+        (reborn,) = recover_sessions(state_store, FINGERPRINT).sessions
 
     assert reborn.id == "reborn" and reborn.lsn == 7 and not reborn.on_disk
     assert reborn.transcript == [{"role": "system", "content": "Be brief."}]
-    assert sorted(path.name for path in sessions_dir.iterdir()) == ["damaged", "reborn"]  # reborn's: replaced later
-    assert sorted(path.name for path in journal_dir.iterdir()) == ["reborn.journal"]
+    assert state_store.bundle_names(Area.SESSIONS) == ["damaged", "reborn"]  # reborn's: replaced later
+    assert state_store.log_names() == ["reborn"]
     assert "not resuming session damaged" in caplog.text and "deleted" not in caplog.text

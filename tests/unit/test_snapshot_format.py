@@ -1,9 +1,8 @@
-"""The snapshot directory format and store: atomic writes, verification on read, metadata edits, ids."""
+"""The snapshot format and store: atomic writes, verification on read, metadata edits, ids."""
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -18,98 +17,103 @@ from statelm.sessions.errors import (
     check_id,
 )
 from statelm.sessions.snapshot_format import (
+    KV,
+    MANIFEST,
+    TOKENS,
+    TRANSCRIPT,
     SnapshotContent,
     read_snapshot,
     read_transcript,
     write_snapshot,
 )
 from statelm.sessions.snapshots import SnapshotStore
-from statelm.sessions.temporaries import clean_temporaries
+from statelm.sessions.state_store import Area, StateStore
 
 FINGERPRINT = ModelFingerprint({"config": "c", "weights": "w", "dtype": "bfloat16", "tokenizer": "t"})
-TRANSCRIPT = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}]
+MESSAGES = [{"role": "user", "content": "héllo"}, {"role": "assistant", "content": "hi"}]
 
 
 def content(num_tokens: int = 5) -> SnapshotContent:
     keys = [torch.randn(num_tokens, 2, 4, dtype=torch.bfloat16) for _ in range(3)]
     values = [torch.randn(num_tokens, 2, 4, dtype=torch.bfloat16) for _ in range(3)]
-    return SnapshotContent(TRANSCRIPT, SessionKVData(list(range(num_tokens)), keys, values))
+    return SnapshotContent(MESSAGES, SessionKVData(list(range(num_tokens)), keys, values))
 
 
-def write(directory: Path, snapshot: SnapshotContent | None = None) -> SnapshotContent:
+def write(store: StateStore, name: str, snapshot: SnapshotContent | None = None) -> SnapshotContent:
     snapshot = snapshot or content()
-    write_snapshot(directory, {"model": {"name": "m", "fingerprint": FINGERPRINT.parts}}, snapshot)
+    write_snapshot(store, Area.SNAPSHOTS, name, {"model": {"name": "m", "fingerprint": FINGERPRINT.parts}}, snapshot)
     return snapshot
 
 
-def test_round_trip_keeps_tokens_transcript_and_kv_bit_for_bit(tmp_path: Path) -> None:
-    written = write(tmp_path / "snap")
-    manifest, read = read_snapshot(tmp_path / "snap", FINGERPRINT)
+def read(store: StateStore, name: str, fingerprint: ModelFingerprint = FINGERPRINT) -> tuple[dict, SnapshotContent]:
+    return read_snapshot(store, Area.SNAPSHOTS, name, fingerprint)
+
+
+def test_round_trip_keeps_tokens_transcript_and_kv_bit_for_bit(state_store: StateStore) -> None:
+    written = write(state_store, "snap")
+    manifest, snapshot = read(state_store, "snap")
     assert manifest["num_tokens"] == 5 and manifest["num_messages"] == 2 and manifest["schema_version"] == 1
-    assert read.transcript == TRANSCRIPT and read.kv.tokens == written.kv.tokens
-    for ours, theirs in zip(read.kv.keys + read.kv.values, written.kv.keys + written.kv.values, strict=True):
+    assert snapshot.transcript == MESSAGES and snapshot.kv.tokens == written.kv.tokens
+    for ours, theirs in zip(snapshot.kv.keys + snapshot.kv.values, written.kv.keys + written.kv.values, strict=True):
         assert torch.equal(ours, theirs)
-    assert sorted(p.name for p in (tmp_path / "snap").iterdir()) == [
-        "kv.safetensors",
-        "manifest.json",
-        "tokens.json",
-        "transcript.json",
-    ]
-    assert read_transcript(tmp_path / "snap", FINGERPRINT)[1] == TRANSCRIPT
+    for file in (KV, MANIFEST, TOKENS, TRANSCRIPT):
+        assert state_store.read_file(Area.SNAPSHOTS, "snap", file)
+    assert state_store.bundle_size(Area.SNAPSHOTS, "snap") == sum(
+        len(state_store.read_file(Area.SNAPSHOTS, "snap", file)) for file in (KV, MANIFEST, TOKENS, TRANSCRIPT)
+    )  # those four files and no other
+    assert read_transcript(state_store, Area.SNAPSHOTS, "snap", FINGERPRINT)[1] == MESSAGES
 
 
-def test_an_empty_session_round_trips(tmp_path: Path) -> None:
-    write(tmp_path / "empty", content(0))
-    _, read = read_snapshot(tmp_path / "empty", FINGERPRINT)
-    assert read.kv.tokens == [] and read.kv.keys[0].shape == (0, 2, 4)
+def test_an_empty_session_round_trips(state_store: StateStore) -> None:
+    write(state_store, "empty", content(0))
+    _, snapshot = read(state_store, "empty")
+    assert snapshot.kv.tokens == [] and snapshot.kv.keys[0].shape == (0, 2, 4)
 
 
 @pytest.mark.parametrize("damage", ["flip", "truncate", "delete", "tokens"])
-def test_damaged_files_are_reported_as_corrupt(tmp_path: Path, damage: str) -> None:
-    write(tmp_path / "snap")
-    kv_file = tmp_path / "snap" / "kv.safetensors"
-    data = bytearray(kv_file.read_bytes())
+def test_damaged_files_are_reported_as_corrupt(state_store: StateStore, damage: str) -> None:
+    write(state_store, "snap")
+    data = bytearray(state_store.read_file(Area.SNAPSHOTS, "snap", KV))
     if damage == "flip":
         data[-3] ^= 0x01
-        kv_file.write_bytes(bytes(data))
+        state_store.replace_file(Area.SNAPSHOTS, "snap", KV, bytes(data))
     elif damage == "truncate":
-        kv_file.write_bytes(bytes(data[: len(data) // 2]))
+        state_store.replace_file(Area.SNAPSHOTS, "snap", KV, bytes(data[: len(data) // 2]))
     elif damage == "delete":
-        kv_file.unlink()
+        rest = {file: state_store.read_file(Area.SNAPSHOTS, "snap", file) for file in (MANIFEST, TOKENS, TRANSCRIPT)}
+        state_store.write_bundle(Area.SNAPSHOTS, "snap", rest)
     else:
-        (tmp_path / "snap" / "tokens.json").write_text("[1, 2]")
+        state_store.replace_file(Area.SNAPSHOTS, "snap", TOKENS, b"[1, 2]")
     with pytest.raises(SnapshotCorruptError):
-        read_snapshot(tmp_path / "snap", FINGERPRINT)
+        read(state_store, "snap")
 
 
-def test_unknown_schema_and_foreign_model_are_refused(tmp_path: Path) -> None:
-    write(tmp_path / "snap")
+def test_unknown_schema_and_foreign_model_are_refused(state_store: StateStore) -> None:
+    write(state_store, "snap")
     other = ModelFingerprint({**FINGERPRINT.parts, "dtype": "float16", "tokenizer": "x"})
     with pytest.raises(FingerprintMismatchError, match="dtype, tokenizer"):
-        read_snapshot(tmp_path / "snap", other)
-    manifest_file = tmp_path / "snap" / "manifest.json"
-    manifest = json.loads(manifest_file.read_text())
-    manifest_file.write_text(json.dumps({**manifest, "schema_version": 99}))
+        read(state_store, "snap", other)
+    manifest = json.loads(state_store.read_file(Area.SNAPSHOTS, "snap", MANIFEST))
+    state_store.replace_file(Area.SNAPSHOTS, "snap", MANIFEST, json.dumps({**manifest, "schema_version": 99}).encode())
     with pytest.raises(SnapshotCorruptError, match="schema version 99"):
-        read_snapshot(tmp_path / "snap", FINGERPRINT)
-    manifest_file.write_text("{not json")
-    with pytest.raises(SnapshotCorruptError):
-        read_snapshot(tmp_path / "snap", FINGERPRINT)
+        read(state_store, "snap")
+    state_store.replace_file(Area.SNAPSHOTS, "snap", MANIFEST, b"{not json")
+    with pytest.raises(SnapshotCorruptError, match="manifest is unreadable"):
+        read(state_store, "snap")
+    state_store.write_bundle(Area.SNAPSHOTS, "snap", {})
+    with pytest.raises(SnapshotCorruptError, match="manifest is unreadable"):
+        read(state_store, "snap")
 
 
-def test_rewriting_replaces_the_directory_and_a_crash_mid_write_leaves_nothing_visible(tmp_path: Path) -> None:
-    write(tmp_path / "snap", content(3))
-    write(tmp_path / "snap", content(7))
-    assert read_snapshot(tmp_path / "snap", FINGERPRINT)[0]["num_tokens"] == 7
-    (tmp_path / ".tmp-half-written-abc").mkdir()  # what a crash during write_snapshot leaves
-    (tmp_path / "snap").rename(tmp_path / ".old-snap-0123")  # a crash between the two renames of a rewrite
-    clean_temporaries(tmp_path)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["snap"]
-    assert read_snapshot(tmp_path / "snap", FINGERPRINT)[0]["num_tokens"] == 7
+def test_rewriting_replaces_the_snapshot(state_store: StateStore) -> None:
+    write(state_store, "snap", content(3))
+    write(state_store, "snap", content(7))
+    assert read(state_store, "snap")[0]["num_tokens"] == 7
+    assert state_store.bundle_names(Area.SNAPSHOTS) == ["snap"]
 
 
-def test_store_lists_edits_and_deletes(tmp_path: Path) -> None:
-    store = SnapshotStore(tmp_path / "snapshots", "m", FINGERPRINT)
+def test_store_lists_edits_and_deletes(state_store: StateStore) -> None:
+    store = SnapshotStore(state_store, "m", FINGERPRINT)
     created = store.create(content(), {"session": {"id": "s"}}, {"title": "a", "description": "b", "tags": ["x"]})
     snapshot_id = created["id"]
     assert created["size_bytes"] > 0 and created["session"]["id"] == "s"
@@ -117,7 +121,7 @@ def test_store_lists_edits_and_deletes(tmp_path: Path) -> None:
     assert updated["metadata"] == {"title": "new", "description": "b", "tags": None}
     assert store.get(snapshot_id)["metadata"]["title"] == "new"
     assert [entry["id"] for entry in store.list()] == [snapshot_id]
-    assert store.read(snapshot_id)[1].transcript == TRANSCRIPT
+    assert store.read(snapshot_id)[1].transcript == MESSAGES
     store.delete(snapshot_id)
     with pytest.raises(NotFoundError):
         store.get(snapshot_id)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -12,8 +11,9 @@ from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import NotFoundError, SnapshotCorruptError, SnapshotQuotaError
 from statelm.sessions.ownership import LOCAL_OWNER, Principal, acting_as, current_principal, recorded_owner
-from statelm.sessions.snapshot_format import SnapshotContent
+from statelm.sessions.snapshot_format import MANIFEST, SnapshotContent
 from statelm.sessions.snapshots import SnapshotStore
+from statelm.sessions.state_store import Area, StateStore
 
 FINGERPRINT = ModelFingerprint({"config": "c", "weights": "w", "dtype": "bfloat16", "tokenizer": "t"})
 ALICE, BOB, ADMIN = Principal("sha256:a"), Principal("sha256:b"), Principal("sha256:admin", admin=True)
@@ -26,8 +26,8 @@ def content(num_tokens: int = 4) -> SnapshotContent:
 
 
 @pytest.fixture
-def store(tmp_path: Path) -> SnapshotStore:
-    return SnapshotStore(tmp_path / "snapshots", "m", FINGERPRINT)
+def store(state_store: StateStore) -> SnapshotStore:
+    return SnapshotStore(state_store, "m", FINGERPRINT)
 
 
 def test_only_the_owner_and_admins_see_a_snapshot(store: SnapshotStore) -> None:
@@ -52,7 +52,7 @@ def test_only_the_owner_and_admins_see_a_snapshot(store: SnapshotStore) -> None:
 
 def test_a_damaged_manifest_is_missing_to_users_and_corrupt_to_admins(store: SnapshotStore) -> None:
     snapshot_id = store.create(content(), {}, {}, ALICE.owner)["id"]
-    (store.root / snapshot_id / "manifest.json").write_text("{")
+    store.store.replace_file(Area.SNAPSHOTS, snapshot_id, MANIFEST, b"{")
     assert store.list(ALICE) == []
     assert store.list(ADMIN)[0]["corrupt"]
     with pytest.raises(NotFoundError):
@@ -69,17 +69,16 @@ def test_quota_refuses_a_snapshot_that_does_not_fit_before_writing_it(store: Sna
     margin = 64  # two snapshots of the same content differ by a few bytes (id, timestamp digits in the manifest)
     with pytest.raises(SnapshotQuotaError):
         store.create(content(), {}, {}, ALICE.owner, max_bytes=first["size_bytes"] - margin)
-    assert len(list(store.root.iterdir())) == 1
+    assert len(store.store.bundle_names(Area.SNAPSHOTS)) == 1
     second = store.create(content(), {}, {}, ALICE.owner, max_bytes=first["size_bytes"] + margin)
     assert store.usage(ALICE.owner) == first["size_bytes"] + second["size_bytes"]
 
 
 def test_state_from_before_owners_belongs_to_the_local_user(store: SnapshotStore) -> None:
     snapshot_id = store.create(content(), {}, {}, ALICE.owner)["id"]
-    manifest_file = store.root / snapshot_id / "manifest.json"
-    manifest = json.loads(manifest_file.read_text())
+    manifest = json.loads(store.store.read_file(Area.SNAPSHOTS, snapshot_id, MANIFEST))
     del manifest["owner"]
-    manifest_file.write_text(json.dumps(manifest))
+    store.store.replace_file(Area.SNAPSHOTS, snapshot_id, MANIFEST, json.dumps(manifest).encode())
     assert recorded_owner(manifest) == LOCAL_OWNER and recorded_owner({"owner": 7}) == LOCAL_OWNER
     assert store.list(ALICE) == [] and [entry["id"] for entry in store.list()] == [snapshot_id]
 
