@@ -173,6 +173,13 @@ class ServerConfig:
         " (changes since a session was last spilled or saved at a graceful stop) | off (every session: kept in memory"
         " only, neither saved nor resumed).",
     )
+    persist_idle_after: float | None = setting(  # seconds
+        None,
+        help="Save a session, its KV included, once it has been idle this long after a change, e.g. 30s, 5m: after a"
+        " crash its KV need not be recomputed, and under spill durability its turns are kept (default: saved when"
+        " spilled and at a graceful stop only).",
+        parse=parse_duration,
+    )
     resume_sessions: bool = setting(
         True,
         help="Take the state dir's sessions at start (a cluster replica adopts them one by one instead).",

@@ -75,6 +75,7 @@ def build_services(
         metrics.journal,
         resume=server_config.resume_sessions,
         tally=tally,
+        persist_idle_after=server_config.persist_idle_after,
     )
     try:
         chat = ChatService(

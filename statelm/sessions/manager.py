@@ -41,6 +41,7 @@ from statelm.sessions.state_store import Area, StateStore
 from statelm.sessions.tally import KeyTally
 
 log = logging.getLogger(__name__)
+IDLE_CHECK_MAX_S = 5.0  # the longest an idle session waits past --persist-idle-after to be saved
 
 
 @dataclass(frozen=True)
@@ -84,6 +85,7 @@ class SessionManager:
         journal_counters: JournalCounters | None = None,
         resume: bool = True,
         tally: KeyTally | None = None,
+        persist_idle_after: float | None = None,
     ) -> None:
         self.engine = engine
         self.resume = resume  # take every session the store holds at start (else share it, adopting some)
@@ -103,6 +105,8 @@ class SessionManager:
         self._disk_locks: dict[str, asyncio.Lock] = {}
         self._quota_locks: dict[str, asyncio.Lock] = {}
         self._writes: set[asyncio.Task[None]] = set()
+        self.persist_idle_after = persist_idle_after if self.persist else None  # seconds; None: no idle saves
+        self._idle_saver: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Take spilled KV from the engine from now on, and resume the sessions the last run left."""
@@ -115,6 +119,21 @@ class SessionManager:
         else:  # what other servers sharing the store write stays; what dead ones left goes
             for area in (Area.SESSIONS, Area.JOURNAL):
                 await asyncio.to_thread(self.saved.prepare, area, False)
+        if self.persist_idle_after is not None:
+            self._idle_saver = asyncio.create_task(self._save_idle_sessions(self.persist_idle_after))
+
+    async def _save_idle_sessions(self, idle_after: float) -> None:
+        """Save every session changed since its last save and idle for idle_after seconds, as they become so."""
+        period = min(max(idle_after / 4, 0.1), IDLE_CHECK_MAX_S)
+        while True:
+            await asyncio.sleep(period)
+            now = time.time()
+            for session in list(self.sessions.values()):
+                if session.disk_stale and not session.busy and now - session.last_used >= idle_after:
+                    try:
+                        await self._save(session)
+                    except (OSError, SessionError) as exc:
+                        log.error("could not save idle session %s: %s", session.id, exc)
 
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
@@ -165,6 +184,10 @@ class SessionManager:
     async def close(self) -> None:
         """Save every session (when persisting) or remove the private spill store; the engine must still run."""
         self._kv.spill_handler = None
+        if self._idle_saver is not None:
+            self._idle_saver.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._idle_saver
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         if not self.persist:

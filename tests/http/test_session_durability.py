@@ -100,6 +100,28 @@ def crashed(state: Path, into: Path) -> Path:
     return into
 
 
+@pytest.mark.parametrize("durability", ["turn", "spill"])
+def test_idle_sessions_are_saved_with_their_kv_and_a_crash_then_keeps_them(
+    tiny_model: Path, tmp_path: Path, durability: str
+) -> None:
+    state = tmp_path / "state"
+    flags = ("--session-durability", durability)
+    with (
+        serve_in_process(tiny_args(tiny_model, state, *flags, "--persist-idle-after", "0.2")) as server,
+        server.http() as http,
+    ):
+        session_with_a_turn(http, "idle")
+        deadline = time.monotonic() + 10
+        while not (state / "sessions" / "idle").is_dir() or (state / "journal" / "idle.journal").exists():
+            assert time.monotonic() < deadline  # saved, and its journal compacted away
+            time.sleep(0.05)
+        crashed_state = crashed(state, tmp_path / "crashed")
+    with serve_in_process(tiny_args(tiny_model, crashed_state, *flags)) as server, server.http() as http:
+        session = http.get("/v1/sessions/idle").json()
+        assert session["num_messages"] == 3  # system, question, answer: the turn was kept
+        assert session["state"] == "spilled" and session["num_tokens"] > 0  # with its KV, not to be recomputed
+
+
 def chain_state(server: InProcessServer) -> dict[str, tuple[object, ...]]:
     """Each response chain's id: its transcript, stored responses, owner and kind."""
     return {
