@@ -203,12 +203,9 @@ def test_auth_and_ownership_hold_through_the_router(cluster: str) -> None:
     assert http(cluster, None).get("/v1/cluster").status_code == 401
 
 
-def test_a_killed_replica_loses_only_its_in_flight_turn(cluster: str) -> None:
-    client = http(cluster)
-    replica = new_session(client, "killed")
-    turn(client, "killed", "What is the capital of France?")
-    pid = replicas(cluster)[replica]["pid"]
-    body = {"model": "default", "session_id": "killed", "temperature": 0, "max_tokens": 2000, "ignore_eos": True,
+def signalled_mid_stream(client: httpx.Client, session_id: str, tokens: int, pid: int, signum: int) -> list[str]:
+    """The data of the SSE events of a streamed turn of tokens tokens, whose replica (pid) gets signum after three."""
+    body = {"model": "default", "session_id": session_id, "temperature": 0, "max_tokens": tokens, "ignore_eos": True,
             "stream": True, "messages": [{"role": "user", "content": "Write a very long story."}]}  # fmt: skip
     events = []
     with client.stream("POST", "/v1/chat/completions", json=body) as stream:
@@ -217,7 +214,16 @@ def test_a_killed_replica_loses_only_its_in_flight_turn(cluster: str) -> None:
             if line.startswith("data: "):
                 events.append(line.removeprefix("data: "))
                 if len(events) == 3:
-                    os.kill(pid, signal.SIGKILL)
+                    os.kill(pid, signum)
+    return events
+
+
+def test_a_killed_replica_loses_only_its_in_flight_turn(cluster: str) -> None:
+    client = http(cluster)
+    replica = new_session(client, "killed")
+    turn(client, "killed", "What is the capital of France?")
+    pid = replicas(cluster)[replica]["pid"]
+    events = signalled_mid_stream(client, "killed", 2000, pid, signal.SIGKILL)
     assert '"replica_unavailable"' in events[-1]  # a clean error event ends the stream
     question = "And of Italy?"
     expected = stateless_reference(client, "killed", question)  # the history has the first turn, not the cut one
@@ -233,16 +239,7 @@ def test_sigterm_to_a_replica_drains_it_and_its_sessions_continue_on_the_other(c
     replica = new_session(client, "terminated")
     turn(client, "terminated", "What is the capital of France?")
     pid = replicas(cluster)[replica]["pid"]
-    body = {"model": "default", "session_id": "terminated", "temperature": 0, "max_tokens": 48, "ignore_eos": True,
-            "stream": True, "messages": [{"role": "user", "content": "Tell me a story."}]}  # fmt: skip
-    events = []
-    with client.stream("POST", "/v1/chat/completions", json=body) as stream:
-        assert stream.status_code == 200
-        for line in stream.iter_lines():
-            if line.startswith("data: "):
-                events.append(line.removeprefix("data: "))
-                if len(events) == 3:
-                    os.kill(pid, signal.SIGTERM)
+    events = signalled_mid_stream(client, "terminated", 48, pid, signal.SIGTERM)
     assert events[-1] == "[DONE]" and not any('"error"' in event for event in events)  # the turn in flight finished
     assert_adopted_with_its_kv(client, "terminated", replica)
     question = "And of Spain?"
