@@ -17,11 +17,9 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine_report
-from statelm.cpu import describe
 from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
 from statelm.engine.attention.reference import TorchAttentionBackend
-from statelm.kernels.build import target_march
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M
 SCALE = HEAD_DIM**-0.5
@@ -78,7 +76,6 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     print(machine_report())
-    print(f"cpu: {describe()}; kernels built with -march={target_march()}")
     print(
         f"shapes: heads {HEADS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, block size {BLOCK_SIZE}; {args.dtype}; "
         f"{args.threads} threads; median of {args.repeats}"

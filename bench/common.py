@@ -37,8 +37,11 @@ def memory_gib() -> float:
 
 
 def machine_report() -> str:
-    """CPU, cores, memory, Python/torch versions and the git commit, one line each."""
+    """CPU, its vector flags, cores, memory, Python/torch versions and the git commit, one line each."""
     import torch
+
+    from statelm.cpu import describe
+    from statelm.kernels.build import target_march
 
     cpu, memory = cpu_name(), memory_gib()
     commit = subprocess.run(
@@ -48,6 +51,7 @@ def machine_report() -> str:
     return "\n".join(
         [
             f"machine: {cpu}, {os.cpu_count()} cores, {memory:.0f} GiB, GPU: {gpu}",
+            f"cpu: {describe()}; statelm kernels -march={target_march()}",
             f"python {platform.python_version()}, torch {torch.__version__}, statelm commit {commit}",
         ]
     )

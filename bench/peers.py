@@ -29,7 +29,6 @@ from typing import Any
 
 from bench.common import ROOT, launch, machine_report, start_server
 from bench.throughput import build_prompt, calibrate, fmt, make_target, run_level, timed_request
-from statelm.cpu import vector_flags
 from statelm.models.loader import resolve_source
 
 LLAMA = "llama-server"
@@ -278,7 +277,6 @@ def main() -> None:
     header = "\n".join(
         [
             machine_report(),
-            f"cpu flags: {' '.join(vector_flags())}",
             f"llama-server: {peer}",
             f"gguf (statelm's --model default): {gguf}",
             *(f"{server.label}: {server.shown}" for server in servers),

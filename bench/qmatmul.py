@@ -17,8 +17,7 @@ from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 
 from bench.common import machine_report
-from statelm.cpu import vector_flags
-from statelm.kernels.build import load_kernels, target_march
+from statelm.kernels.build import load_kernels
 from statelm.kernels.quant import PackedWeight, pack_gguf
 
 SHAPES = ((1536, 576), (576, 1536))
@@ -47,7 +46,6 @@ def main() -> None:
     torch.ops.statelm.set_num_threads(1)
     torch.set_num_threads(1)
     print(machine_report())
-    print(f"cpu flags: {' '.join(sorted(vector_flags()))}; kernels built for -march={target_march()}")
     rows_list = [int(rows) for rows in args.rows.split(",")]
     print("| weight (N x K) | activations | " + " | ".join(f"{rows} rows" for rows in rows_list) + " |")
     print("| --- | --- | " + " | ".join("---:" for _ in rows_list) + " |")
