@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -62,6 +63,7 @@ class ReplicaDeployer:
         self.engine_config = engine_config
         self.server_config = replace(server_config, resume_sessions=False)  # sessions come by adoption
         self.ledger = ledger
+        self.cluster = cluster
         self.deployment = serve.deployment(
             EngineReplica,
             num_replicas=1,
@@ -84,9 +86,20 @@ class ReplicaDeployer:
         handles = serve.run_many(targets, wait_for_ingress_deployment_creation=wait, wait_for_applications_running=wait)
         return dict(zip(names, handles, strict=True))
 
-    def delete(self, name: str) -> None:
-        """Remove a replica's application (after its drain; blocks)."""
-        serve.delete(APP_PREFIX + name)
+    def delete(self, name: str, wait: bool) -> None:
+        """Have Ray Serve remove a replica's application (after its drain); with wait, until it is gone and its
+        resources are free (not for a replica Ray never placed, which can take Ray Serve minutes to give up)."""
+        serve.delete(APP_PREFIX + name, _blocking=wait)
+
+    def room(self) -> int:
+        """How many more replicas the Ray instance's free CPUs and GPUs can hold now."""
+        free = ray.available_resources()
+        fits = [
+            math.floor(free.get(resource, 0.0) / need + 1e-9)
+            for resource, need in (("CPU", self.cluster.replica_cpus), ("GPU", self.cluster.replica_gpus))
+            if need > 0
+        ]
+        return min(fits, default=sys.maxsize)
 
 
 def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluster: ClusterConfig) -> None:
@@ -108,7 +121,8 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         log.info("%d replicas serving; routing %s", len(handles), policy)
         store = StoredSessions(DirectoryStore(server_config.state_dir))
         placement = Placement(handles, store, Balancer(policy), RouterMetrics(), ledger)
-        scaler = Scaler(placement, partial(deployer.deploy, wait=False), deployer.delete, replica_name)
+        room = deployer.room if cluster.ray_address is None else None  # a joined cluster may autoscale
+        scaler = Scaler(placement, partial(deployer.deploy, wait=False), deployer.delete, replica_name, room)
         router = RouterApp(
             placement, scaler, keys, not server_config.metrics_require_key, server_config.max_request_bytes
         )

@@ -24,7 +24,7 @@ from statelm.cluster.bridge import ForwardedRequest
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import NoReplicaError, Placement, Replica
 from statelm.cluster.replica import ReplicaDrainingError, StaleReplicaError
-from statelm.cluster.scaling import Scaler
+from statelm.cluster.scaling import NoRoomError, Scaler
 from statelm.cluster.targets import TargetKind, classify
 from statelm.server.auth import KeyRing, presented_key
 from statelm.server.errors import error_body, error_response
@@ -228,7 +228,11 @@ class RouterApp:
             error = APIError("Send {\"replicas\": N} with N a whole number of at least 1.", status=400,
                              type="invalid_request_error", param="replicas")  # fmt: skip
             return error_response(error, scope["path"])
-        added, removed = await self.scaler.scale(count)
+        try:
+            added, removed = await self.scaler.scale(count)
+        except NoRoomError as exc:
+            error = APIError(str(exc), status=409, type="invalid_request_error", param="replicas", code="no_room")
+            return error_response(error, scope["path"])
         status = await self._status(scope)
         body = {**json.loads(status.body), "added": added, "removed": removed}
         return JSONResponse(body)

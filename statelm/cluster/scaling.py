@@ -4,7 +4,9 @@ A scale-up deploys new replicas (named with numbers never used before in this cl
 `starting` until it answers, then live (holding nothing until it is given sessions). A scale-down drains the
 replicas with the highest numbers, one after another: each finishes its requests and saves its sessions to the
 store, the others adopt them, and its Ray Serve application is deleted. Replicas already drained by the drain route
-are deleted first and do not count.
+are deleted first and do not count. On a local Ray instance a scale-up that its CPUs (or GPUs) cannot place is
+refused (NoRoomError) rather than left `starting` for ever; on a cluster joined with --ray-address, Ray (and its
+autoscaler) decides, and a replica it cannot place stays `starting`.
 """
 
 from __future__ import annotations
@@ -20,6 +22,10 @@ from statelm.cluster.placement import Placement, ReplicaState
 log = logging.getLogger(__name__)
 
 
+class NoRoomError(RuntimeError):
+    """The Ray instance cannot place the replicas a scale-up asks for."""
+
+
 def replica_index(name: str) -> int:
     """The number in a replica's name (replica-3: 3)."""
     return int(name.rsplit("-", 1)[1])
@@ -32,13 +38,15 @@ class Scaler:
         self,
         placement: Placement,
         deploy: Callable[[list[str]], dict[str, DeploymentHandle]],
-        delete: Callable[[str], None],
+        delete: Callable[[str, bool], None],
         name_of: Callable[[int], str],
+        room: Callable[[], int] | None = None,
     ) -> None:
         self.placement = placement
         self.deploy = deploy  # starts replicas by name without waiting for them (blocks briefly)
-        self.delete = delete  # deletes a replica's application (blocks)
+        self.delete = delete  # has a replica's application deleted, waiting for it to be gone or not (blocks)
         self.name_of = name_of
+        self.room = room  # how many more replicas Ray can place now; None: unknown (a cluster that may autoscale)
         self._next = max(map(replica_index, placement.replicas), default=-1) + 1  # names are never used twice
         self._lock = asyncio.Lock()
 
@@ -50,6 +58,11 @@ class Scaler:
                 await self._remove(name)
             names = sorted(self.placement.replicas, key=replica_index)
             added: list[str] = []
+            if count > len(names) and self.room is not None and (room := self.room()) < count - len(names):
+                raise NoRoomError(
+                    f"Ray has room for {room} more replicas ({len(names)} now), not {count - len(names)}; start "
+                    "the cluster with --ray-address to use more machines, or with a smaller --replica-cpus"
+                )
             if count > len(names):
                 added = [self.name_of(self._next + offset) for offset in range(count - len(names))]
                 self._next += len(added)
@@ -65,5 +78,6 @@ class Scaler:
             return added, removed
 
     async def _remove(self, name: str) -> None:
+        placed = self.placement.replicas[name].state is not ReplicaState.STARTING  # its resources are freed by then
         self.placement.remove(name)
-        await asyncio.to_thread(self.delete, name)
+        await asyncio.to_thread(self.delete, name, placed)

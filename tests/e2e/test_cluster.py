@@ -275,6 +275,8 @@ def test_the_cluster_scales_up_and_down_and_a_removed_replica_s_sessions_continu
     assert http(cluster).post("/v1/cluster/scale", json={"replicas": 2}).status_code == 403
     refused = admin.post("/v1/cluster/scale", json={"replicas": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "replicas"
+    no_room = admin.post("/v1/cluster/scale", json={"replicas": 1000})  # more than the local Ray instance's CPUs
+    assert no_room.status_code == 409 and no_room.json()["error"]["code"] == "no_room", no_room.text
     before = replicas(cluster)
     (drained,) = [name for name, row in before.items() if row["state"] == "drained"]
     command = [sys.executable, "-m", "statelm", "server", "scale", "2", "--url", cluster, "--api-key", ADMIN]

@@ -12,7 +12,7 @@ from statelm.cluster.balancer import Balancer, Policy
 from statelm.cluster.ledger import KeyLedger
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import Placement, ReplicaState
-from statelm.cluster.scaling import Scaler
+from statelm.cluster.scaling import NoRoomError, Scaler
 from statelm.cluster.targets import Target, TargetKind
 from tests.ray_fakes import Remote
 
@@ -145,10 +145,15 @@ def test_scaling_down_drains_the_highest_replicas_and_scaling_up_starts_new_ones
             deployed.extend(names)
             return {name: Remote(StandIn(set())) for name in names}
 
-        scaler = Scaler(placed, deploy, deleted.append, lambda index: f"replica-{index}")
+        room = 0
+        scaler = Scaler(placed, deploy, lambda name, wait: deleted.append(name), lambda i: f"replica-{i}", lambda: room)
+        with pytest.raises(NoRoomError):
+            await scaler.scale(3)
+        assert list(placed.replicas) == ["replica-0", "replica-1"] and not deployed
         assert await scaler.scale(1) == ([], ["replica-1"])
         assert deleted == ["replica-1"] and list(placed.replicas) == ["replica-0"]
         assert replicas["replica-0"].adopted == ["sess-b"]  # saved by the drain, adopted by the one left
+        room = 3
         assert await scaler.scale(3) == (["replica-2", "replica-3"], [])  # a name is never given twice
         assert deployed == ["replica-2", "replica-3"]
         assert placed.replicas["replica-3"].state is ReplicaState.STARTING  # live once it answers
