@@ -54,17 +54,18 @@ class Scaler:
         """Have count replicas that are not drained; the names added and the names removed."""
         async with self._lock:
             removed = [name for name, r in self.placement.replicas.items() if r.state is ReplicaState.DRAINED]
+            names = sorted(set(self.placement.replicas) - set(removed), key=replica_index)
+            wanted = count - len(names)
+            if wanted > 0 and self.room is not None and (room := self.room() + len(removed)) < wanted:
+                raise NoRoomError(  # a drained replica still holds its resources until it is removed below
+                    f"Ray has room for {room} more replicas ({len(names)} now), not {wanted}; start the cluster "
+                    "with --ray-address to use more machines, or with a smaller --replica-cpus"
+                )
             for name in removed:
                 await self._remove(name)
-            names = sorted(self.placement.replicas, key=replica_index)
             added: list[str] = []
-            if count > len(names) and self.room is not None and (room := self.room()) < count - len(names):
-                raise NoRoomError(
-                    f"Ray has room for {room} more replicas ({len(names)} now), not {count - len(names)}; start "
-                    "the cluster with --ray-address to use more machines, or with a smaller --replica-cpus"
-                )
-            if count > len(names):
-                added = [self.name_of(self._next + offset) for offset in range(count - len(names))]
+            if wanted > 0:
+                added = [self.name_of(self._next + offset) for offset in range(wanted)]
                 self._next += len(added)
                 self.placement.add(await asyncio.to_thread(self.deploy, added))
                 log.info("scaling up: started %s", ", ".join(added))

@@ -158,6 +158,10 @@ def test_scaling_down_drains_the_highest_replicas_and_scaling_up_starts_new_ones
         assert deployed == ["replica-2", "replica-3"]
         assert placed.replicas["replica-3"].state is ReplicaState.STARTING  # live once it answers
         await placed.drain("replica-0")
+        room = 0
+        with pytest.raises(NoRoomError):
+            await scaler.scale(4)  # the drained replica's room and no more
+        assert "replica-0" in placed.replicas  # a refused scale changes nothing
         assert await scaler.scale(3) == (["replica-4"], ["replica-0"])  # a drained replica goes and does not count
 
     asyncio.run(scenario())
