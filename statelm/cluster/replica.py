@@ -156,8 +156,9 @@ class EngineReplica:
         self._drain().add_done_callback(lambda _: loop.call_later(EXIT_AFTER_DRAIN_S, exit_process))
 
     async def __del__(self) -> None:
-        """Ray Serve's graceful shutdown (a scale-down, the cluster stopping): save every session, as drain does."""
-        await self._close()
+        """Ray Serve's graceful shutdown (the cluster stopping, an application deleted): the drain, or the end of one
+        already under way (a SIGTERM sent to every process of the cluster at once starts both)."""
+        await asyncio.shield(self._drain())
 
     async def _close(self) -> None:
         if not self._closed:
