@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import RayActorError, RayError
+from ray.serve.exceptions import RayServeException
 from ray.serve.handle import DeploymentHandle
 
 from statelm.cluster.affinity import AffinityTable
@@ -132,6 +133,12 @@ class Placement:
         if replica.incarnation == incarnation and replica.state is ReplicaState.LIVE:
             log.info("replica %s (pid %s) drains (SIGTERM); its sessions go to the others", replica.name, replica.pid)
             self._start_drain(replica, ReplicaState.LOST)
+
+    async def drain_finished(self, name: str) -> None:
+        """Return once a drain under way of that replica, if any, is over."""
+        task = self._drains.get(name)
+        if task is not None:
+            await asyncio.shield(task)
 
     def add(self, handles: dict[str, DeploymentHandle]) -> None:
         """New replicas (a scale-up); each is live once it answers (at the next watch)."""
@@ -250,7 +257,10 @@ class Placement:
             await asyncio.sleep(WATCH_PERIOD_S)
             for replica in list(self.replicas.values()):
                 if replica.state in (ReplicaState.STARTING, ReplicaState.LIVE, ReplicaState.LOST):
-                    await self._refresh(replica, PING_TIMEOUT_S)
+                    try:
+                        await self._refresh(replica, PING_TIMEOUT_S)
+                    except (RayError, RayServeException) as exc:  # e.g. its application deleted: look again
+                        log.warning("could not look at replica %s: %s", replica.name, exc)
             await self._check_ledger()
 
     async def _check_ledger(self) -> None:
@@ -280,7 +290,7 @@ class Placement:
             except TimeoutError:
                 pass  # busy, not gone
             else:
-                if info["draining"]:
+                if info["draining"] and info["incarnation"] == incarnation:
                     self.draining(replica, incarnation)
             return
         try:

@@ -72,6 +72,7 @@ class Scaler:
             for name in reversed(names[count:]):
                 if self.placement.replicas[name].state is ReplicaState.LIVE:
                     await self.placement.drain(name)
+                await self.placement.drain_finished(name)  # one it started itself (SIGTERM) included
                 await self._remove(name)
                 removed.append(name)
             if removed:
