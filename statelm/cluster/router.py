@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from ray.exceptions import RayActorError, RayError
 from ray.serve.exceptions import RequestCancelledError
 from starlette.responses import JSONResponse, Response
@@ -36,6 +37,13 @@ CLUSTER_PATH = "/v1/cluster"
 SCALE_PATH = f"{CLUSTER_PATH}/scale"
 ATTEMPTS = 3  # tries of a request whose replica turned out to have restarted or to drain
 REPLICA_HEADER = b"x-statelm-replica"  # on every forwarded answer: the replica that gave it
+
+
+class ScaleRequest(BaseModel):
+    """Body of POST /v1/cluster/scale: how many replicas the cluster should have."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    replicas: int = Field(ge=1)
 
 
 def unavailable(message: str) -> APIError:
@@ -221,12 +229,11 @@ class RouterApp:
             return refusal
         body = await read_body(receive, self.max_body_bytes)
         try:
-            count = json.loads(body or b"null").get("replicas")
-        except (ValueError, AttributeError):
-            count = None
-        if type(count) is not int or count < 1:
-            error = APIError("Send {\"replicas\": N} with N a whole number of at least 1.", status=400,
-                             type="invalid_request_error", param="replicas")  # fmt: skip
+            count = ScaleRequest.model_validate_json(body or b"").replicas
+        except ValidationError as exc:
+            problem = exc.errors()[0]
+            param = ".".join(map(str, problem["loc"])) or None
+            error = APIError(f'{param or "body"}: {problem["msg"]} (send {{"replicas": N}}, N ≥ 1)', param=param)
             return error_response(error, scope["path"])
         try:
             added, removed = await self.scaler.scale(count)

@@ -273,8 +273,9 @@ def test_a_drained_replica_s_sessions_continue_on_the_other(cluster: str) -> Non
 def test_the_cluster_scales_up_and_down_and_a_removed_replica_s_sessions_continue(cluster: str) -> None:
     admin = http(cluster, ADMIN)
     assert http(cluster).post("/v1/cluster/scale", json={"replicas": 2}).status_code == 403
-    refused = admin.post("/v1/cluster/scale", json={"replicas": 0})
-    assert refused.status_code == 400 and refused.json()["error"]["param"] == "replicas"
+    for body, param in [({"replicas": 0}, "replicas"), ({"replicas": "2"}, "replicas"), ({"replicas": 2, "x": 1}, "x")]:
+        refused = admin.post("/v1/cluster/scale", json=body)  # nothing accepted and dropped
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     no_room = admin.post("/v1/cluster/scale", json={"replicas": 1000})  # more than the local Ray instance's CPUs
     assert no_room.status_code == 409 and no_room.json()["error"]["code"] == "no_room", no_room.text
     before = replicas(cluster)
