@@ -134,6 +134,9 @@ def migration(client: httpx.Client, case: int, signum: int, idle_s: float) -> tu
     os.kill(pid, signum)
     _, usage = turn(client, session_id, "And of Spain?")
     moved_ms = (time.perf_counter() - signalled) * 1000
+    name = created.headers["x-statelm-replica"]
+    while replicas(client)[name]["pid"] == pid or replicas(client)[name]["state"] != "live":
+        time.sleep(0.5)  # Ray Serve has started it again: the next case finds both replicas serving
     return resident_ms, moved_ms, f"{usage['prompt_tokens_details']['cached_tokens']}/{usage['prompt_tokens']}"
 
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Scope
 
 Headers = list[tuple[bytes, bytes]]
+DRAINING: Message = {"type": "statelm.replica.draining"}  # instead of an answer: the replica takes no new request
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ incarnation; a call meant for an earlier one fails (StaleReplicaError), so that 
 replica that lost what its earlier incarnation held.
 
 A replica drains when the router asks (the drain route, a scale-down) or when its process gets SIGTERM: it takes no
-new request (ReplicaDrainingError, on which the router routes the request again), lets running ones finish, saves
+new request (it answers DRAINING instead, and the router routes the request again), lets running ones finish, saves
 every session to the shared store and stops its engine. After a SIGTERM it then exits, and Ray Serve starts a new
 incarnation in its place.
 """
@@ -25,7 +25,7 @@ from ray import serve
 from starlette.types import Message
 
 from statelm.api.errors import APIError
-from statelm.cluster.bridge import ForwardedRequest, run_app
+from statelm.cluster.bridge import DRAINING, ForwardedRequest, run_app
 from statelm.cluster.ledger import LedgerTally
 from statelm.cluster.sigterm import drain_on_sigterm, exit_process
 from statelm.cluster.targets import TargetKind
@@ -44,7 +44,7 @@ class StaleReplicaError(RuntimeError):
 
 
 class ReplicaDrainingError(RuntimeError):
-    """A request reached a replica that drains (it takes no new ones): the router routes it again."""
+    """A call reached a replica that drains (it takes no new work): the router asks another."""
 
 
 class EngineReplica:
@@ -68,7 +68,9 @@ class EngineReplica:
     async def serve_http(self, request: ForwardedRequest, incarnation: str) -> AsyncIterator[Message]:
         """The app's answer to a request, as ASGI messages."""
         self._check(incarnation)
-        self._check_open()
+        if self.gate.draining:  # said as a message, not raised: Ray Serve logs a raised error as a failed request
+            yield DRAINING
+            return
         async for message in run_app(self.app, request):
             yield message
 
@@ -94,7 +96,8 @@ class EngineReplica:
     async def adopt(self, session_ids: list[str], incarnation: str) -> list[str]:
         """Take over sessions from the shared store (nobody else holds them); the ids taken."""
         self._check(incarnation)
-        self._check_open()
+        if self.gate.draining:
+            raise ReplicaDrainingError(f"replica {self.name} is draining")
         sessions = await self.app.state.sessions.manager.adopt(session_ids)
         self.app.state.responses.chains.resume(session for session in sessions if session.kind is SessionKind.RESPONSES)
         return [session.id for session in sessions]
@@ -175,7 +178,3 @@ class EngineReplica:
     def _check(self, incarnation: str) -> None:
         if incarnation != self.incarnation:
             raise StaleReplicaError(f"replica {self.name} restarted; the call was meant for its earlier incarnation")
-
-    def _check_open(self) -> None:
-        if self.gate.draining:
-            raise ReplicaDrainingError(f"replica {self.name} is draining")

@@ -21,10 +21,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Message, Receive, Scope, Send
 
 from statelm.api.errors import APIError
-from statelm.cluster.bridge import ForwardedRequest
+from statelm.cluster.bridge import DRAINING, ForwardedRequest
 from statelm.cluster.metrics import RouterMetrics
 from statelm.cluster.placement import NoReplicaError, Placement, Replica
-from statelm.cluster.replica import ReplicaDrainingError, StaleReplicaError
+from statelm.cluster.replica import StaleReplicaError
 from statelm.cluster.scaling import NoRoomError, Scaler
 from statelm.cluster.targets import TargetKind, classify
 from statelm.server.auth import KeyRing, presented_key
@@ -123,9 +123,14 @@ class RouterApp:
         await error_response(error, request.path)(scope, receive, send)
 
     async def _relay(self, replica: Replica, request: ForwardedRequest, receive: Receive, send: Send) -> bool:
-        """Stream the replica's answer to the client; False if the replica restarted or drains (nothing was sent)."""
+        """Stream the replica's answer to the client; False if the replica restarted or drains (nothing was sent).
+
+        The answer's start goes out with its first body part, so that a replica dying before that gives a clean error
+        response rather than a cut one; once a stream has started, an error event ends it.
+        """
         incarnation = replica.incarnation
         answer = replica.handle.options(stream=True).serve_http.remote(request, incarnation)
+        start: Message | None = None
         started = complete = False
         gone = asyncio.create_task(_disconnected(receive))
         # only if the client went away: once the answer is whole, the server reports a disconnect too, and a cancel
@@ -134,16 +139,19 @@ class RouterApp:
         replica.in_flight += 1
         try:
             async for message in answer:
+                if message["type"] == DRAINING["type"]:
+                    self.placement.draining(replica, incarnation)
+                    return False
                 if message["type"] == "http.response.start":
+                    start = {**message, "headers": [*message["headers"], (REPLICA_HEADER, replica.name.encode())]}
+                    continue
+                if start is not None and not started:
+                    await send(start)
                     started = True
-                    message = {**message, "headers": [*message["headers"], (REPLICA_HEADER, replica.name.encode())]}
                 complete = message["type"] == "http.response.body" and not message.get("more_body", False)
                 await send(message)
         except StaleReplicaError:
             await self.placement.lost(replica, incarnation)
-            return False
-        except ReplicaDrainingError:
-            self.placement.draining(replica, incarnation)
             return False
         except RequestCancelledError:
             pass  # the client went away
@@ -153,7 +161,7 @@ class RouterApp:
                 await self.placement.lost(replica, incarnation)
             log.warning("request %s %s on replica %s failed: %s", request.method, request.path, replica.name, exc)
             error = unavailable(f"replica {replica.name} {'died' if died else 'failed'} while answering; retry")
-            await _fail(error, request.path, started, send)
+            await _fail(error, request.path, start if started else None, send)
         finally:
             replica.in_flight -= 1
             gone.cancel()
@@ -280,15 +288,18 @@ async def _disconnected(receive: Receive) -> None:
         pass
 
 
-async def _fail(error: APIError, path: str, started: bool, send: Send) -> None:
-    """Answer error; once the answer has started, end it with an error event (streams) or cut it short."""
-    if not started:
+async def _fail(error: APIError, path: str, sent_start: Message | None, send: Send) -> None:
+    """Answer error; once an answer has started, end an event stream with an error event (any other answer is cut
+    short: its length was promised)."""
+    if sent_start is None:
         response = error_response(error, path)
         await send({"type": "http.response.start", "status": response.status_code, "headers": response.raw_headers})
         await send({"type": "http.response.body", "body": response.body})
         return
-    event: Message = {"type": "http.response.body", "body": _error_event(error, path), "more_body": False}
-    await send(event)
+    content_type = dict(sent_start["headers"]).get(b"content-type", b"")
+    if content_type.startswith(b"text/event-stream"):
+        event: Message = {"type": "http.response.body", "body": _error_event(error, path), "more_body": False}
+        await send(event)
 
 
 def _error_event(error: APIError, path: str) -> bytes:
