@@ -1,5 +1,10 @@
 """HTTP requests carried over Ray Serve: the router sends a request's parts, the replica runs its ASGI app on them
-and streams back the app's ASGI messages (response start, body chunks), so streams stay streams."""
+and streams back the app's ASGI messages (response start, body chunks), so streams stay streams.
+
+Messages travel in batches: each streamed item is every message the app has sent by then, and a response's start
+waits for its first body part. An item costs a Ray round of its own (about a millisecond here), so a whole answer
+(start and body) is one item, and a stream's start goes with its first chunk.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Message, Scope
 
 Headers = list[tuple[bytes, bytes]]
-DRAINING: Message = {"type": "statelm.replica.draining"}  # instead of an answer: the replica takes no new request
+DRAINING: list[Message] = [{"type": "statelm.replica.draining"}]  # instead of an answer: it takes no new request
 
 
 @dataclass(frozen=True)
@@ -56,8 +61,9 @@ class ForwardedRequest:
         }
 
 
-async def run_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Message]:
-    """The ASGI messages app sends in answer to request; closing this generator is the client going away."""
+async def run_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[list[Message]]:
+    """The ASGI messages app sends in answer to request, in batches; closing this generator is the client going
+    away."""
     messages: asyncio.Queue[Message | None] = asyncio.Queue()
     gone = asyncio.Event()
     delivered = False
@@ -81,8 +87,8 @@ async def run_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Mess
 
     task = asyncio.create_task(run())
     try:
-        while (message := await messages.get()) is not None:
-            yield message
+        while (batch := await _next_batch(messages)) is not None:
+            yield batch
         await task  # an error the app let out
     finally:
         gone.set()
@@ -90,3 +96,23 @@ async def run_app(app: ASGIApp, request: ForwardedRequest) -> AsyncIterator[Mess
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+
+
+async def _next_batch(messages: asyncio.Queue[Message | None]) -> list[Message] | None:
+    """Every message queued now (at least one, and a response start with the part that follows it); None once the
+    app is done (the None it queued last)."""
+    first = await messages.get()
+    if first is None:
+        return None
+    batch = [first]
+    while True:
+        if batch[-1]["type"] == "http.response.start":
+            message = await messages.get()
+        elif not messages.empty():
+            message = messages.get_nowait()
+        else:
+            return batch
+        if message is None:
+            messages.put_nowait(None)  # the end, for the next call
+            return batch
+        batch.append(message)

@@ -45,6 +45,9 @@ def start_ray(cluster: ClusterConfig) -> None:
     if cluster.ray_address is not None:
         ray.init(address=cluster.ray_address, log_to_driver=True)
         return
+    # Ray runs its workers at nice 15 to favour its own daemons; here the workers are the engines that answer
+    # requests, and niced they lose the CPU to the router whenever both want it (a choice set by hand is kept)
+    os.environ.setdefault("RAY_worker_niceness", "0")
     source = str(Path(statelm.__file__).resolve().parents[1])
     path = os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))
     ray.init(

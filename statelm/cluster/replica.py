@@ -65,14 +65,14 @@ class EngineReplica:
             log.warning("replica %s: this Ray's worker does not handle SIGTERM as statelm expects; SIGTERM ends the "
                         "replica at once (its sessions continue elsewhere from their journals)", name)  # fmt: skip
 
-    async def serve_http(self, request: ForwardedRequest, incarnation: str) -> AsyncIterator[Message]:
-        """The app's answer to a request, as ASGI messages."""
+    async def serve_http(self, request: ForwardedRequest, incarnation: str) -> AsyncIterator[list[Message]]:
+        """The app's answer to a request, as batches of ASGI messages."""
         self._check(incarnation)
         if self.gate.draining:  # said as a message, not raised: Ray Serve logs a raised error as a failed request
             yield DRAINING
             return
-        async for message in run_app(self.app, request):
-            yield message
+        async for batch in run_app(self.app, request):
+            yield batch
 
     async def holds(self, kind: TargetKind, key: str, incarnation: str) -> bool:
         """Whether this replica holds that session, stored response or stored completion (whoever owns it)."""

@@ -138,18 +138,19 @@ class RouterApp:
         gone.add_done_callback(lambda task: task.cancelled() or complete or answer.cancel())
         replica.in_flight += 1
         try:
-            async for message in answer:
-                if message["type"] == DRAINING["type"]:
+            async for batch in answer:
+                if batch == DRAINING:
                     self.placement.draining(replica, incarnation)
                     return False
-                if message["type"] == "http.response.start":
-                    start = {**message, "headers": [*message["headers"], (REPLICA_HEADER, replica.name.encode())]}
-                    continue
-                if start is not None and not started:
-                    await send(start)
-                    started = True
-                complete = message["type"] == "http.response.body" and not message.get("more_body", False)
-                await send(message)
+                for message in batch:
+                    if message["type"] == "http.response.start":
+                        start = {**message, "headers": [*message["headers"], (REPLICA_HEADER, replica.name.encode())]}
+                        continue
+                    if start is not None and not started:
+                        await send(start)
+                        started = True
+                    complete = message["type"] == "http.response.body" and not message.get("more_body", False)
+                    await send(message)
         except StaleReplicaError:
             await self.placement.lost(replica, incarnation)
             return False
@@ -274,11 +275,12 @@ class RouterApp:
 async def _collect(replica: Replica, request: ForwardedRequest) -> tuple[int, bytes]:
     """A replica's whole answer to a request: status and body."""
     status, chunks = 500, []
-    async for message in replica.handle.options(stream=True).serve_http.remote(request, replica.incarnation):
-        if message["type"] == "http.response.start":
-            status = message["status"]
-        else:
-            chunks.append(message.get("body", b""))
+    async for batch in replica.handle.options(stream=True).serve_http.remote(request, replica.incarnation):
+        for message in batch:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            else:
+                chunks.append(message.get("body", b""))
     return status, b"".join(chunks)
 
 
