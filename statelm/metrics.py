@@ -9,7 +9,6 @@ from prometheus_client.core import CounterMetricFamily
 from prometheus_client.registry import Collector
 
 from statelm.engine.engine import Engine
-from statelm.engine.pins import PinCounters
 from statelm.sessions.journal_store import JournalCounters
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
@@ -58,8 +57,8 @@ class ServingMetrics:
         for name, (description, read) in gauges.items():
             Gauge(name, description, registry=registry).set_function(read)
         self.journal = JournalCounters()
-        registry.register(JournalCollector(self.journal))
-        registry.register(PinCollector(pool.pins.counters))
+        registry.register(CounterCollector(self.journal, JOURNAL_FIGURES))
+        registry.register(CounterCollector(pool.pins.counters, PIN_FIGURES))
 
     def record_finished(self, finish_reasons: list[str], prompt: int, cached: int, completion: int) -> None:
         """Account for one generation that has ended: how each of its choices ended, and its tokens."""
@@ -74,48 +73,37 @@ class ServingMetrics:
         return generate_latest(self.registry)
 
 
-class JournalCollector(Collector):
-    """The session journals' counters, read at scrape time (worker threads update them)."""
+class CounterCollector(Collector):
+    """Counters another thread updates, read at scrape time: one Prometheus counter per (name, help, attribute)."""
 
-    def __init__(self, counters: JournalCounters) -> None:
+    def __init__(self, counters: object, figures: list[tuple[str, str, str]]) -> None:
         self.counters = counters
+        self.figures = figures
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         """One counter per figure."""
-        counters = self.counters
-        yield CounterMetricFamily("statelm_journal_appends", "Session journal records written", counters.appends)
-        yield CounterMetricFamily("statelm_journal_bytes", "Bytes of session journal records written", counters.bytes)
-        yield CounterMetricFamily(
-            "statelm_journal_recoveries", "Sessions brought up to date by their journals at start", counters.recoveries
-        )
-        yield CounterMetricFamily(
-            "statelm_journal_failures", "Session journal writes that failed or were skipped", counters.failures
-        )
+        for name, help_text, attribute in self.figures:
+            yield CounterMetricFamily(name, help_text, getattr(self.counters, attribute))
 
 
-class PinCollector(Collector):
-    """The cache pins' counters, read at scrape time (the engine thread updates them)."""
-
-    def __init__(self, counters: PinCounters) -> None:
-        self.counters = counters
-
-    def collect(self) -> Iterator[CounterMetricFamily]:
-        """One counter per figure."""
-        counters = self.counters
-        yield CounterMetricFamily("statelm_cache_pins_created", "Prefixes pinned by cache_control", counters.created)
-        yield CounterMetricFamily(
-            "statelm_cache_pin_hits", "Pinned prefixes a request found whole in the cache", counters.hits
-        )
-        yield CounterMetricFamily(
-            "statelm_cache_pins_expired", "Cache pins released at the end of their TTL", counters.expired
-        )
-        yield CounterMetricFamily(
-            "statelm_cache_pins_released_under_pressure",
-            "Cache pins released early because the KV pool had no unpinned free block left",
-            counters.released_under_pressure,
-        )
-        yield CounterMetricFamily(
-            "statelm_cache_pins_refused",
-            "cache_control breakpoints cached without a pin because the key's or the pool's pin cap was reached",
-            counters.refused,
-        )
+JOURNAL_FIGURES = [  # JournalCounters, updated by the journal's worker threads
+    ("statelm_journal_appends", "Session journal records written", "appends"),
+    ("statelm_journal_bytes", "Bytes of session journal records written", "bytes"),
+    ("statelm_journal_recoveries", "Sessions brought up to date by their journals at start", "recoveries"),
+    ("statelm_journal_failures", "Session journal writes that failed or were skipped", "failures"),
+]
+PIN_FIGURES = [  # PinCounters, updated by the engine thread
+    ("statelm_cache_pins_created", "Prefixes pinned by cache_control", "created"),
+    ("statelm_cache_pin_hits", "Pinned prefixes a request found whole in the cache", "hits"),
+    ("statelm_cache_pins_expired", "Cache pins released at the end of their TTL", "expired"),
+    (
+        "statelm_cache_pins_released_under_pressure",
+        "Cache pins released early because the KV pool had no unpinned free block left",
+        "released_under_pressure",
+    ),
+    (
+        "statelm_cache_pins_refused",
+        "cache_control breakpoints cached without a pin because the key's or the pool's pin cap was reached",
+        "refused",
+    ),
+]
