@@ -65,11 +65,14 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 }
 
 #if defined(STATELM_QMATMUL_AVX2)
-inline __m256i broadcast_quad(const int8_t* q) {
+// The four int8 values at q as one int32, to broadcast to every 32-bit lane.
+inline int32_t quad_at(const int8_t* q) {
   int32_t quad;
   std::memcpy(&quad, q, sizeof(quad));
-  return _mm256_set1_epi32(quad);
+  return quad;
 }
+
+inline __m256i broadcast_quad(const int8_t* q) { return _mm256_set1_epi32(quad_at(q)); }
 
 // Rows m0..m0+R-1 of one group of 8 columns. Each row's operations are the same whatever R is.
 template <bool kQ4, int R>
@@ -171,11 +174,7 @@ inline __m512 two_groups(const float* first, const float* second) {
   return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps(first)), _mm256_loadu_ps(second), 1);
 }
 
-inline __m512i broadcast_quad_wide(const int8_t* q) {
-  int32_t quad;
-  std::memcpy(&quad, q, sizeof(quad));
-  return _mm512_set1_epi32(quad);
-}
+inline __m512i broadcast_quad_wide(const int8_t* q) { return _mm512_set1_epi32(quad_at(q)); }
 
 // Rows m0..m0+R-1 of column groups g and g+1: lane j of a row's vector is group g's column j (j < 8) or group
 // g+1's column j-8. The block dot products are exact int32 sums, as in the AVX2 build; the float steps after
