@@ -9,14 +9,11 @@ tokens of context, and a 512-token prefill; F.scaled_dot_product_attention on co
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-from bench.common import machine_report
+from bench.common import machine_report, median_ms
 from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
 from statelm.engine.attention.reference import TorchAttentionBackend
@@ -53,18 +50,6 @@ class Step:
     def run(self, backend: AttentionBackend) -> torch.Tensor:
         """One forward of the backend over this step."""
         return backend.forward(self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, SCALE)
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of fn in milliseconds, after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:

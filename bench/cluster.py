@@ -34,7 +34,7 @@ from typing import Any
 
 import httpx
 
-from bench.common import launch, machine_report
+from bench.common import call_times_ms, launch, machine_report
 
 ENGINE_ARGS = ["--model", "default", "--kv-cache-memory", "256MiB", "--threads", "1"]
 STATELESS = ["--no-persist-sessions"]  # (a) and (b) keep no sessions
@@ -59,14 +59,7 @@ def serving(port: int, extra: list[str]) -> Iterator[httpx.Client]:
 
 def percentiles(call: Callable[[], object], count: int) -> tuple[float, float]:
     """p50 and p99 in milliseconds of count sequential calls (after 5 warm-up calls)."""
-    for _ in range(5):
-        call()
-    times = []
-    for _ in range(count):
-        started = time.perf_counter()
-        call()
-        times.append((time.perf_counter() - started) * 1000)
-    times.sort()
+    times = call_times_ms(call, count, warmup=5)
     return statistics.median(times), times[min(len(times) - 1, int(len(times) * 0.99))]
 
 

@@ -7,6 +7,7 @@ import os
 import platform
 import shlex
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +35,23 @@ def cpu_name() -> str:
 def memory_gib() -> float:
     """The machine's physical memory in GiB."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+
+
+def call_times_ms(fn: Callable[[], object], repeats: int, warmup: int) -> list[float]:
+    """Wall times in milliseconds of repeats sequential calls of fn, sorted, after warmup untimed ones."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - started) * 1000)
+    return sorted(times)
+
+
+def median_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median wall time of fn in milliseconds, after three warm-up calls."""
+    return statistics.median(call_times_ms(fn, repeats, warmup=3))
 
 
 def machine_report() -> str:

@@ -9,13 +9,10 @@ exponent 1.2, random order per row), so a 0.9 nucleus at temperature 0.7 holds a
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
 
-from bench.common import machine_report
+from bench.common import machine_report, median_ms
 from statelm.engine.sampler import make_generator, sample
 from statelm.engine.sequence import SamplingParams, Sequence
 
@@ -34,18 +31,6 @@ def model_like_logits(rows: int, seed: int = 0) -> torch.Tensor:
     ranked = -1.2 * torch.log(torch.arange(1, VOCAB + 1, dtype=torch.float32))
     order = torch.argsort(torch.rand(rows, VOCAB, generator=generator), dim=-1)
     return ranked[order] + 0.1 * torch.randn(rows, VOCAB, generator=generator)
-
-
-def median_ms(fn: Callable[[], object], repeats: int) -> float:
-    """Median wall time of fn in milliseconds, after three warm-up calls."""
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - started)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:
