@@ -29,7 +29,7 @@ from statelm.cluster.scaling import NoRoomError, Scaler
 from statelm.cluster.targets import TargetKind, classify
 from statelm.server.auth import KeyRing, presented_key
 from statelm.server.errors import error_body, error_response
-from statelm.server.limits import read_body
+from statelm.server.limits import body_too_large, read_body
 from statelm.sessions.ownership import LOCAL, Principal
 
 log = logging.getLogger(__name__)
@@ -100,8 +100,7 @@ class RouterApp:
     async def _forward(self, scope: Scope, receive: Receive, send: Send) -> None:
         body = await read_body(receive, self.max_body_bytes)
         if body is None:
-            error = APIError(f"Request body exceeds {self.max_body_bytes} bytes.", status=413, code="request_too_large")
-            await error_response(error, scope["path"])(scope, receive, send)
+            await error_response(body_too_large(self.max_body_bytes), scope["path"])(scope, receive, send)
             return
         request = ForwardedRequest.from_scope(scope, body)
         target = classify(request.method, request.path, body)
@@ -237,8 +236,10 @@ class RouterApp:
         if refusal is not None:
             return refusal
         body = await read_body(receive, self.max_body_bytes)
+        if body is None:
+            return error_response(body_too_large(self.max_body_bytes), scope["path"])
         try:
-            count = ScaleRequest.model_validate_json(body or b"").replicas
+            count = ScaleRequest.model_validate_json(body).replicas
         except ValidationError as exc:
             problem = exc.errors()[0]
             param = ".".join(map(str, problem["loc"])) or None

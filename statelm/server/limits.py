@@ -29,6 +29,13 @@ SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F][0-9a-fA-F]{2}")  # JSON's \uD
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # what is left of one once JSON has joined the pairs
 
 
+def body_too_large(limit: int) -> APIError:
+    """413 for a request body over limit bytes."""
+    return APIError(
+        f"The request body is larger than this server's limit of {limit} bytes.", status=413, code="request_too_large"
+    )
+
+
 async def read_body(receive: Receive, limit: int) -> bytes | None:
     """A request's whole body; None once it passes limit bytes."""
     chunks, size, more = [], 0, True
@@ -72,23 +79,16 @@ class RequestLimitMiddleware:
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
         declared = dict(scope["headers"]).get(b"content-length", b"")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
-            raise self._too_large()
+            raise body_too_large(self.max_body_bytes)
         body = await read_body(receive, self.max_body_bytes)
         if body is None:
-            raise self._too_large()
+            raise body_too_large(self.max_body_bytes)
         return body
 
     def _check_body(self, scope: Scope, body: bytes) -> None:
         check_unicode(body)
         if scope["method"] == "POST" and scope["path"] in CAPPED_PATHS:
             self._check_generation(body)
-
-    def _too_large(self) -> APIError:
-        return APIError(
-            f"The request body is larger than this server's limit of {self.max_body_bytes} bytes.",
-            status=413,
-            code="request_too_large",
-        )
 
     def _check_generation(self, body: bytes) -> None:
         """Caps on the body as sent; a body that is not a JSON object is left for the route to reject."""
