@@ -2,13 +2,14 @@
 
 Usage: .venv/bin/python -m bench.accuracy [--tokens 2000]
 The reference is the default GGUF dequantized to float32 and run as a float model. Each format runs through
-statelm's quantized kernel twice: with float32 activations, and with activations quantized to int8 per 32
-values as llama.cpp's CPU kernels do (`--activations`). `gguf` keeps the file's own blocks (Q4_1, and Q8_0
-for the embedding), so with float32 activations only float rounding separates it from the reference; `int8`
-and `int4`
-re-quantize the float weights as a float checkpoint would be at load. Over a fixed text (the repository's
-docs, the first N tokens), it reports the share of positions whose most likely next token matches the
-reference's, and the mean KL(reference || format).
+statelm's quantized kernel in each arithmetic a prompt row can take (`--activations`): float32 activations,
+activations quantized to int16 per 32 values (`int16-prompt`), and to int8 per 32 values as llama.cpp's CPU
+kernels do. `gguf` keeps the file's own blocks (Q4_1, and Q8_0 for the embedding), so with float32 activations
+only float rounding separates it from the reference; `int8` and `int4` re-quantize the float weights (Q8_0 and
+Q4_1 blocks) as a float checkpoint would be at load. Over a fixed text (the repository's docs, the first N
+tokens), fed as prompt rows, it reports the share of positions whose most likely next token matches the
+reference's (each position's next token is what a prompt ending there would answer first) and the mean
+KL(reference || format).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.kernels.quant import PackedWeight, quantize
 from statelm.models.loader import LoadedModel
+from statelm.models.packed import ACTIVATIONS
 
 CHUNK = 256
 
@@ -45,7 +47,7 @@ def all_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     for start in range(0, len(tokens), CHUNK):
         count = min(CHUNK, len(tokens) - start)
         hidden = _hidden_of_chunk(runner, seq, count)
-        rows.append(model.compute_logits(hidden))
+        rows.append(model.compute_logits(hidden, torch.ones(count, dtype=torch.bool)))  # prompt rows' logits
         seq.num_computed_tokens += count
     return torch.cat(rows)
 
@@ -87,22 +89,23 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_report())
     with torch.inference_mode():
-        float_model = load_engine_model(EngineConfig(quantization="none"))
+        float_model = load_engine_model(EngineConfig(quantization="none", dtype="float32"))
         tokens = float_model.tokenizer.encode(fixed_text())[: args.tokens]
         print(f"text: {len(tokens)} tokens of README.md + docs/*.md; reference: float32 weights and activations")
         create_engine(float_model, EngineConfig(kv_cache_memory=64 << 20))  # runs the self-check, picks a path
         print(f"reference compute path: {float_model.model.compute_path}")
         reference = all_logits(float_model, tokens)
         results = {}
-        for activations in ("float32", "int8"):
+        for activations in ("float32", "int16-prompt", "int8"):
+            arithmetic = ACTIVATIONS[activations][0]  # of prompt rows, which this text is
             packed = load_engine_model(EngineConfig(quantization="auto", activations=activations))
             create_engine(packed, EngineConfig(kv_cache_memory=64 << 20))
-            results["gguf (Q4_1 + Q8_0 blocks as stored)", activations] = compare(reference, all_logits(packed, tokens))
+            results["gguf (Q4_1 + Q8_0 blocks as stored)", arithmetic] = compare(reference, all_logits(packed, tokens))
             for kind in ("int8", "int4"):
-                requantized = load_engine_model(EngineConfig(quantization="none"))
+                requantized = load_engine_model(EngineConfig(quantization="none", dtype="float32"))
                 repack(requantized, kind)
                 requantized.model.use_activations(activations)
-                results[f"{kind} (re-quantized at load)", activations] = compare(
+                results[f"{kind} (re-quantized at load)", arithmetic] = compare(
                     reference, all_logits(requantized, tokens)
                 )
     print("| format | activations | top-1 agreement | mean KL divergence (nats) |")

@@ -20,6 +20,7 @@ from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.layers import RowChunking
 from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
+from statelm.models.packed import ACTIVATIONS
 
 log = logging.getLogger(__name__)
 
@@ -71,9 +72,8 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
     try:
         if loaded.model.use_activations(config.activations):
-            # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
-            prompt_rows = "float32" if config.activations == "int8-decode" else config.activations
-            loaded.fingerprint.parts["activations"] = prompt_rows
+            # what the KV means: snapshots and sessions hold prompt rows' KV only, so that of their arithmetic
+            loaded.fingerprint.parts["activations"] = ACTIVATIONS[config.activations][0]
     except ValueError as exc:
         raise EngineConfigError(str(exc)) from None
     return loaded

@@ -27,14 +27,13 @@ from statelm.models.layers import (
     RowChunking,
     chunked_linear,
 )
-from statelm.models.packed import PackedEmbedding, PackedLinear
+from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
 
 if TYPE_CHECKING:
     from statelm.engine.invariance import InvarianceReport
     from statelm.kernels.quant import PackedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-ACTIVATIONS = ("float32", "int8", "int8-decode")
 
 
 @dataclass
@@ -163,7 +162,9 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta))
         _materialize(self, torch.device(device))
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, dtype, interleaved=config.rope_interleaved
+        )
         self._targets = self._hf_targets()
 
     def forward(
@@ -186,23 +187,21 @@ class LlamaForCausalLM(nn.Module):
             ops=self.ops,
         )
         x, residual = self.embed_tokens(input_ids), None
-        int8 = self._int8_rows()
-        if self.fused is not None and int8 is not None:
-            return self.fused(x, step.rope, kv_cache, meta, int8=int8)
+        arithmetic = self._arithmetic()
+        if self.fused is not None and arithmetic is not None:
+            return self.fused(x, step.rope, kv_cache, meta, arithmetic)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, kv_cache.k[i], kv_cache.v[i], step)
         assert residual is not None
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
 
-    def _int8_rows(self) -> bool | None:
-        """Whether this forward's packed matmuls quantize activations to int8: one answer for all rows, or None
-        for a step that mixes prompt and generated rows under `int8-decode`."""
-        if self.activations != "int8-decode":
-            return self.activations == "int8"
-        chunking = self.chunking
-        if chunking.prompt_rows is None:
-            return True  # all rows generated
-        return False if chunking.generated_rows is None else None
+    def _arithmetic(self) -> str | None:
+        """The arithmetic of this forward's packed matmuls (see ACTIVATIONS): one for all rows, or None for a step
+        that mixes prompt and generated rows of different arithmetics."""
+        prompt, generated = ACTIVATIONS[self.activations]
+        if prompt == generated or self.chunking.prompt_rows is None:
+            return generated
+        return prompt if self.chunking.generated_rows is None else None
 
     def compute_paths(self) -> list[str]:
         """The compute paths this model can run, fastest first (the start-up self-check picks one).
@@ -246,9 +245,9 @@ class LlamaForCausalLM(nn.Module):
         self.compute_path = path
 
     def use_activations(self, activations: str) -> int:
-        """How packed linears on the kernels path treat activations: `float32`, `int8` per 32 values, or
-        `int8-decode` (int8 for generated tokens' rows, float32 for prompt rows); returns how many packed linears
-        there are (none: the setting changes nothing)."""
+        """How packed linears on the kernels path treat activations, prompt rows and generated rows (a key of
+        ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`); returns how many packed
+        linears there are (none: the setting changes nothing)."""
         if activations not in ACTIVATIONS:
             raise ValueError(f"unknown activations {activations!r}; choose {', '.join(ACTIVATIONS)}")
         packed = [module for module in self.modules() if isinstance(module, PackedLinear)]
@@ -259,7 +258,7 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample; is_prompt ([N] bool) marks last prompt tokens' rows
-        (None: all generated), which `int8-decode` activations compute in float32."""
+        (None: all generated), which take the prompt rows' arithmetic."""
         head = self.packed_head
         if head is not None and head.use_kernel:
             self.chunking.set_rows(is_prompt, self.device)

@@ -6,12 +6,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from statelm.engine.attention.base import AttentionMetadata
 from statelm.engine.kv_cache import KVCache
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
+from statelm.models.packed import ACTIVATIONS
+from tests.models.tiny_gguf import write_tiny_gguf
 from tests.models.tiny_model_dir import make_tiny_model_dir
 
 try:
@@ -23,12 +26,18 @@ pytestmark = pytest.mark.invariance
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "llama-gguf"])
 def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3)."""
-    overrides = {"sliding_window": 5} if request.param == "mistral" else {}
-    folder = make_tiny_model_dir(request.param, tmp_path_factory.mktemp(request.param), **overrides)
-    model = load_model(str(folder), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
+    """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3); or a
+    GGUF of mixed formats used in place, with interleaved rope (llama-gguf)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama-gguf":
+        mix = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_k": Q.Q8_0, "token_embd": Q.Q6_K}  # as in a Q4_K_M
+        source = write_tiny_gguf(folder / "mixed.gguf", Q.Q4_K, formats=mix)
+    else:
+        overrides = {"sliding_window": 5} if request.param == "mistral" else {}
+        source = make_tiny_model_dir(request.param, folder, **overrides)
+    model = load_model(str(source), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
                        quantization="int8")  # fmt: skip
     model.model.use_compute_path("kernels")
     assert model.model.fused is not None
@@ -57,7 +66,7 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[
         model.fused = saved
 
 
-@pytest.mark.parametrize("activations", ["float32", "int8", "int8-decode"])
+@pytest.mark.parametrize("activations", list(ACTIVATIONS))
 def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str) -> None:
     loaded.model.use_activations(activations)
     kinds = {

@@ -1,0 +1,221 @@
+// torch.ops.statelm.gguf_matmul(x [M, K] float32, weights, types, arithmetic) -> y [M, N] = x @ W.T
+// torch.ops.statelm.gguf_dequantize(weight, type, rows?) -> the float32 rows of one block matrix
+//
+// `weights` are uint8 tensors [rows, row bytes], each a block matrix of ggml type `types[i]` as the GGUF file
+// stores it (usually a view of the memory-mapped file); their rows are stacked into the N output columns in
+// order. `arithmetic`: 0 float32 activations, 1 int8, 2 int16 (see gguf_matmul.h).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gguf_matmul.h"
+#include "parallel.h"
+
+namespace statelm::gguf {
+
+void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
+                    float* mins) {
+  const Format& f = *part.format;
+  const int64_t groups = values / f.group, blocks = values / f.values, groups_per_block = f.values / f.group;
+  for (int64_t c = 0; c < kTileColumns; ++c) {
+    int8_t* q = levels + c * values;
+    float* s = scales + c * groups;
+    float* m = mins + c * groups;
+    if (column + c >= part.rows) {
+      std::memset(q, 0, values);
+      std::fill(s, s + groups, 0.0f);
+      std::fill(m, m + groups, 0.0f);
+      continue;
+    }
+    const uint8_t* row = part.data + (column + c) * part.row_stride + first / f.values * f.bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      f.decode(row + b * f.bytes, q + b * f.values, s + b * groups_per_block, m + b * groups_per_block);
+    }
+  }
+}
+
+namespace {
+
+// Asks for the bytes of columns [column, column + kTileColumns), values [first, first + values), to be brought
+// into the cache: the tile after the one being computed, so that its rows stream in while this one computes (the
+// hardware prefetchers do not follow 8 or 16 rows read a few hundred bytes at a time).
+void prefetch_tile(const Part& part, int64_t column, int64_t first, int64_t values) {
+#if defined(STATELM_GGUF_AVX2)
+  const Format& f = *part.format;
+  const int64_t begin = first / f.values * f.bytes, end = (first + values) / f.values * f.bytes;
+  for (int64_t c = column; c < std::min(part.rows, column + kTileColumns); ++c) {
+    const uint8_t* row = part.data + c * part.row_stride;
+    for (int64_t at = begin; at < end; at += 64) _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
+  }
+#else
+  (void)part, (void)column, (void)first, (void)values;
+#endif
+}
+
+// Per row and block of 32: q = round(x * limit / amax) (half to even), dx = amax / limit; sums of the levels per 16
+// and per 32 values, and dx times them.
+template <typename T>
+void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, IntRows& out) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock;
+  out.k = k;
+  out.rows = rows;
+  levels.resize(rows * k);
+  out.dx.resize(rows * blocks);
+  out.sums16.resize(rows * blocks * 2);
+  out.sums32.resize(rows * blocks);
+  out.sx16.resize(rows * blocks * 2);
+  out.sx32.resize(rows * blocks);
+  const float* in = x.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 8192 / k);
+  statelm::parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* values = in + m * stride + b * kBlock;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
+        const float inverse = amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f;
+        const float dx = amax / static_cast<float>(limit);
+        int32_t halves[2] = {0, 0};
+        T* q = levels.data() + m * k + b * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(values[i] * inverse));
+          q[i] = static_cast<T>(v);
+          halves[i / 16] += v;
+        }
+        const int64_t at = m * blocks + b;
+        out.dx[at] = dx;
+        for (int h = 0; h < 2; ++h) {
+          out.sums16[2 * at + h] = halves[h];
+          out.sx16[2 * at + h] = dx * static_cast<float>(halves[h]);
+        }
+        out.sums32[at] = halves[0] + halves[1];
+        out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
+      }
+    }
+  });
+}
+
+std::vector<Part> parts_of(const std::vector<at::Tensor>& weights, at::IntArrayRef types, int64_t k) {
+  TORCH_CHECK(weights.size() == types.size(), "gguf_matmul: one type per weight");
+  std::vector<Part> parts;
+  int64_t column = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const Format* f = find_format(types[i]);
+    TORCH_CHECK(f != nullptr, "gguf_matmul: ggml type ", types[i], " is not a supported block format");
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
+                "gguf_matmul: weights must be uint8 [rows, row bytes] with contiguous rows");
+    TORCH_CHECK(k % f->values == 0 && w.size(1) == k / f->values * f->bytes, "gguf_matmul: a ", f->name,
+                " weight of ", w.size(1), " bytes a row does not match K = ", k);
+    parts.push_back({w.data_ptr<uint8_t>(), w.stride(0), f, w.size(0), column});
+    column += w.size(0);
+  }
+  return parts;
+}
+
+at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntArrayRef types, int64_t arithmetic) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
+  TORCH_CHECK(arithmetic >= 0 && arithmetic <= 2, "arithmetic must be 0 (float32), 1 (int8) or 2 (int16)");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
+  const std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
+  const std::vector<Part> parts = parts_of(weights, types, k);
+  int64_t n = 0;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (part, first column of the part)
+  for (size_t p = 0; p < parts.size(); ++p) {
+    for (int64_t c = 0; c < parts[p].rows; c += kTileColumns) tiles.emplace_back(p, c);
+    n += parts[p].rows;
+  }
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const auto kind = static_cast<Arithmetic>(arithmetic);
+  IntRows quantized;
+  if (kind == Arithmetic::kInt8) quantize_rows(x, 127, quantized.q8, quantized);
+  if (kind == Arithmetic::kInt16) quantize_rows(x, 32767, quantized.q16, quantized);
+  const FloatRows floats{x.data_ptr<float>(), x.stride(0), rows};
+  const int64_t acc_width = kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
+  float* out = y.data_ptr<float>();
+  statelm::parallel_for(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    float* acc = scratch<float, 6>(rows * acc_width);
+    for (int64_t t = begin; t < end; ++t) {
+      const Part& part = parts[tiles[t].first];
+      const int64_t column = tiles[t].second;
+      std::fill(acc, acc + rows * acc_width, 0.0f);
+      for (int64_t first = 0; first < k; first += kChunkValues) {
+        const int64_t values = std::min(kChunkValues, k - first);
+        if (t + 1 < end) prefetch_tile(parts[tiles[t + 1].first], tiles[t + 1].second, first, values);
+        if (kind == Arithmetic::kFloat) {
+          float_tile_chunk(part, column, first, values, floats, acc);
+        } else {
+          int_tile_chunk(part, column, first, values, quantized, kind == Arithmetic::kInt16, acc);
+        }
+      }
+      const int64_t columns = std::min(kTileColumns, part.rows - column);
+      for (int64_t m = 0; m < rows; ++m) {
+        float* dst = out + m * n + part.first_column + column;
+        for (int64_t c = 0; c < columns; ++c) {
+          if (kind == Arithmetic::kFloat) {
+            const float* chains = acc + (m * kTileColumns + c) * 4;
+            dst[c] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
+          } else {
+            dst[c] = acc[m * kTileColumns + c];
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// Rows (all, or those listed) of one block matrix as float32, w = S*q (+ O) exactly as gguf-py dequantizes.
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, const c10::optional<at::Tensor>& rows) {
+  const Format* f = find_format(type);
+  TORCH_CHECK(f != nullptr, "gguf_dequantize: ggml type ", type, " is not a supported block format");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
+              "gguf_dequantize: weight must be uint8 [rows, row bytes] with contiguous rows");
+  TORCH_CHECK(weight.size(1) % f->bytes == 0, "gguf_dequantize: rows are not whole ", f->name, " blocks");
+  const int64_t k = weight.size(1) / f->bytes * f->values;
+  at::Tensor index = rows.has_value() ? rows->to(at::kLong).contiguous() : at::arange(weight.size(0), at::kLong);
+  const int64_t count = index.numel();
+  const int64_t* ids = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < weight.size(0), "gguf_dequantize: row ", ids[i], " out of range");
+  }
+  auto out = at::empty({count, k}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* data = weight.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  statelm::parallel_for(count, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    int8_t q[kMaxBlockValues];
+    float scales[kMaxBlockValues / 16], mins[kMaxBlockValues / 16];
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = data + ids[i] * weight.stride(0);
+      for (int64_t b = 0; b < k / f->values; ++b) {
+        f->decode(row + b * f->bytes, q, scales, mins);
+        float* w = dst + i * k + b * f->values;
+        for (int64_t v = 0; v < f->values; ++v) {
+          w[v] = scales[v / f->group] * static_cast<float>(q[v]);
+          if (f->min) w[v] += mins[v / f->group];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+}  // namespace statelm::gguf
+
+TORCH_LIBRARY_FRAGMENT(statelm, m) {
+  m.def("gguf_matmul(Tensor x, Tensor[] weights, int[] types, int arithmetic) -> Tensor");
+  m.def("gguf_dequantize(Tensor weight, int type, Tensor? rows) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(statelm, CPU, m) {
+  m.impl("gguf_matmul", &statelm::gguf::gguf_matmul);
+  m.impl("gguf_dequantize", &statelm::gguf::gguf_dequantize);
+}

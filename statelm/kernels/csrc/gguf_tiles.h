@@ -1,0 +1,34 @@
+// A tile: the weights of kTileColumns output columns over a chunk of K, decoded from their blocks into the layout
+// the matmul kernels read (gguf_tiles.cpp builds it; gguf_matmul_int.cpp and gguf_matmul_float.cpp read it).
+
+#pragma once
+
+#include <cstdint>
+
+#include "gguf_matmul.h"
+
+namespace statelm::gguf {
+
+// SIMD builds: levels as uint8 q + offset in [block][8 quads][kTileColumns][4] (a block is 32 values along K, a
+// quad 4 of them); the scalar build: signed q in [kTileColumns][values]. Scales and mins: [groups][kTileColumns].
+struct Int8Tile {
+  const uint8_t* levels;
+  const float* scales;
+  const float* mins;  // formats with a minimum
+  const Format* format;
+  int offset;  // levels hold q + offset (0 in the scalar build)
+  int64_t blocks;
+};
+
+// The tile of columns [column, column + kTileColumns) of part, values [first, first + values) along K, in this
+// thread's scratch (valid until the next call on the thread).
+Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values);
+
+// The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds; the scalar
+// build's tile as it is.
+Int8Tile widen_int16(const Int8Tile& tile);
+
+// The tile's weights dequantized as gguf-py dequantizes them (w = S*q, then + O): [values / 4][kTileColumns][4].
+const float* dequantize_tile(const Int8Tile& tile);
+
+}  // namespace statelm::gguf
