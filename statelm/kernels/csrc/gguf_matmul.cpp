@@ -18,27 +18,6 @@
 
 namespace statelm::gguf {
 
-void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
-                    float* mins) {
-  const Format& f = *part.format;
-  const int64_t groups = values / f.group, blocks = values / f.values, groups_per_block = f.values / f.group;
-  for (int64_t c = 0; c < kTileColumns; ++c) {
-    int8_t* q = levels + c * values;
-    float* s = scales + c * groups;
-    float* m = mins + c * groups;
-    if (column + c >= part.rows) {
-      std::memset(q, 0, values);
-      std::fill(s, s + groups, 0.0f);
-      std::fill(m, m + groups, 0.0f);
-      continue;
-    }
-    const uint8_t* row = part.data + (column + c) * part.row_stride + first / f.values * f.bytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      f.decode(row + b * f.bytes, q + b * f.values, s + b * groups_per_block, m + b * groups_per_block);
-    }
-  }
-}
-
 namespace {
 
 // Asks for the bytes of columns [column, column + kTileColumns), values [first, first + values), to be brought

@@ -16,6 +16,7 @@
 #include <type_traits>
 
 #include "gguf_matmul.h"
+#include "gguf_simd.h"
 #include "gguf_tiles.h"
 
 namespace statelm::gguf {
@@ -25,51 +26,19 @@ constexpr int64_t W = kTileColumns;
 constexpr int kRowsPerTile = 8;
 
 #if defined(STATELM_GGUF_AVX2)
-inline int32_t load32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
-#endif
+using namespace simd;
 
-// The float steps of a group's exact sum for one row, in K order (see gguf_matmul.h), on vectors of columns.
-#if defined(STATELM_GGUF_VNNI)
-using VI = __m512i;
-using VF = __m512;
-inline VF load_f(const float* p) { return _mm512_loadu_ps(p); }
-inline void store_f(float* p, VF v) { _mm512_storeu_ps(p, v); }
-inline VF set_f(float v) { return _mm512_set1_ps(v); }
-inline VF mul_f(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF fma_f(VF a, VF b, VF c) { return _mm512_fmadd_ps(a, b, c); }
-inline VF int_to_f(VI v) { return _mm512_cvtepi32_ps(v); }
-inline VI sub_i(VI a, int32_t b) { return _mm512_sub_epi32(a, _mm512_set1_epi32(b)); }
-inline VI zero_i() { return _mm512_setzero_si512(); }
-#elif defined(STATELM_GGUF_AVX2)
-using VI = __m256i;
-using VF = __m256;
-inline VF load_f(const float* p) { return _mm256_loadu_ps(p); }
-inline void store_f(float* p, VF v) { _mm256_storeu_ps(p, v); }
-inline VF set_f(float v) { return _mm256_set1_ps(v); }
-inline VF mul_f(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF fma_f(VF a, VF b, VF c) { return _mm256_fmadd_ps(a, b, c); }
-inline VF int_to_f(VI v) { return _mm256_cvtepi32_ps(v); }
-inline VI sub_i(VI a, int32_t b) { return _mm256_sub_epi32(a, _mm256_set1_epi32(b)); }
-inline VI zero_i() { return _mm256_setzero_si256(); }
-#endif
-
-#if defined(STATELM_GGUF_AVX2)
-// acc[r] += the float steps of group h (0, or 1 for the second 16 of a block) of block b (kb in K) for R rows.
+// acc[r] += the float steps of block b's groups (kb in K) for R rows, in K order.
 template <int R, bool kG16, bool kMin>
 inline void add_groups(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t b, int64_t kb, int offset,
-                       VI sums[2][R], VF acc[R]) {
+                       V sums[2][R], VF acc[R]) {
   for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
     const int64_t size = kG16 ? 16 : 32, group = kG16 ? 2 * kb + h : kb, tile_group = kG16 ? 2 * b + h : b;
     const VF scales = load_f(t.scales + tile_group * W);
     for (int r = 0; r < R; ++r) {
-      VI total = sums[h][r];
-      if (offset) total = sub_i(total, offset * x.sum(m0 + r, group, size));
-      acc[r] = fma_f(int_to_f(total), mul_f(scales, set_f(x.scale(m0 + r, kb))), acc[r]);
-      if constexpr (kMin) acc[r] = fma_f(load_f(t.mins + tile_group * W), set_f(x.sx(m0 + r, group, size)), acc[r]);
+      const int32_t offset_sum = offset ? offset * x.sum(m0 + r, group, size) : 0;
+      acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, scales, x.scale(m0 + r, kb), t.mins + tile_group * W,
+                                kMin ? x.sx(m0 + r, group, size) : 0.0f);
     }
   }
 }
@@ -85,10 +54,11 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const int64_t kb = block0 + b;
-    VI sums[2][R];
-    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero_i();
+    V sums[2][R];
+    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
+#pragma GCC unroll 16
     for (int step = 0; step < kSteps; ++step) {
-      const VI w = _mm512_loadu_si512(t.levels + b * kBlockBytes + step * 64);
+      const V w = _mm512_loadu_si512(t.levels + b * kBlockBytes + step * 64);
       const int half = kG16 && step >= kSteps / 2 ? 1 : 0;
       for (int r = 0; r < R; ++r) {
         const int64_t at = (m0 + r) * x.k + kb * kBlock + step * (kInt16 ? 2 : 4);
@@ -108,15 +78,16 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 // int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x.
 template <int R, bool kInt16, bool kG16, bool kMin>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
-  const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
   const bool wide = !kInt16 && !t.format->narrow;
   VF a[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const int64_t kb = block0 + b;
-    VI sums[2][R];
-    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero_i();
+    V sums[2][R];
+    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
     if constexpr (kInt16) {
+#pragma GCC unroll 16
       for (int pair = 0; pair < 16; ++pair) {
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * 2 * W * kBlock + pair * 32));
         const int half = kG16 && pair >= 8 ? 1 : 0;
@@ -126,18 +97,16 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         }
       }
     } else if (wide) {
+#pragma GCC unroll 8
       for (int quad = 0; quad < 8; ++quad) {
-        const __m256i stored = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * W * kBlock + quad * 32));
-        const __m256i w = _mm256_xor_si256(stored, flip);
-        const __m256i magnitudes = _mm256_sign_epi8(w, w);  // -128 reads as 128 unsigned
+        const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
         const int half = kG16 && quad >= 4 ? 1 : 0;
         for (int r = 0; r < R; ++r) {
-          const __m256i xs = _mm256_set1_epi32(load32(x.q8.data() + (m0 + r) * x.k + kb * kBlock + 4 * quad));
-          const __m256i products = _mm256_maddubs_epi16(magnitudes, _mm256_sign_epi8(xs, w));
-          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(products, ones));
+          sums[half][r] = dot_wide(sums[half][r], w, load32(x.q8.data() + (m0 + r) * x.k + kb * kBlock + 4 * quad));
         }
       }
     } else {
+#pragma GCC unroll 4
       for (int quad = 0; quad < 8; quad += 2) {
         const uint8_t* w = t.levels + b * W * kBlock + quad * 32;
         const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
@@ -221,6 +190,7 @@ void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
 
 void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
                     float* acc) {
+  if (!int16 && x.rows <= kStreamRows && stream_int8_rows(part, column, first, values, x, acc)) return;
   const Int8Tile tile = build_int8_tile(part, column, first, values);
   if (int16) {
     dispatch<true>(widen_int16(tile), x, first / kBlock, acc);

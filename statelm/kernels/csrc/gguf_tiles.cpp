@@ -9,7 +9,7 @@
 
 #include "gguf_tiles.h"
 
-#include <c10/util/Half.h>
+#include "gguf_simd.h"
 
 #include <algorithm>
 #include <cstring>
@@ -40,12 +40,6 @@ Rows rows_of(const Part& part, int64_t column, int64_t first) {
   return {base, part.row_stride, std::min(kTileColumns, part.rows - column)};
 }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return c10::detail::fp16_ieee_to_fp32_value(bits);
-}
-
 // The generic path: decode block by block, then interleave (and shift by the offset in SIMD builds).
 Int8Tile decoded_tile(const Part& part, int64_t column, int64_t first, int64_t values, TileBuffers out) {
   const Format& f = *part.format;
@@ -74,122 +68,7 @@ Int8Tile decoded_tile(const Part& part, int64_t column, int64_t first, int64_t v
 }
 
 #if defined(STATELM_GGUF_AVX2)
-
-#if defined(STATELM_GGUF_VNNI)
-using V = __m512i;
-using VF = __m512;
-constexpr int64_t kVecBytes = 64;
-inline V zero() { return _mm512_setzero_si512(); }
-inline V load(const uint8_t* p) { return _mm512_loadu_si512(p); }
-inline V load_halves(const uint8_t* a, const uint8_t* b) {
-  const __m256i low = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a));
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)), 1);
-}
-inline V load_quarters(const uint8_t* a, const uint8_t* b, const uint8_t* c, const uint8_t* d) {
-  const auto q = [](const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); };
-  const __m256i low = _mm256_inserti128_si256(_mm256_castsi128_si256(q(a)), q(b), 1);
-  const __m256i high = _mm256_inserti128_si256(_mm256_castsi128_si256(q(c)), q(d), 1);
-  return _mm512_inserti64x4(_mm512_castsi256_si512(low), high, 1);
-}
-inline void store(uint8_t* p, V v) { _mm512_storeu_si512(p, v); }
-inline void store(float* p, VF v) { _mm512_storeu_ps(p, v); }
-inline V set8(int v) { return _mm512_set1_epi8(static_cast<char>(v)); }
-inline V set32(int v) { return _mm512_set1_epi32(v); }
-inline V vand(V a, V b) { return _mm512_and_si512(a, b); }
-inline V vor(V a, V b) { return _mm512_or_si512(a, b); }
-inline V vxor(V a, V b) { return _mm512_xor_si512(a, b); }
-inline V sub32(V a, V b) { return _mm512_sub_epi32(a, b); }
-inline V srl(V a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
-inline V sll(V a, int n) { return _mm512_sll_epi32(a, _mm_cvtsi32_si128(n)); }
-inline V sra(V a, int n) { return _mm512_sra_epi32(a, _mm_cvtsi32_si128(n)); }
-inline V lookup(V table, V index) { return _mm512_shuffle_epi8(table, index); }  // table repeated per 128 bits
-inline V table16(const int8_t* t) {
-  return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-}
-inline VF to_float(V v) { return _mm512_cvtepi32_ps(v); }
-inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
-inline VF negate(VF a) { return _mm512_sub_ps(_mm512_setzero_ps(), a); }
-inline VF half_low(V v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
-inline VF half_high(V v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16))); }
-
-// r[i] = word i of each of 16 vectors: out[j] = word j of r[0..15].
-__attribute__((always_inline)) inline void transpose(V r[16]) {
-  V a[16], b[16];
-  for (int i = 0; i < 8; ++i) {
-    a[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 4; ++i) {
-    b[4 * i] = _mm512_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm512_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm512_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm512_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {  // b[4i + c], 128-bit lane L: word 4L + c of rows 4i..4i+3
-    const V s0 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0x44), s1 = _mm512_shuffle_i32x4(b[c], b[4 + c], 0xEE);
-    const V s2 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0x44), s3 = _mm512_shuffle_i32x4(b[8 + c], b[12 + c], 0xEE);
-    r[c] = _mm512_shuffle_i32x4(s0, s2, 0x88);
-    r[4 + c] = _mm512_shuffle_i32x4(s0, s2, 0xDD);
-    r[8 + c] = _mm512_shuffle_i32x4(s1, s3, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(s1, s3, 0xDD);
-  }
-}
-#else
-using V = __m256i;
-using VF = __m256;
-constexpr int64_t kVecBytes = 32;
-inline V zero() { return _mm256_setzero_si256(); }
-inline V load(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-inline V load_halves(const uint8_t* a, const uint8_t* b) {
-  const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(a));
-  return _mm256_inserti128_si256(_mm256_castsi128_si256(low), _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
-}
-inline void store(uint8_t* p, V v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), v); }
-inline void store(float* p, VF v) { _mm256_storeu_ps(p, v); }
-inline V set8(int v) { return _mm256_set1_epi8(static_cast<char>(v)); }
-inline V set32(int v) { return _mm256_set1_epi32(v); }
-inline V vand(V a, V b) { return _mm256_and_si256(a, b); }
-inline V vor(V a, V b) { return _mm256_or_si256(a, b); }
-inline V vxor(V a, V b) { return _mm256_xor_si256(a, b); }
-inline V sub32(V a, V b) { return _mm256_sub_epi32(a, b); }
-inline V srl(V a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
-inline V sll(V a, int n) { return _mm256_sll_epi32(a, _mm_cvtsi32_si128(n)); }
-inline V sra(V a, int n) { return _mm256_sra_epi32(a, _mm_cvtsi32_si128(n)); }
-inline V lookup(V table, V index) { return _mm256_shuffle_epi8(table, index); }
-inline V table16(const int8_t* t) {
-  return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
-}
-inline VF to_float(V v) { return _mm256_cvtepi32_ps(v); }
-inline VF mul(VF a, VF b) { return _mm256_mul_ps(a, b); }
-inline VF negate(VF a) { return _mm256_sub_ps(_mm256_setzero_ps(), a); }
-inline __m128i low_halves(V v) {  // the low 16 bits of each word, packed
-  const V masked = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
-  return _mm_packus_epi32(_mm256_castsi256_si128(masked), _mm256_extracti128_si256(masked, 1));
-}
-inline VF half_low(V v) { return _mm256_cvtph_ps(low_halves(v)); }
-inline VF half_high(V v) { return _mm256_cvtph_ps(low_halves(_mm256_srli_epi32(v, 16))); }
-
-__attribute__((always_inline)) inline void transpose(V r[8]) {
-  V a[8], b[8];
-  for (int i = 0; i < 4; ++i) {
-    a[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    a[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    b[4 * i] = _mm256_unpacklo_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 1] = _mm256_unpackhi_epi64(a[4 * i], a[4 * i + 2]);
-    b[4 * i + 2] = _mm256_unpacklo_epi64(a[4 * i + 1], a[4 * i + 3]);
-    b[4 * i + 3] = _mm256_unpackhi_epi64(a[4 * i + 1], a[4 * i + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    r[c] = _mm256_permute2x128_si256(b[c], b[4 + c], 0x20);
-    r[4 + c] = _mm256_permute2x128_si256(b[c], b[4 + c], 0x31);
-  }
-}
-#endif
-
-constexpr int kWords = kVecBytes / 4;  // words per vector: W of them per transposed set
-static_assert(kWords == W, "one vector per column, one column per word");
+using namespace simd;
 
 // out[j] = word j of kVecBytes bytes of each column at `offset` from its row.
 __attribute__((always_inline)) inline void words(const Rows& rows, int64_t offset, V out[W]) {
@@ -197,103 +76,203 @@ __attribute__((always_inline)) inline void words(const Rows& rows, int64_t offse
   transpose(out);
 }
 
-// The same from `pieces` runs of kVecBytes / pieces bytes, the p-th at offset + p * step (p < present; zeros after).
-__attribute__((always_inline)) inline void words_of_pieces(const Rows& rows, int64_t offset, int64_t step, int pieces,
-                                                           int present, V out[W]) {
-  const int64_t size = kVecBytes / pieces;
+// Words 0..3 of 16 bytes of each column at `offset`: vector k holds columns k, 4 + k, ... one per 128 bits, so
+// that a transpose within 128-bit lanes leaves the columns in order.
+__attribute__((always_inline)) inline void four_words(const Rows& rows, int64_t offset, V out[4]) {
+  V in[4];
+  for (int k = 0; k < 4; ++k) {
+#if defined(STATELM_GGUF_VNNI)
+    in[k] = quarters(rows.row(k) + offset, rows.row(4 + k) + offset, rows.row(8 + k) + offset, rows.row(12 + k) + offset);
+#else
+    in[k] = halves(rows.row(k) + offset, rows.row(4 + k) + offset);
+#endif
+  }
+#if defined(STATELM_GGUF_VNNI)
+  const V t0 = _mm512_unpacklo_epi32(in[0], in[1]), t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+  const V t2 = _mm512_unpacklo_epi32(in[2], in[3]), t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
+#else
+  const V t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+  const V t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2), out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3), out[3] = _mm256_unpackhi_epi64(t1, t3);
+#endif
+}
+
+// Words of `present` (of kVecBytes / size) runs of `size` bytes per column, the p-th at offset + p * step.
+__attribute__((always_inline)) inline void words_of_runs(const Rows& rows, int64_t offset, int64_t step, int64_t size,
+                                                         int present, V out[W]) {
+  const int64_t runs = kVecBytes / size;
   for (int64_t c = 0; c < W; ++c) {
     const uint8_t* row = rows.row(c) + offset;
-    if (present < pieces) {
+    if (present < runs) {
       alignas(64) uint8_t buffer[kVecBytes] = {};
       for (int p = 0; p < present; ++p) std::memcpy(buffer + p * size, row + p * step, size);
       out[c] = load(buffer);
-    } else if (pieces == 4) {
+    } else if (runs == 1) {
+      out[c] = load(row);
 #if defined(STATELM_GGUF_VNNI)
-      out[c] = load_quarters(row, row + step, row + 2 * step, row + 3 * step);
+    } else if (runs == 4) {
+      out[c] = quarters(row, row + step, row + 2 * step, row + 3 * step);
 #endif
     } else {
-      out[c] = load_halves(row, row + step);
+      out[c] = halves(row, row + step);
     }
   }
   transpose(out);
 }
 
-inline uint8_t* quad_at(const TileBuffers& out, int64_t block, int64_t quad) { return out.levels + (block * 8 + quad) * W * 4; }
+inline float half_lane(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
 
-// Q8_0 (d, 32 int8): levels + 128.
-void build_q8_0(const Rows& rows, int64_t blocks, TileBuffers out) {
-  constexpr int kPieces = kVecBytes / 32;  // blocks per vector
-  const V flip = set8(0x80);
-  for (int64_t b = 0; b < blocks; b += kPieces) {
-    V v[W];
-    const int present = static_cast<int>(std::min<int64_t>(kPieces, blocks - b));
-    if (kPieces == 1) {
-      words(rows, b * 34 + 2, v);
-    } else {
-      words_of_pieces(rows, b * 34 + 2, 34, kPieces, present, v);
-    }
-    for (int j = 0; j < W; ++j) {
-      if (b + j / 8 < blocks) store(quad_at(out, b + j / 8, j % 8), vxor(v[j], flip));
+// The float16 at byte `at` of every column's row, as a vector.
+inline VF column_halves(const Rows& rows, int64_t at) {
+  alignas(64) float lanes[W];
+  for (int64_t c = 0; c < W; ++c) lanes[c] = half_lane(rows.row(c) + at);
+  return load_f(lanes);
+}
+
+// A sink receives a chunk's decoded blocks (block numbers from the chunk's start), in order: a block's scale(group,
+// S) and min(group, O) calls (possibly those of a few blocks ahead), then its eight quad(block, q, levels) calls
+// (levels + offset of values 4q..4q+3 of every column, quads in any order) and block_done(block). StoreSink lays
+// them out as the tile; DotSink multiplies them at once.
+struct StoreSink {
+  uint8_t* levels;
+  float* scales;
+  float* mins;
+
+  void quad(int64_t block, int q, V v) { store(levels + (block * 8 + q) * W * 4, v); }
+  void scale(int64_t group, VF v) { store_f(scales + group * W, v); }
+  void min(int64_t group, VF v) { store_f(mins + group * W, v); }
+  void block_done(int64_t) {}
+};
+
+// The int8 arithmetic of R rows straight from decoded quads: a block's exact group sums, then its float steps.
+template <int R, bool kG16, bool kMin>
+struct DotSink {
+  static constexpr int kSlots = 16;  // scales and mins kept for a superblock's groups at most
+  const IntRows& x;
+  int64_t block0;  // the chunk's first block in K
+  int offset;
+  bool wide;
+  VF acc[R];
+  V sums[2][R];
+  alignas(64) float scales[kSlots * W];
+  alignas(64) float mins[kSlots * W];
+
+  DotSink(const IntRows& rows, int64_t first_block, int level_offset, bool wide_levels, const float* running)
+      : x(rows), block0(first_block), offset(level_offset), wide(wide_levels) {
+    for (int r = 0; r < R; ++r) {
+      acc[r] = load_f(running + r * W);
+      sums[0][r] = sums[1][r] = zero();
     }
   }
-  for (int64_t c = 0; c < W; ++c) {
-    for (int64_t b = 0; b < blocks; ++b) out.scales[b * W + c] = half_at(rows.row(c) + b * 34);
+  __attribute__((always_inline)) void quad(int64_t block, int q, V v) {
+    V* sum = sums[kG16 && q >= 4 ? 1 : 0];
+    const int8_t* at = x.q8.data() + (block0 + block) * kBlock + 4 * q;
+    for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, load32(at + r * x.k), wide);
+  }
+  void scale(int64_t group, VF v) { store_f(scales + group % kSlots * W, v); }
+  void min(int64_t group, VF v) { store_f(mins + group % kSlots * W, v); }
+  __attribute__((always_inline)) void block_done(int64_t block) {
+    constexpr int64_t size = kG16 ? 16 : 32;
+    const int64_t kb = block0 + block;
+    for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
+      const int64_t group = kG16 ? 2 * kb + h : kb, slot = (kG16 ? 2 * block + h : block) % kSlots;
+      const VF s = load_f(scales + slot * W);
+      for (int r = 0; r < R; ++r) {
+        const int32_t offset_sum = offset ? offset * x.sum(r, group, size) : 0;
+        acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, s, x.scale(r, kb), mins + slot * W,
+                                  kMin ? x.sx(r, group, size) : 0.0f);
+        sums[h][r] = zero();
+      }
+    }
+  }
+  void finish(float* running) const {
+    for (int r = 0; r < R; ++r) store_f(running + r * W, acc[r]);
+  }
+};
+
+// Q8_0 (d, 32 int8): levels + 128.
+template <class Sink>
+void build_q8_0(const Rows& rows, int64_t blocks, Sink& sink) {
+  constexpr int64_t kRuns = kVecBytes / 32;  // blocks per transposed set
+  const V flip = set8(0x80);
+  for (int64_t b = 0; b < blocks; b += kRuns) {
+    const int present = static_cast<int>(std::min(kRuns, blocks - b));
+    V v[W];
+    words_of_runs(rows, b * 34 + 2, 34, 32, present, v);
+    for (int p = 0; p < present; ++p) {
+      sink.scale(b + p, column_halves(rows, (b + p) * 34));
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) sink.quad(b + p, q, vxor(v[8 * p + q], flip));
+      sink.block_done(b + p);
+    }
   }
 }
 
 constexpr int8_t kIQ4Shifted[16] = {1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};  // +128
 
-// Q4_0, Q4_1, IQ4_NL: 16 bytes of nibbles per block at `qs` (low nibbles: values 0..15, high: 16..31).
-void build_nibble_blocks(const Part& part, const Rows& rows, int64_t blocks, int64_t qs, bool iq4, TileBuffers out) {
-  const Format& f = *part.format;
-  constexpr int kPieces = kVecBytes / 16;
+// A block whose 16 bytes of nibbles are words[0..3] (low nibbles: values 0..15, high: 16..31); IQ4 levels looked up.
+template <class Sink>
+__attribute__((always_inline)) inline void nibble_block(const V* words, int64_t block, bool iq4, Sink& sink) {
   const V mask = set8(0x0F), table = table16(kIQ4Shifted);
-  for (int64_t b = 0; b < blocks; b += kPieces) {
-    V v[W];
-    words_of_pieces(rows, b * f.bytes + qs, f.bytes, kPieces, static_cast<int>(std::min<int64_t>(kPieces, blocks - b)), v);
-    for (int j = 0; j < W; ++j) {
-      const int64_t block = b + j / 4;
-      if (block >= blocks) break;
-      V low = vand(v[j], mask), high = vand(srl(v[j], 4), mask);
-      if (iq4) {
-        low = lookup(table, low);
-        high = lookup(table, high);
-      }
-      store(quad_at(out, block, j % 4), low);
-      store(quad_at(out, block, j % 4 + 4), high);
+#pragma GCC unroll 4
+  for (int e = 0; e < 4; ++e) {
+    V low = vand(words[e], mask), high = vand(srl(words[e], 4), mask);
+    if (iq4) {
+      low = lookup(table, low);
+      high = lookup(table, high);
     }
+    sink.quad(block, e, low);
+    sink.quad(block, e + 4, high);
   }
-  for (int64_t c = 0; c < W; ++c) {
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* block = rows.row(c) + b * f.bytes;
-      out.scales[b * W + c] = half_at(block);
-      if (f.min) out.mins[b * W + c] = half_at(block + 2);
+  sink.block_done(block);
+}
+
+// Q4_0, Q4_1, IQ4_NL: 16 bytes of nibbles per block at `qs`.
+template <class Sink>
+void build_nibble_blocks(const Format& f, const Rows& rows, int64_t blocks, int64_t qs, bool iq4, Sink& sink) {
+  constexpr int64_t kRuns = kVecBytes / 16;
+  for (int64_t b = 0; b < blocks; b += kRuns) {
+    const int present = static_cast<int>(std::min(kRuns, blocks - b));
+    V v[W];
+    words_of_runs(rows, b * f.bytes + qs, f.bytes, 16, present, v);
+    for (int p = 0; p < present; ++p) {
+      sink.scale(b + p, column_halves(rows, (b + p) * f.bytes));
+      if (f.min) sink.min(b + p, column_halves(rows, (b + p) * f.bytes + 2));
+      nibble_block(v + 4 * p, b + p, iq4, sink);
     }
   }
 }
 
 // 128 bytes of Q4_K / Q5_K nibbles at qs: bytes 32c..32c+31 hold sub-block 2c (low) and 2c+1 (high). high_bits:
-// Q5_K's transposed qh words (bit j of byte i: fifth bit of sub-block j's value i), or null.
-void k_nibbles(const Rows& rows, int64_t qs, int64_t block0, const V* high_bits, TileBuffers out) {
+// Q5_K's qh words (bit j of byte i: fifth bit of sub-block j's value i), or null.
+template <class Sink>
+__attribute__((always_inline)) inline void k_nibbles(const Rows& rows, int64_t qs, int64_t block0, const V* high_bits,
+                                                     Sink& sink) {
   const V mask = set8(0x0F), one = set8(0x01);
+#pragma GCC unroll 4
   for (int64_t load_at = 0; load_at < 128; load_at += kVecBytes) {
     V v[W];
     words(rows, qs + load_at, v);
-    for (int j = 0; j < W; ++j) {
-      const int64_t c = load_at / 32 + j / 8, t = j % 8;
-      V low = vand(v[j], mask), high = vand(srl(v[j], 4), mask);
-      if (high_bits) {
-        low = vor(low, sll(vand(srl(high_bits[t], 2 * c), one), 4));
-        high = vor(high, sll(vand(srl(high_bits[t], 2 * c + 1), one), 4));
+#pragma GCC unroll 4
+    for (int sub = 0; sub < 2 * kVecBytes / 32; ++sub) {  // the sub-blocks this load holds, in order
+      const int c = static_cast<int>(load_at / 32) + sub / 2, block = 2 * c + sub % 2;
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const V word = v[8 * (sub / 2) + t];
+        V level = sub % 2 ? vand(srl(word, 4), mask) : vand(word, mask);
+        if (high_bits) level = vor(level, sll(vand(srl(high_bits[t], block), one), 4));
+        sink.quad(block0 + block, t, level);
       }
-      store(quad_at(out, block0 + 2 * c, t), low);
-      store(quad_at(out, block0 + 2 * c + 1, t), high);
+      sink.block_done(block0 + block);
     }
   }
 }
-
-// Q4_K / Q5_K scales and mins from the transposed header words (d | dmin, then the 12 bytes of 6-bit fields).
-void k4_scales(const V h[4], int64_t group0, TileBuffers out) {
+// Q4_K / Q5_K scales and mins from the header words (d | dmin, then the 12 bytes of 6-bit fields).
+template <class Sink>
+inline void k4_scales(const V h[4], int64_t group0, Sink& sink) {
   const VF d = half_low(h[0]), dmin = half_high(h[0]);
   const V six = set32(63), four = set32(15), two = set32(3);
   for (int j = 0; j < 8; ++j) {
@@ -306,94 +285,152 @@ void k4_scales(const V h[4], int64_t group0, TileBuffers out) {
       scale = vor(vand(srl(h[3], 8 * i), four), sll(vand(srl(h[1], 8 * i + 6), two), 4));
       min = vor(vand(srl(h[3], 8 * i + 4), four), sll(vand(srl(h[2], 8 * i + 6), two), 4));
     }
-    store(out.scales + (group0 + j) * W, mul(d, to_float(scale)));
-    store(out.mins + (group0 + j) * W, negate(mul(dmin, to_float(min))));
+    sink.scale(group0 + j, mul(d, to_float(scale)));
+    sink.min(group0 + j, negate(mul(dmin, to_float(min))));
   }
 }
 
-void build_q4_k(const Rows& rows, int64_t superblocks, TileBuffers out) {
+template <class Sink>
+void build_q4_k(const Rows& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const Rows at = rows.at(s * 144);
-    V header[W];
-    words(at, 0, header);
-    k4_scales(header, 8 * s, out);
-    k_nibbles(at, 16, 8 * s, nullptr, out);
+    V header[4];
+    four_words(at, 0, header);
+    k4_scales(header, 8 * s, sink);
+    k_nibbles(at, 16, 8 * s, nullptr, sink);
   }
 }
 
-void build_q5_k(const Rows& rows, int64_t superblocks, TileBuffers out) {
+template <class Sink>
+void build_q5_k(const Rows& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const Rows at = rows.at(s * 176);
-    V header[W], qh[W];
-    words(at, 0, header);
-    k4_scales(header, 8 * s, out);
+    V header[4], qh[W];
+    four_words(at, 0, header);
+    k4_scales(header, 8 * s, sink);
     words(at, 16, qh);  // words 0..7: qh
-    k_nibbles(at, 48, 8 * s, qh, out);
+    k_nibbles(at, 48, 8 * s, qh, sink);
   }
 }
 
 // Q6_K: ql[128], qh[64], scales[16] (int8 per 16 values), d. Value 128h + 32s + i: low bits from ql byte
 // 64h + 32(s % 2) + i (low nibble for s < 2), high bits (qh byte 32h + i >> 2s) & 3; levels + 32.
-void build_q6_k(const Rows& rows, int64_t superblocks, TileBuffers out) {
+template <class Sink>
+void build_q6_k(const Rows& rows, int64_t superblocks, Sink& sink) {
   const V mask = set8(0x0F), two_bits = set8(0x03);
   for (int64_t s = 0; s < superblocks; ++s) {
     const Rows at = rows.at(s * 210);
-    V qh[2 * W];  // word 8h + t: qh bytes 32h + 4t.. (as 2 x 8 words)
+    V scales[4], d_word[4];
+    four_words(at, 192, scales);  // the 16 int8 scales
+    four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half
+    const VF d = half_high(d_word[3]);
+    for (int g = 0; g < 16; ++g) sink.scale(16 * s + g, mul(d, to_float(sra(sll(scales[g / 4], 24 - 8 * (g % 4)), 24))));
+    V qh[2 * W];  // word 8h + t: qh bytes 32h + 4t..
     for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 128 + load_at, qh + load_at / 4);
-    for (int64_t load_at = 0; load_at < 128; load_at += kVecBytes) {
-      V ql[W];
-      words(at, load_at, ql);
-      for (int j = 0; j < W; ++j) {
-        const int64_t byte = load_at + 4 * j, h = byte / 64, parity = byte % 64 / 32, t = byte % 32 / 4;
-        const V high = qh[8 * h + t];
-        for (int nibble = 0; nibble < 2; ++nibble) {
-          const int sub = 2 * nibble + static_cast<int>(parity);
-          const V low = nibble ? vand(srl(ql[j], 4), mask) : vand(ql[j], mask);
-          const V top = sll(vand(srl(high, 2 * sub), two_bits), 4);
-          store(quad_at(out, 8 * s + 4 * h + sub, t), vor(low, top));
+    for (int h = 0; h < 2; ++h) {
+      V ql[2 * W];  // word 8 * (s % 2) + t: ql bytes 64h + 32(s % 2) + 4t..
+      for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 64 * h + load_at, ql + load_at / 4);
+#pragma GCC unroll 4
+      for (int sub = 0; sub < 4; ++sub) {
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const V word = ql[8 * (sub % 2) + t];
+          const V low = sub < 2 ? vand(word, mask) : vand(srl(word, 4), mask);
+          const V top = sll(vand(srl(qh[8 * h + t], 2 * sub), two_bits), 4);
+          sink.quad(8 * s + 4 * h + sub, t, vor(low, top));
         }
+        sink.block_done(8 * s + 4 * h + sub);
       }
-    }
-    V scales[W], d_word[W];
-    words(at, 208 - kVecBytes, scales);  // words W-4..W-1 (bytes 192..207): the 16 int8 scales
-    words(at, 210 - kVecBytes, d_word);  // word W-1 (bytes 206..209): d in the high half
-    const VF d = half_high(d_word[W - 1]);
-    for (int g = 0; g < 16; ++g) {
-      const V word = scales[W - 4 + g / 4];
-      const V scale = sra(sll(word, 24 - 8 * (g % 4)), 24);
-      store(out.scales + (16 * s + g) * W, mul(d, to_float(scale)));
     }
   }
 }
 
 // IQ4_XS: d, scales_h, scales_l[4], qs[128] (16 bytes per sub-block: low nibbles values 0..15, high 16..31).
-void build_iq4_xs(const Rows& rows, int64_t superblocks, TileBuffers out) {
-  const V mask = set8(0x0F), table = table16(kIQ4Shifted);
+template <class Sink>
+void build_iq4_xs(const Rows& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const Rows at = rows.at(s * 136);
-    V header[W];
-    words(at, 0, header);
+    V header[4];
+    four_words(at, 0, header);
     const VF d = half_low(header[0]);
     const V high = srl(header[0], 16), low = header[1];
     for (int j = 0; j < 8; ++j) {
       const V ls = vor(vand(srl(low, 4 * j), set32(15)), sll(vand(srl(high, 2 * j), set32(3)), 4));
-      store(out.scales + (8 * s + j) * W, mul(d, to_float(sub32(ls, set32(32)))));
+      sink.scale(8 * s + j, mul(d, to_float(sub32(ls, set32(32)))));
     }
     for (int64_t load_at = 0; load_at < 128; load_at += kVecBytes) {
       V v[W];
       words(at, 8 + load_at, v);
-      for (int j = 0; j < W; ++j) {
-        const int64_t byte = load_at + 4 * j, sub = byte / 16, e = byte % 16 / 4;
-        store(quad_at(out, 8 * s + sub, e), lookup(table, vand(v[j], mask)));
-        store(quad_at(out, 8 * s + sub, e + 4), lookup(table, vand(srl(v[j], 4), mask)));
-      }
+#pragma GCC unroll 4
+      for (int sub = 0; sub < kVecBytes / 16; ++sub) nibble_block(v + 4 * sub, 8 * s + load_at / 16 + sub, true, sink);
     }
   }
 }
 
+// Runs the format's builder into sink; false when the format has none (decoded_tile serves it).
+template <class Sink>
+bool build(const Format& f, const Rows& rows, int64_t values, Sink& sink) {
+  const int64_t blocks = values / f.values;
+  switch (f.type) {
+    case kQ8_0: build_q8_0(rows, blocks, sink); return true;
+    case kQ4_0: build_nibble_blocks(f, rows, blocks, 2, false, sink); return true;
+    case kQ4_1: build_nibble_blocks(f, rows, blocks, 4, false, sink); return true;
+    case kIQ4_NL: build_nibble_blocks(f, rows, blocks, 2, true, sink); return true;
+    case kQ4_K: build_q4_k(rows, blocks, sink); return true;
+    case kQ5_K: build_q5_k(rows, blocks, sink); return true;
+    case kQ6_K: build_q6_k(rows, blocks, sink); return true;
+    case kIQ4_XS: build_iq4_xs(rows, blocks, sink); return true;
+    default: return false;
+  }
+}
+
+template <int R, bool kG16, bool kMin>
+bool stream_rows(const Part& part, const Rows& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+  const Format& f = *part.format;
+#if defined(STATELM_GGUF_VNNI)
+  DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
+#else
+  DotSink<R, kG16, kMin> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
+#endif
+  if (!build(f, rows, values, sink)) return false;
+  sink.finish(acc);
+  return true;
+}
+
+template <int R>
+bool stream_rows(const Part& part, const Rows& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+  const Format& f = *part.format;
+  if (f.group == 16) {
+    return f.min ? stream_rows<R, true, true>(part, rows, first, values, x, acc)
+                 : stream_rows<R, true, false>(part, rows, first, values, x, acc);
+  }
+  return f.min ? stream_rows<R, false, true>(part, rows, first, values, x, acc)
+               : stream_rows<R, false, false>(part, rows, first, values, x, acc);
+}
 #endif  // STATELM_GGUF_AVX2
 
 }  // namespace
+
+void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
+                    float* mins) {
+  const Format& f = *part.format;
+  const int64_t groups = values / f.group, blocks = values / f.values, groups_per_block = f.values / f.group;
+  for (int64_t c = 0; c < kTileColumns; ++c) {
+    int8_t* q = levels + c * values;
+    float* s = scales + c * groups;
+    float* m = mins + c * groups;
+    if (column + c >= part.rows) {
+      std::memset(q, 0, values);
+      std::fill(s, s + groups, 0.0f);
+      std::fill(m, m + groups, 0.0f);
+      continue;
+    }
+    const uint8_t* row = part.data + (column + c) * part.row_stride + first / f.values * f.bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      f.decode(row + b * f.bytes, q + b * f.values, s + b * groups_per_block, m + b * groups_per_block);
+    }
+  }
+}
 
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values) {
   const Format& f = *part.format;
@@ -401,22 +438,25 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
   TileBuffers out{scratch<uint8_t, 3>(W * values), scratch<float, 2>(2 * W * groups), nullptr};
   out.mins = out.scales + W * groups;
 #if defined(STATELM_GGUF_AVX2)
-  const Rows rows = rows_of(part, column, first);
-  const int64_t blocks = values / f.values;
-  switch (f.type) {
-    case kQ8_0: build_q8_0(rows, blocks, out); break;
-    case kQ4_0:
-    case kQ4_1: build_nibble_blocks(part, rows, blocks, f.type == kQ4_0 ? 2 : 4, false, out); break;
-    case kIQ4_NL: build_nibble_blocks(part, rows, blocks, 2, true, out); break;
-    case kQ4_K: build_q4_k(rows, blocks, out); break;
-    case kQ5_K: build_q5_k(rows, blocks, out); break;
-    case kQ6_K: build_q6_k(rows, blocks, out); break;
-    case kIQ4_XS: build_iq4_xs(rows, blocks, out); break;
-    default: return decoded_tile(part, column, first, values, out);
+  StoreSink sink{out.levels, out.scales, out.mins};
+  if (build(f, rows_of(part, column, first), values, sink)) {
+    return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
   }
-  return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
-#else
+#endif
   return decoded_tile(part, column, first, values, out);
+}
+
+bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc) {
+#if defined(STATELM_GGUF_AVX2)
+  const Rows rows = rows_of(part, column, first);
+  switch (x.rows) {
+    case 1: return stream_rows<1>(part, rows, first, values, x, acc);
+    case 2: return stream_rows<2>(part, rows, first, values, x, acc);
+    default: return false;
+  }
+#else
+  (void)part, (void)column, (void)first, (void)values, (void)x, (void)acc;
+  return false;
 #endif
 }
 

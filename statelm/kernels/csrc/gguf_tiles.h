@@ -24,6 +24,12 @@ struct Int8Tile {
 // thread's scratch (valid until the next call on the thread).
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values);
 
+// Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
+// each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's). False where the format or
+// the build has no such path (then build a tile).
+constexpr int64_t kStreamRows = 2;
+bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc);
+
 // The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds; the scalar
 // build's tile as it is.
 Int8Tile widen_int16(const Int8Tile& tile);
