@@ -36,7 +36,11 @@ inline V sub32(V a, V b) { return _mm512_sub_epi32(a, b); }
 inline V srl(V a, unsigned n) { return _mm512_srli_epi32(a, n); }
 inline V sll(V a, unsigned n) { return _mm512_slli_epi32(a, n); }
 inline V sra(V a, unsigned n) { return _mm512_srai_epi32(a, n); }
-inline V lookup(V table, V index) { return _mm512_shuffle_epi8(table, index); }  // table repeated per 128 bits
+inline V lookup(V table, V index) { return _mm512_shuffle_epi8(table, index); }  // within each 128 bits
+inline V add8(V a, V b) { return _mm512_add_epi8(a, b); }
+inline V min8(V a, V b) { return _mm512_min_epu8(a, b); }
+// Byte b of a 128-bit lane: the index of its 32-bit word's first byte (for lookup: a word's bytes replicated).
+inline V lane_bytes() { return _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C)); }
 inline V table16(const int8_t* t) { return _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t))); }
 inline VF to_float(V v) { return _mm512_cvtepi32_ps(v); }
 inline VF mul(VF a, VF b) { return _mm512_mul_ps(a, b); }
@@ -99,7 +103,10 @@ inline V sub32(V a, V b) { return _mm256_sub_epi32(a, b); }
 inline V srl(V a, unsigned n) { return _mm256_srli_epi32(a, n); }
 inline V sll(V a, unsigned n) { return _mm256_slli_epi32(a, n); }
 inline V sra(V a, unsigned n) { return _mm256_srai_epi32(a, n); }
-inline V lookup(V table, V index) { return _mm256_shuffle_epi8(table, index); }
+inline V lookup(V table, V index) { return _mm256_shuffle_epi8(table, index); }  // within each 128 bits
+inline V add8(V a, V b) { return _mm256_add_epi8(a, b); }
+inline V min8(V a, V b) { return _mm256_min_epu8(a, b); }
+inline V lane_bytes() { return _mm256_broadcastsi128_si256(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0C0C0C0C)); }
 inline V table16(const int8_t* t) {
   return _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(t)));
 }

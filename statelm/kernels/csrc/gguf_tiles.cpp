@@ -123,15 +123,6 @@ __attribute__((always_inline)) inline void words_of_runs(const Rows& rows, int64
   transpose(out);
 }
 
-inline float half_lane(const uint8_t* p) { return _cvtsh_ss(static_cast<uint16_t>(p[0] | (p[1] << 8))); }
-
-// The float16 at byte `at` of every column's row, as a vector.
-inline VF column_halves(const Rows& rows, int64_t at) {
-  alignas(64) float lanes[W];
-  for (int64_t c = 0; c < W; ++c) lanes[c] = half_lane(rows.row(c) + at);
-  return load_f(lanes);
-}
-
 // A sink receives a chunk's decoded blocks (block numbers from the chunk's start), in order: a block's scale(group,
 // S) and min(group, O) calls (possibly those of a few blocks ahead), then its eight quad(block, q, levels) calls
 // (levels + offset of values 4q..4q+3 of every column, quads in any order) and block_done(block). StoreSink lays
@@ -203,7 +194,9 @@ void build_q8_0(const Rows& rows, int64_t blocks, Sink& sink) {
     V v[W];
     words_of_runs(rows, b * 34 + 2, 34, 32, present, v);
     for (int p = 0; p < present; ++p) {
-      sink.scale(b + p, column_halves(rows, (b + p) * 34));
+      V header[4];
+      four_words(rows, (b + p) * 34, header);
+      sink.scale(b + p, half_low(header[0]));
 #pragma GCC unroll 8
       for (int q = 0; q < 8; ++q) sink.quad(b + p, q, vxor(v[8 * p + q], flip));
       sink.block_done(b + p);
@@ -239,9 +232,42 @@ void build_nibble_blocks(const Format& f, const Rows& rows, int64_t blocks, int6
     V v[W];
     words_of_runs(rows, b * f.bytes + qs, f.bytes, 16, present, v);
     for (int p = 0; p < present; ++p) {
-      sink.scale(b + p, column_halves(rows, (b + p) * f.bytes));
-      if (f.min) sink.min(b + p, column_halves(rows, (b + p) * f.bytes + 2));
+      V header[4];  // word 0: d, then Q4_1's m
+      four_words(rows, (b + p) * f.bytes, header);
+      sink.scale(b + p, half_low(header[0]));
+      if (f.min) sink.min(b + p, half_high(header[0]));
       nibble_block(v + 4 * p, b + p, iq4, sink);
+    }
+  }
+}
+
+// Q5_0 (d, qh, qs[16]) and Q5_1 (d, m, qh, qs[16]): value i's fifth bit is bit i of the 32-bit qh. For quad e,
+// byte e / 2 of each column's qh is spread over the lane's four bytes and byte i keeps bit 4 (e % 2) + i.
+template <class Sink>
+void build_q5_blocks(const Format& f, const Rows& rows, int64_t blocks, int64_t qh_at, Sink& sink) {
+  constexpr int64_t kRuns = kVecBytes / 16;
+  const V mask = set8(0x0F), one = set8(0x01);
+  const V lane_base = lane_bytes();
+  for (int64_t b = 0; b < blocks; b += kRuns) {
+    const int present = static_cast<int>(std::min(kRuns, blocks - b));
+    V v[W];
+    words_of_runs(rows, b * f.bytes + qh_at + 4, f.bytes, 16, present, v);
+    for (int p = 0; p < present; ++p) {
+      const int64_t block = b + p;
+      V header[4];  // Q5_0: d | qh low half, qh high half | ...; Q5_1: d | m, qh
+      four_words(rows, block * f.bytes, header);
+      sink.scale(block, half_low(header[0]));
+      if (f.min) sink.min(block, half_high(header[0]));
+      const V qh = f.min ? header[1] : vor(srl(header[0], 16), sll(header[1], 16));
+#pragma GCC unroll 8
+      for (int e = 0; e < 8; ++e) {
+        const V word = v[4 * p + e % 4];
+        const V nibble = e < 4 ? vand(word, mask) : vand(srl(word, 4), mask);
+        const V spread = lookup(qh, add8(lane_base, set8(e / 2)));
+        const V bits = vand(spread, set32(e % 2 ? static_cast<int>(0x80402010) : 0x08040201));
+        sink.quad(block, e, vor(nibble, sll(min8(bits, one), 4)));
+      }
+      sink.block_done(block);
     }
   }
 }
@@ -376,6 +402,8 @@ bool build(const Format& f, const Rows& rows, int64_t values, Sink& sink) {
     case kQ4_0: build_nibble_blocks(f, rows, blocks, 2, false, sink); return true;
     case kQ4_1: build_nibble_blocks(f, rows, blocks, 4, false, sink); return true;
     case kIQ4_NL: build_nibble_blocks(f, rows, blocks, 2, true, sink); return true;
+    case kQ5_0: build_q5_blocks(f, rows, blocks, 2, sink); return true;
+    case kQ5_1: build_q5_blocks(f, rows, blocks, 4, sink); return true;
     case kQ4_K: build_q4_k(rows, blocks, sink); return true;
     case kQ5_K: build_q5_k(rows, blocks, sink); return true;
     case kQ6_K: build_q6_k(rows, blocks, sink); return true;
