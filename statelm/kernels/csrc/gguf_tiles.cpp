@@ -480,6 +480,8 @@ bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t v
   switch (x.rows) {
     case 1: return stream_rows<1>(part, rows, first, values, x, acc);
     case 2: return stream_rows<2>(part, rows, first, values, x, acc);
+    case 3: return stream_rows<3>(part, rows, first, values, x, acc);
+    case 4: return stream_rows<4>(part, rows, first, values, x, acc);
     default: return false;
   }
 #else

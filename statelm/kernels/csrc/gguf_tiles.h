@@ -27,7 +27,7 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
 // Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
 // each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's). False where the format or
 // the build has no such path (then build a tile).
-constexpr int64_t kStreamRows = 2;
+constexpr int64_t kStreamRows = 4;
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc);
 
 // The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds; the scalar
