@@ -75,7 +75,8 @@ _DEFAULTS = {
 def build_gguf_vocab(fields: Mapping[str, Any]) -> GGUFVocab:
     """The tokenizer of a GGUF file from its decoded metadata; raises VocabError where llama.cpp's is not matched."""
     kind = fields.get("tokenizer.ggml.model")
-    tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
+    # An empty entry gets a placeholder name, as llama.cpp gives it, so that every id keeps a distinct text.
+    tokens = [t or f"[EMPTY_{i}]" for i, t in enumerate(fields.get("tokenizer.ggml.tokens") or [])]
     if not tokens:
         raise VocabError("GGUF file has no tokenizer.ggml.tokens")
     if kind not in _DEFAULTS:
@@ -92,10 +93,10 @@ def build_gguf_vocab(fields: Mapping[str, Any]) -> GGUFVocab:
     bos_id = token_id("bos_token_id", token_id("cls_token_id", bos_default) if kind == "bert" else bos_default)
     eos_id = token_id("eos_token_id", defaults.eos)
     unk_id = token_id("unknown_token_id", defaults.unk)
+    if kind == "bert" and unk_id is None:
+        raise VocabError("GGUF bert vocabulary has no unknown token")
     try:
         backend = _backend(kind, fields, tokens, token_types, pre, unk_id)
-    except VocabError:
-        raise
     except Exception as exc:  # the tokenizers library raises bare Exception for malformed vocabularies
         raise VocabError(f"malformed GGUF tokenizer: {exc}") from exc
 
@@ -146,8 +147,7 @@ def _backend(
     if kind == "llama":
         return sentencepiece_backend(fields, tokens, token_types)
     if kind == "bert":
-        if unk_id is None:
-            raise VocabError("GGUF bert vocabulary has no unknown token")
+        assert unk_id is not None  # the caller refuses a bert vocabulary without one
         return wordpiece_backend(fields, tokens, token_types, tokens[unk_id])
     return unigram_backend(fields, tokens, unk_id)
 

@@ -123,8 +123,9 @@ BPE_PRE_TOKENIZERS: dict[str, BpePreTokenizer] = {
         ["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2", "jina-v5-nano"],
         _LLAMA3,
     ),
-    # DBRX and Smaug share Llama 3's split; statelm keeps its whole-word lookup for them, as their tokenizer.json has.
-    **dict.fromkeys(["dbrx", "smaug-bpe"], BpePreTokenizer((LLAMA3,), ignore_merges=True)),
+    "dbrx": BpePreTokenizer((LLAMA3,)),
+    # Smaug (a Llama 3 fine-tune) keeps Llama 3's whole-word lookup, as its tokenizer.json does (llama.cpp drops it).
+    "smaug-bpe": BpePreTokenizer((LLAMA3,), ignore_merges=True),
     "jais-2": BpePreTokenizer((_JAIS2,)),
     "deepseek-llm": BpePreTokenizer(
         (
