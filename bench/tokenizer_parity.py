@@ -59,6 +59,10 @@ int main(int argc, char ** argv) {
     return 0;
 }
 """
+COLUMNS = (
+    "| texts | tokenized differently | llama.cpp's round trip gives the text back, statelm's not |\n"
+    "| --- | ---: | ---: | ---: |"
+)
 FRAGMENTS = [
     "hello", "World", "HELLO", "don't", "I'M", "we'Ve", "'ll", " ", "  ", "   ", "\n", "\n\n", "\r\n", "\t", " \n ",
     "123", "4567890", "3.14", "½", "²", "٣", "、", "。", "中文", "日本語", "ひらがな", "カタカナ", "한국어", "ภาษาไทย",
@@ -110,7 +114,7 @@ def with_pre_tokenizer(data: bytes, field: gguf.ReaderField, name: str) -> bytes
 
 
 def compare(name: str, vocab: Path, program: Path, texts: list[str], texts_file: Path, show: int) -> tuple[int, int]:
-    """Print and return (texts tokenized differently, texts llama.cpp decodes back and statelm does not)."""
+    """Print and return (texts tokenized differently, texts llama.cpp's round trip gives back and statelm's not)."""
     tok = Tokenizer.from_gguf_fields(read_gguf_fields(vocab))
     encode_diffs = decode_misses = 0
     for text, (ids, decoded) in zip(texts, llama_cpp(program, vocab, texts_file), strict=True):
@@ -120,7 +124,7 @@ def compare(name: str, vocab: Path, program: Path, texts: list[str], texts_file:
             if encode_diffs <= show:
                 print(f"    {text!r}\n      llama.cpp {[tok.backend.id_to_token(i) for i in ids]}")
                 print(f"      statelm   {[tok.backend.id_to_token(i) for i in ours]}")
-        decode_misses += decoded == text and tok.decode(ids) != text
+        decode_misses += decoded == text and tok.decode(ours) != text
     print(f"| {name} | {len(texts)} | {encode_diffs} | {decode_misses} |", flush=True)
     return encode_diffs, decode_misses
 
@@ -142,16 +146,14 @@ def main() -> None:
         program = build_helper(find_llama_server(args.llama_server), work)
         texts_file = work / "texts.txt"
         texts_file.write_text(VECTOR_SEPARATOR.join(texts), encoding="utf-8")
-        print("\n| vocabulary | texts | tokenized differently | llama.cpp decodes back, statelm not |")
-        print("| --- | ---: | ---: | ---: |")
+        print(f"\n| vocabulary {COLUMNS}")
         for vocab in sorted(directory.glob("ggml-vocab-*.gguf")):
             compare(vocab.stem.removeprefix("ggml-vocab-"), vocab, program, texts, texts_file, args.show)
         base = directory / "ggml-vocab-llama-bpe.gguf"
         field = gguf.GGUFReader(base).fields["tokenizer.ggml.pre"]
         data = base.read_bytes()
         print("\nLlama 3's vocabulary under each tokenizer.ggml.pre (byte-level ones)\n")
-        print("| tokenizer.ggml.pre | texts | tokenized differently | llama.cpp decodes back, statelm not |")
-        print("| --- | ---: | ---: | ---: |")
+        print(f"| tokenizer.ggml.pre {COLUMNS}")
         for name, pre in sorted(BPE_PRE_TOKENIZERS.items()):
             if pre.byte_level:
                 patched = work / f"{name}.gguf"
