@@ -32,9 +32,6 @@ from statelm.gguf_vocab.pre_tokenizers import (
 
 __all__ = ["SUPPORTED_VOCAB_TYPES", "GGUFVocab", "VocabError", "build_gguf_vocab", "bytes_to_unicode"]
 
-SUPPORTED_VOCAB_TYPES = ("gpt2", "llama", "gemma4", "bert", "t5", "whitespace")
-
-
 class VocabError(ValueError):
     """A GGUF vocabulary statelm cannot tokenize as llama.cpp does."""
 
@@ -70,6 +67,7 @@ _DEFAULTS = {
     "gemma4": _Defaults(add_bos=True),
     "t5": _Defaults(eos=1, unk=2, add_eos=True),
 }
+SUPPORTED_VOCAB_TYPES = tuple(_DEFAULTS)
 
 
 def build_gguf_vocab(fields: Mapping[str, Any]) -> GGUFVocab:
