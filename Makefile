@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= default
 
-.PHONY: setup kernels webui browser serve test lint bench clean
+.PHONY: setup kernels webui browser test-data serve test lint bench clean
 
 setup: $(VENV)/.stamp-model
 
@@ -60,13 +60,18 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 		|| echo "statelm: could not install chromium; the browser tests will skip"; fi
 
+# llama.cpp's tokenizer test vocabularies and vectors (models/ggml-vocab-*), from the llama-cpp-python sdist: fetched
+# once into the user cache (tests/llama_vocab.py); without them the tokenizer tests skip, except under `make test`.
+test-data: setup
+	$(BIN)/python -m tests.llama_vocab
+
 serve: kernels webui
 	$(BIN)/statelm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: kernels webui browser $(VENV)/.stamp-cluster
+test: kernels webui browser test-data $(VENV)/.stamp-cluster
 	$(BIN)/ruff check .
 	@if [ -f webui/node_modules/.stamp ]; then cd webui && npm test --silent; fi
-	$(BIN)/python -m pytest -q --durations=20
+	STATELM_REQUIRE_TEST_DATA=1 $(BIN)/python -m pytest -q --durations=20
 
 lint: setup
 	$(BIN)/ruff check .
