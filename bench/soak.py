@@ -2,7 +2,7 @@
 
 Usage: .venv/bin/python -m bench.soak [--duration 600] [--concurrency 16] [--max-requests 200000]
                                       [--url URL --pid PID --api-key KEY] [--kv-cache-memory 512MiB]
-                                      [--window 30] [--warmup 60] [--leak-threshold 1.0] [--leak-requests]
+                                      [--window 30] [--warmup 60] [--leak-threshold 2.0] [--leak-requests]
 
 Each worker repeats one of four scenarios, chosen in turn from a seeded generator:
   stateless  a short chat completion;
@@ -347,7 +347,7 @@ def main() -> None:
     parser.add_argument("--block-size", type=int, default=EngineConfig().block_size, help="the server's KV block")
     parser.add_argument("--window", type=float, default=30.0, help="seconds between memory samples (default 30)")
     parser.add_argument("--warmup", type=float, default=60.0, help="seconds of load not judged (default 60)")
-    parser.add_argument("--leak-threshold", type=float, default=1.0, help="MiB per 1,000 requests (default 1)")
+    parser.add_argument("--leak-threshold", type=float, default=2.0, help="MiB per 1,000 requests (default 2)")
     parser.add_argument("--leak-requests", action="store_true", help="start a server that keeps every request")
     args = parser.parse_args()
     args.kv_pool_bytes = parse_size(args.kv_cache_memory)

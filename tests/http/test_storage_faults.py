@@ -118,6 +118,12 @@ def stream_chunks(api: httpx.Client, body: dict[str, Any]) -> list[dict[str, Any
     return [json.loads(event) for event in events[:-1]]
 
 
+def with_a_turn(api: httpx.Client, session_id: str) -> None:
+    """A new session with one turn."""
+    assert api.post("/v1/sessions", json={"session_id": session_id}).status_code == 201
+    assert api.post("/v1/chat/completions", json={**TURN, "session_id": session_id}).status_code == 200
+
+
 def session_state(api: httpx.Client, session_id: str) -> tuple[Any, ...]:
     session = api.get(f"/v1/sessions/{session_id}").json()
     return session["num_messages"], session["metadata"], api.get(f"/v1/sessions/{session_id}/history").json()
@@ -223,8 +229,7 @@ def test_a_read_only_or_vanished_state_dir_is_reported_refused_and_recovered_fro
 ) -> None:
     server, store = clean
     with server.http() as api:
-        assert api.post("/v1/sessions", json={"session_id": "survivor"}).status_code == 201
-        assert api.post("/v1/chat/completions", json={**TURN, "session_id": "survivor"}).status_code == 200
+        with_a_turn(api, "survivor")
         store.inject(Fault(WRITES, errno.EROFS))
         refused(api.post("/v1/sessions", json={"session_id": "ro"}), "the new session 'ro'", "is read-only")
         refused(api.delete("/v1/sessions/survivor"), "the deletion of session 'survivor'", "is read-only")
@@ -283,8 +288,7 @@ def test_snapshots_removed_or_damaged_underneath_are_missing_or_corrupt_and_new_
 ) -> None:
     server, _ = clean
     with server.http() as api:
-        assert api.post("/v1/sessions", json={"session_id": "snapped"}).status_code == 201
-        assert api.post("/v1/chat/completions", json={**TURN, "session_id": "snapped"}).status_code == 200
+        with_a_turn(api, "snapped")
         first = api.post("/v1/sessions/snapped/snapshot", json={}).json()
         shutil.rmtree(state / "snapshots")
         assert api.get("/v1/snapshots").json()["data"] == []
@@ -333,8 +337,7 @@ def test_spill_and_off_promise_nothing_per_change_and_refuse_only_snapshots(
     args = tiny_args(tiny_model, tmp_path / "state", "--session-durability", durability)
     with serve_faulty(args) as (server, store), server.http() as api:
         store.inject(FULL)
-        assert api.post("/v1/sessions", json={"session_id": "s"}).status_code == 201
-        assert api.post("/v1/chat/completions", json={**TURN, "session_id": "s"}).status_code == 200
+        with_a_turn(api, "s")
         assert api.post("/v1/sessions/s/rollback", json={"keep_messages": 0}).status_code == 200
         refused(api.post("/v1/sessions/s/snapshot", json={}), "the snapshot of session 's'")
         assert api.delete("/v1/sessions/s").status_code == 200
@@ -346,8 +349,7 @@ def test_idle_sessions_are_saved_after_the_clock_is_set_back(
 ) -> None:
     state = tmp_path / "state"
     with serve_in_process(tiny_args(tiny_model, state, "--persist-idle-after", "0.3s")) as server, server.http() as api:
-        assert api.post("/v1/sessions", json={"session_id": "idle"}).status_code == 201
-        assert api.post("/v1/chat/completions", json={**TURN, "session_id": "idle"}).status_code == 200
+        with_a_turn(api, "idle")
         real = time.time
         monkeypatch.setattr(time, "time", lambda: real() - 86400)  # the wall clock set back a day since the change
         deadline = time.monotonic() + 10

@@ -75,54 +75,70 @@ class FaultyStore:
             self.faults.clear()
 
     def prepare(self, area: Area, exclusive: bool) -> None:
+        """Ready an area (a fault here stands for a state dir that cannot be made)."""
         self._call("prepare", area, lambda: self.inner.prepare(area, exclusive))
 
     def write_bundle(self, area: Area, name: str, files: Mapping[str, bytes]) -> None:
+        """Write a bundle whole."""
         self._call("write_bundle", area, lambda: self.inner.write_bundle(area, name, files))
 
     def read_file(self, area: Area, name: str, file: str) -> bytes:
+        """One file of a bundle."""
         return self._call("read_file", area, lambda: self.inner.read_file(area, name, file))
 
     def replace_file(self, area: Area, name: str, file: str, data: bytes) -> None:
+        """Replace one file of a bundle."""
         self._call("replace_file", area, lambda: self.inner.replace_file(area, name, file, data))
 
     def delete_bundle(self, area: Area, name: str) -> None:
+        """Remove a bundle."""
         self._call("delete_bundle", area, lambda: self.inner.delete_bundle(area, name))
 
     def bundle_exists(self, area: Area, name: str) -> bool:
+        """Whether the bundle exists (never failed)."""
         return self.inner.bundle_exists(area, name)
 
     def bundle_names(self, area: Area) -> list[str]:
+        """The area's bundles (never failed)."""
         return self.inner.bundle_names(area)
 
     def bundle_size(self, area: Area, name: str) -> int:
+        """Bytes of a bundle (never failed)."""
         return self.inner.bundle_size(area, name)
 
     def append_log(self, name: str, data: bytes) -> int:
+        """Append to a log; a torn fault writes half the bytes before failing."""
         fault = self._fault("append_log", Area.JOURNAL)
         if fault is not None and fault.torn:
             self.inner.append_log(name, data[: len(data) // 2])
         return self._apply(fault, lambda: self.inner.append_log(name, data))
 
     def replace_log(self, name: str, data: bytes) -> int:
+        """Replace a log whole."""
         return self._call("replace_log", Area.JOURNAL, lambda: self.inner.replace_log(name, data))
 
     def read_log(self, name: str) -> bytes:
+        """A log's bytes."""
         return self._call("read_log", Area.JOURNAL, lambda: self.inner.read_log(name))
 
     def truncate_log(self, name: str, size: int) -> None:
+        """Cut a log."""
         self._call("truncate_log", Area.JOURNAL, lambda: self.inner.truncate_log(name, size))
 
     def remove_log(self, name: str) -> None:
+        """Remove a log."""
         self._call("remove_log", Area.JOURNAL, lambda: self.inner.remove_log(name))
 
     def log_exists(self, name: str) -> bool:
+        """Whether the log exists (never failed)."""
         return self.inner.log_exists(name)
 
     def log_size(self, name: str) -> int:
+        """Bytes of a log (never failed)."""
         return self.inner.log_size(name)
 
     def log_names(self) -> list[str]:
+        """The logs (never failed)."""
         return self.inner.log_names()
 
     def space(self) -> StoreSpace:
@@ -138,9 +154,11 @@ class FaultyStore:
         return StoreSpace(space.location, condition, free, space.total_bytes)
 
     def private(self) -> FaultyStore:
+        """The inner store's private store, failing with the same faults."""
         return FaultyStore(self.inner.private(), self.faults)
 
     def destroy(self) -> None:
+        """Remove the inner store."""
         self.inner.destroy()
 
     def _fault(self, operation: str, area: Area) -> Fault | None:
