@@ -131,11 +131,10 @@ class StorageHealth:
                 self._cause = StorageCondition.OK
 
     def report(self, owed: int) -> dict[str, object]:
-        """The condition for /health: no I/O."""
+        """The condition for /health (public: where the store is stays out of it); no I/O."""
         space = self.space
         return {
             "condition": self.condition(owed).value,
-            "location": space.location,
             "free_bytes": space.free_bytes,
             "total_bytes": space.total_bytes,
             "owed_writes": owed,

@@ -179,7 +179,7 @@ def test_every_change_that_cannot_be_saved_is_refused_whole_and_stateless_reques
         assert api.post("/v1/responses", json={**body, "input": "Hi", "store": False}).status_code == 200
         assert api.delete(f"/v1/snapshots/{snapshot['id']}").status_code == 200  # freeing room works on a full disk
         health = wait_for_condition(api, "full")
-        assert health["free_bytes"] == 0 and health["owed_writes"] >= 1 and str(state) in health["location"]
+        assert health["free_bytes"] == 0 and health["owed_writes"] >= 1 and "location" not in health
         assert storage_refusals(api)["full"] - refusals == 14  # one per refusal above
 
         store.clear()  # room again: the journals the failures broke are rewritten, without a restart

@@ -183,7 +183,6 @@ def test_the_condition_is_the_stores_or_while_writes_are_owed_the_cause_of_the_l
     health.observe(StoreSpace("the state store", StorageCondition.READ_ONLY, 0, 1), owed=0)
     assert health.report(0) == {
         "condition": "read-only",
-        "location": "the state store",
         "free_bytes": 0,
         "total_bytes": 1,
         "owed_writes": 0,

@@ -19,9 +19,9 @@ class HealthStatus(BaseModel):
     )
     state_dir: dict[str, Any] | None = Field(
         None,
-        description="The state directory's condition (ok, full, read-only, missing, failing), where it is, its free "
-        "and total bytes, and how many sessions' writes it still owes; a condition other than ok is reported here "
-        "without failing the liveness check",
+        description="The state directory's condition (ok, full, read-only, missing, failing), its free and total "
+        "bytes, and how many sessions' writes it still owes; a condition other than ok is reported here without "
+        "failing the liveness check",
     )
 
 
