@@ -30,6 +30,18 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
+def format_size(num_bytes: int) -> str:
+    """Bytes as `512 B`, `11.2 MiB`…"""
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    value = num_bytes / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
 def parse_duration(text: str) -> float:
     """Seconds from a duration such as `30d`, `12h`, `90m` or `3600`."""
     match = _DURATION.match(text)
