@@ -16,12 +16,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# torch and the build's own requirements (pyproject.toml's [build-system]) go in first: the package is built in this
+# venv (--no-build-isolation), against the torch it runs with, and keeps its kernels' build in build/kernels
 $(VENV)/.stamp-torch: $(BIN)/python
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) 'setuptools>=77' 'ninja>=1.11'
 	touch $@
 
-$(VENV)/.stamp-package: $(VENV)/.stamp-torch pyproject.toml
-	$(BIN)/pip install --quiet -e '.[dev]'
+# builds the kernels too (setup.py), once; `make kernels` rebuilds what csrc/ changes
+$(VENV)/.stamp-package: $(VENV)/.stamp-torch pyproject.toml setup.py
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[dev]'
 	touch $@
 
 $(VENV)/.stamp-model: $(VENV)/.stamp-package
@@ -33,10 +36,17 @@ $(VENV)/.stamp-cluster: $(VENV)/.stamp-package
 	$(BIN)/pip install --quiet -e '.[dev,cluster]'
 	touch $@
 
-# statelm's C++ kernels compile once per machine (cached in the user cache dir); without a compiler the
+# statelm's C++ kernels: one library per CPU class in statelm/kernels/lib, rebuilt (only what changed) when their
+# sources or build change; the server loads the best one at start and never compiles. Without a compiler the
 # server still runs, on the slower torch paths, and says so.
-kernels: setup
-	$(BIN)/python -m statelm.kernels.build || echo "statelm: C++ kernels unavailable; the torch paths will serve"
+KERNELS := statelm/kernels/lib/kernels.json
+KERNEL_INPUTS := setup.py statelm/kernels/variants.py statelm/kernels/ninja_build.py $(wildcard statelm/kernels/csrc/*)
+
+$(KERNELS): $(VENV)/.stamp-model $(KERNEL_INPUTS)
+	@$(BIN)/python setup.py --quiet build_ext --inplace && touch -c $@ \
+		|| echo "statelm: C++ kernels not built; the torch paths will serve"
+
+kernels: $(KERNELS)
 
 # The web UI (webui/, Vite + Preact) builds into statelm/webui/dist, which the server serves at / and the wheel
 # ships. It needs Node >= 20.19 and npm; without them the server still runs and / says how to build the page.
@@ -72,4 +82,4 @@ lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache webui/node_modules statelm/webui/dist
+	rm -rf $(VENV) .pytest_cache webui/node_modules statelm/webui/dist build statelm/kernels/lib
