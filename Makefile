@@ -22,7 +22,7 @@ $(VENV)/.stamp-torch: $(BIN)/python
 	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) 'setuptools>=77' 'ninja>=1.11'
 	touch $@
 
-# builds the kernels too (setup.py), once; `make kernels` rebuilds what csrc/ changes
+# builds the kernels too (setup.py); `make kernels` brings them up to date
 $(VENV)/.stamp-package: $(VENV)/.stamp-torch pyproject.toml setup.py
 	$(BIN)/pip install --quiet --no-build-isolation -e '.[dev]'
 	touch $@
@@ -36,17 +36,12 @@ $(VENV)/.stamp-cluster: $(VENV)/.stamp-package
 	$(BIN)/pip install --quiet -e '.[dev,cluster]'
 	touch $@
 
-# statelm's C++ kernels: one library per CPU class in statelm/kernels/lib, rebuilt (only what changed) when their
-# sources or build change; the server loads the best one at start and never compiles. Without a compiler the
-# server still runs, on the slower torch paths, and says so.
-KERNELS := statelm/kernels/lib/kernels.json
-KERNEL_INPUTS := setup.py statelm/kernels/variants.py statelm/kernels/ninja_build.py $(wildcard statelm/kernels/csrc/*)
-
-$(KERNELS): $(VENV)/.stamp-model $(KERNEL_INPUTS)
-	@$(BIN)/python setup.py --quiet build_ext --inplace && touch -c $@ \
-		|| echo "statelm: C++ kernels not built; the torch paths will serve"
-
-kernels: $(KERNELS)
+# statelm's C++ kernels: one library per CPU class in statelm/kernels/lib (setup.py), built by the package install
+# above and brought up to date here on every run (ninja compiles only what changed: a second or two when nothing
+# did). The server loads the best one at start and never compiles. Without a compiler the server still runs, on
+# the slower torch paths, and says so.
+kernels: setup
+	@$(BIN)/python setup.py --quiet build_ext --inplace || echo "statelm: C++ kernels not built; the torch paths will serve"
 
 # The web UI (webui/, Vite + Preact) builds into statelm/webui/dist, which the server serves at / and the wheel
 # ships. It needs Node >= 20.19 and npm; without them the server still runs and / says how to build the page.
