@@ -42,7 +42,7 @@ def cache_ls(as_json: JsonOption = False) -> None:
     if entries:
         console.print(entries_table(entries))
     total = sum(entry.size for entry in entries)
-    console.print(f"{len(entries)} entries, {size(total)} in {cache.root}", highlight=False)
+    console.print(f"{count(len(entries))}, {size(total)} in {cache.root}", highlight=False)
 
 
 @cache_app.command("rm")
@@ -58,7 +58,7 @@ def cache_rm(
     if remove_all == bool(keys):
         raise fail("name the entries to remove (statelm cache ls shows their keys), or pass --all")
     if remove_all:
-        console.print(f"removed {cache.clear()} entries from {cache.root}", highlight=False)
+        console.print(f"removed {count(cache.clear())} from {cache.root}", highlight=False)
         return
     known = [entry.key for entry in cache.entries()]
     chosen = []
@@ -70,6 +70,11 @@ def cache_rm(
     for key in chosen:
         cache.remove(key)
         console.print(f"removed {key}", highlight=False)
+
+
+def count(entries: int) -> str:
+    """`1 entry`, `3 entries`."""
+    return f"{entries} {'entry' if entries == 1 else 'entries'}"
 
 
 def entries_table(entries: list[CacheEntry]) -> Table:

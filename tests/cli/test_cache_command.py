@@ -45,5 +45,5 @@ def test_rm_removes_by_key_prefix_or_all(cache_env: tuple[dict[str, str], ModelC
     assert missing.exit_code == 1 and "'zz' names no cache entries" in missing.stderr
     neither = run_cli(["cache", "rm"], env)
     assert neither.exit_code == 1 and "or pass --all" in neither.stderr
-    assert "removed 1 entries" in run_cli(["cache", "rm", "--all"], env).stdout
+    assert "removed 1 entry" in run_cli(["cache", "rm", "--all"], env).stdout
     assert cache.entries() == [] and "0 entries" in run_cli(["cache", "ls"], env).stdout
