@@ -69,6 +69,7 @@ def _holder(path: Path) -> str:
 
 
 def _describe_self() -> str:
-    command = " ".join(sys.argv)[:200] or sys.executable
+    # the program's name only: its arguments may hold secrets (an --api-key) and the file is readable by others
+    program = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else Path(sys.executable).name
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
-    return f"process {os.getpid()} on {socket.gethostname()} ({command}) since {started}\n"
+    return f"process {os.getpid()} on {socket.gethostname()} ({program}) since {started}\n"

@@ -29,7 +29,6 @@ from statelm.kernels.ninja_build import (
     library_name,
     ninja_text,
     run_ninja,
-    source_files,
     sources_digest,
     write_build,
 )
@@ -165,10 +164,7 @@ def build_at_run_time(variant: Variant, verbose: bool = False) -> Path:
         text = ninja_text([variant], compiler)
     except KernelCompileError as exc:
         raise KernelBuildError(str(exc)) from None
-    digest = hashlib.sha256(text.encode())
-    for path in source_files():
-        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
-    key = digest.hexdigest()[:16]
+    key = hashlib.sha256(f"{text}\0{sources_digest()}".encode()).hexdigest()[:16]
     directory = Path(platformdirs.user_cache_dir(APP_NAME)) / "kernels" / key
     library = directory / library_name(variant)
     if (directory / _BUILT).is_file():
