@@ -33,7 +33,7 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-package
 
 # Ray Serve, for `statelm serve --replicas N` and its tests (the single-process server never imports it).
 $(VENV)/.stamp-cluster: $(VENV)/.stamp-package
-	$(BIN)/pip install --quiet -e '.[dev,cluster]'
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[dev,cluster]'
 	touch $@
 
 # statelm's C++ kernels: one library per CPU class in statelm/kernels/lib (setup.py), built by the package install
