@@ -175,6 +175,7 @@ class SessionManager:
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
         started = time.perf_counter()
+        log.info("resuming the sessions the last run left in %s", self.saved)
         found = await asyncio.to_thread(recover_sessions, self.saved, self.fingerprint)
         self._take(found, journal)
         if found.sessions:
