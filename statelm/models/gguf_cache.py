@@ -3,7 +3,8 @@
 Quantized matrices are used in place from the memory-mapped file, and other tensors are small or converted at
 load (dequantized models), so the cache holds no weights: only the decoded header (key/value metadata with the
 tokenizer's vocabulary, tensor infos) and its digest, a few megabytes at most. A later start skips parsing the
-header again. An entry is keyed by the file's path, size and modification time, so a changed file is read anew.
+header again. An entry is keyed by the file's content (statelm.models.model_cache), so a changed file is read
+anew, and counts towards the cache's size cap like any other.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def load_converted_gguf(path: Path, dtype: torch.dtype, packed: bool, cache: Mod
     cache = cache or ModelCache()
     variant = f"v{HEADER_VERSION}:header"
     cached = cache.load(path, variant)
+    if cached is None:
+        log.info("parsing %s's header once into the model cache %s (weights are read in place)", path.name, cache.root)
     header = GGUFHeader.from_dict(cached.metadata["header"]) if cached is not None else None
     gguf = load_gguf(path, dtype, packed, header)
     if cached is None:

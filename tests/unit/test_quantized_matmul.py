@@ -1,6 +1,6 @@
 """The GGUF matmul kernel on every block format: dequantization bit for bit equal to gguf-py's, each arithmetic
 against float64 matmuls, odd shapes and mixed formats, invariance in any batch and thread count, and the same bits
-from the AVX2 and scalar builds."""
+from every lower CPU class's library."""
 
 from __future__ import annotations
 
@@ -16,9 +16,11 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
 
-from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.cpu import cpu_flags
+from statelm.kernels.build import LIBRARY_DIR, KernelBuildError, cpu_variant, load_kernels
 from statelm.kernels.quant import BlockMatrix, PackedWeight, quantize
-from tests.models.test_cpu_classes import CLASS_ORDER, ONEDNN_ISA, native_class
+from statelm.kernels.variants import select_variant
+from tests.models.test_cpu_classes import ONEDNN_ISA
 from tests.unit.gguf_blocks import FORMATS, random_blocks, random_columns
 from tests.unit.kernel_threads import kernel_threads
 
@@ -127,11 +129,12 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, thread
             assert torch.equal(weight.matmul(x[:count], arithmetic), alone[:count]), count
 
 
-CLASS_BUILD_CHILD = """
+CLASS_LIBRARY_CHILD = """
 import sys, torch
-from statelm.kernels.build import load_kernels
+from statelm.kernels.build import load_kernels, loaded_library
 from statelm.kernels.quant import ARITHMETICS
 load_kernels()
+print("library:", loaded_library())
 data = torch.load(sys.argv[1])
 outputs = {}
 for name, (raw, qtype) in data["weights"].items():
@@ -141,23 +144,31 @@ torch.save(outputs, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("capability", ["avx2", "default"])
-def test_every_cpu_class_build_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
-    if CLASS_ORDER[capability] >= CLASS_ORDER.get(native_class(), 0):
-        pytest.skip(f"this machine computes at {native_class()}: no wider build to compare with")
+@pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])
+def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
+    """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits, for
+    every block format and arithmetic."""
+    capped, own = select_variant(cpu_flags(), capability), cpu_variant()
+    if capped is None or own is None or capped == own:
+        pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
     rng = np.random.default_rng(8)
     weights = {q.name: (torch.from_numpy(random_blocks(q, 45, random_columns(q), rng)), int(q)) for q in FORMATS}
     generator = torch.Generator().manual_seed(9)
     x = {q.name: torch.randn(37, random_columns(q), generator=generator) for q in FORMATS}  # every row tile kind
     torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[capability]}
-    command = [sys.executable, "-c", CLASS_BUILD_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
-    subprocess.run(command, env=env, check=True, timeout=600)
-    capped = torch.load(tmp_path / "out.pt")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    if capability in ONEDNN_ISA:
+        env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[capability]
+    command = [sys.executable, "-c", CLASS_LIBRARY_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    library = LIBRARY_DIR / f"{capped.library_stem}"
+    assert f"library: {library}" in child.stdout, f"not the built {capped.name} library (run `make kernels`)\n{child}"
+    outputs = torch.load(tmp_path / "out.pt")
     for name, (raw, qtype) in weights.items():
         weight = PackedWeight([BlockMatrix.of(Q(qtype), raw, (45, x[name].shape[1]))])
         for arithmetic in ARITHMETICS:
-            assert torch.equal(weight.matmul(x[name], arithmetic), capped[f"{name}-{arithmetic}"]), (name, arithmetic)
+            assert torch.equal(weight.matmul(x[name], arithmetic), outputs[f"{name}-{arithmetic}"]), (name, arithmetic)
 
 
 @pytest.mark.invariance
