@@ -79,6 +79,18 @@ def llama_version(path: Path) -> str:
     return "; ".join(line for line in lines if line.startswith(("version", "built with"))) or "unknown"
 
 
+def build_with_libllama(llama_server: Path, source: str, program: Path) -> Path:
+    """Compile a C program (its text) against the libllama of llama-server's build; returns the program's path."""
+    bin_dir = llama_server.parent
+    root = bin_dir.parent.parent
+    source_file = program.with_suffix(".c")
+    source_file.write_text(source)
+    includes = [f"-I{root / 'include'}", f"-I{root / 'ggml' / 'include'}"]
+    link = [f"-L{bin_dir}", "-lllama", f"-Wl,-rpath,{bin_dir}"]
+    subprocess.run(["cc", "-O1", "-o", str(program), str(source_file), *includes, *link], check=True)
+    return program
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     """Terminate a server and wait for it to exit (killed after 60 s)."""
     process.terminate()
