@@ -10,16 +10,18 @@ from typing import Any
 import torch
 
 from statelm.config import EngineConfig
+from statelm.cpu import native_bf16
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.engine import Engine
 from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
+from statelm.engine.kv_format import KVFormat, kv_format
 from statelm.engine.pins import PinTable
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.layers import RowChunking
-from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
+from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 
 log = logging.getLogger(__name__)
 
@@ -85,24 +87,24 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     A model loaded for batch-invariant output gets its compute path from the start-up self-check first.
     """
     model = loaded.model
+    kv = kv_cache_format(config.kv_cache_dtype, loaded)
     if model.batch_invariant and model.invariance is None:
         try:
-            model.invariance = select_compute_path(model, config.compute_path)
+            model.invariance = select_compute_path(model, config.compute_path, kv)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         loaded.fingerprint.parts["compute_path"] = model.compute_path  # KV rounding depends on it
     elif not model.batch_invariant and loaded.device.type == "cuda":
         model.use_compute_path(model.compute_paths()[0])  # no probe: the fastest path (Triton attention)
     threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
-    loaded.fingerprint.parts["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")  # snapshots hold this KV
+    loaded.fingerprint.parts["kv_cache_dtype"] = kv.name  # snapshots hold this KV
     model_config = loaded.config
     block_bytes = KVCache.bytes_per_block(
         model_config.num_hidden_layers,
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        kv_dtype,
+        kv,
     )
     num_blocks = _kv_budget(config, loaded.device) // block_bytes
     max_model_len = min(
@@ -118,15 +120,16 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        kv_dtype,
+        kv,
         loaded.device,
     )
     log.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB, %s); max model len %d; %s on %s, %d threads",
+        "KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d bytes a token); max model len %d; %s on %s, %d threads",
         num_blocks,
         config.block_size,
         num_blocks * block_bytes / 2**20,
-        str(kv_dtype).removeprefix("torch."),
+        kv.name,
+        kv_cache.bytes_per_token,
         max_model_len,
         loaded.dtype,
         loaded.device,
@@ -160,25 +163,23 @@ def pin_table(config: EngineConfig, num_blocks: int) -> PinTable:
     )
 
 
-def kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
-    """The KV cache's dtype: `auto` is the model's; a narrower one is read (widened to float32) only by the CPU
-    kernels path, whose attention takes float32, bfloat16 and float16 caches.
+def kv_cache_format(name: str, loaded: LoadedModel) -> KVFormat:
+    """The KV cache's format for --kv-cache-dtype: `auto` is 16-bit, on every device and CPU class.
 
-    float16 halves the bytes attention streams, but it is not the default yet: measured on AVX2 it was faster at
-    batch 16 and slower at batch 64 (docs/benchmarks.md), so it stays a choice until the kernel's float16 path is
-    understood.
+    auto keeps a 16-bit model's own dtype (its K/V are computed in it: nothing is lost), and stores a float32 model's
+    K/V in bfloat16 on GPUs and on CPUs that compute bfloat16 natively, in float16 on other CPUs (statelm.cpu).
+    Every format is read in place by the attention of every compute path.
     """
     if name == "auto":
-        return loaded.dtype
-    dtype = DTYPES.get(name)
-    if dtype is None:
-        raise EngineConfigError(f"unknown KV cache dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
-    model = loaded.model
-    if dtype != loaded.dtype and model.compute_path != "kernels":
-        raise EngineConfigError(
-            f"a {name} KV cache needs the kernels compute path (this model runs {model.compute_path} in {loaded.dtype})"
-        )
-    return dtype
+        if loaded.dtype in (torch.float16, torch.bfloat16):
+            return kv_format(loaded.dtype)
+        return kv_format("bfloat16" if loaded.device.type == "cuda" or native_bf16() else "float16")
+    try:
+        kv = kv_format(name)
+        kv.check_head_dim(loaded.config.head_dim)
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None
+    return kv
 
 
 def sampling_defaults(loaded: LoadedModel, config: EngineConfig) -> dict[str, Any]:

@@ -69,6 +69,8 @@ class FusedDecoder:
             self.weights,
             kv_cache.k,
             kv_cache.v,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
             meta.slot_mapping,
             meta.block_tables,
             meta.seq_lens_tensor,

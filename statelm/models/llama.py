@@ -12,7 +12,7 @@ from torch import nn
 
 from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.engine.attention.reference import TorchAttentionBackend
-from statelm.engine.kv_cache import KVCache
+from statelm.engine.kv_cache import KVCache, LayerKV
 from statelm.kernels.build import kernels_available
 from statelm.models.config import ModelConfig
 from statelm.models.fused_decoder import FusedDecoder
@@ -71,7 +71,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ForwardStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKV, step: ForwardStep) -> torch.Tensor:
         """Project [T, hidden], write K/V to the cache, attend, and project back."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -82,7 +82,7 @@ class LlamaAttention(nn.Module):
             q = step.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = step.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = step.ops.rope(q, k, step.rope)
-        out = step.backend.forward(q, k, v, k_cache, v_cache, step.meta, self.scale)
+        out = step.backend.forward(q, k, v, cache, step.meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -103,8 +103,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         step: ForwardStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the block on the flat batch [T, hidden]: x is the previous block's output, not yet added to residual.
@@ -116,7 +115,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, step.ops.rms_norm(x, norm.weight, norm.eps)
         else:
             h = step.ops.add_rms_norm(residual, x, norm.weight, norm.eps)
-        attention = self.self_attn(h, k_cache, v_cache, step)
+        attention = self.self_attn(h, cache, step)
         norm = self.post_attention_layernorm
         h = step.ops.add_rms_norm(residual, attention, norm.weight, norm.eps)
         return self.mlp(h, step.ops), residual
@@ -190,7 +189,7 @@ class LlamaForCausalLM(nn.Module):
         if self.fused is not None and int8 is not None:
             return self.fused(x, step.rope, kv_cache, meta, int8=int8)
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, kv_cache.k[i], kv_cache.v[i], step)
+            x, residual = layer(x, residual, kv_cache.layers[i], step)
         assert residual is not None
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
 

@@ -9,10 +9,12 @@ import torch
 
 from statelm.engine.attention.base import AttentionMetadata
 from statelm.engine.kv_cache import KVCache
+from statelm.engine.kv_format import Q8_GROUP
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.tiny_model_dir import make_tiny_model_dir
+from tests.unit.paged_cases import fill_with_noise
 
 try:
     load_kernels()
@@ -35,14 +37,11 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return model
 
 
-def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor, kv: str) -> tuple[torch.Tensor, KVCache]:
     """A step of a 9-token prompt chunk over 4 cached tokens beside two decodes, on fresh KV filled the same way."""
     model, config = loaded.model, loaded.config
-    cache = KVCache(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, config.head_dim,
-                    torch.float32, "cpu")  # fmt: skip
-    for layer in range(config.num_hidden_layers):
-        for tensor in (cache.k[layer], cache.v[layer]):
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(layer)))
+    cache = KVCache(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, config.head_dim, kv, "cpu")
+    fill_with_noise(cache, torch.Generator().manual_seed(0))
     positions = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 12, 20, 33])
     tables = torch.tensor([[1, 2, 0], [3, 4, 0], [5, 6, 7]])
     seqs = torch.tensor([0] * 9 + [1, 2])
@@ -57,8 +56,11 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[
         model.fused = saved
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16", "q8_0"])
 @pytest.mark.parametrize("activations", ["float32", "int8", "int8-decode"])
-def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str) -> None:
+def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str, kv: str) -> None:
+    if kv == "q8_0" and loaded.config.head_dim % Q8_GROUP:
+        pytest.skip(f"q8_0 needs a head dim that is a multiple of {Q8_GROUP}")
     loaded.model.use_activations(activations)
     kinds = {
         "generated": torch.zeros(11, dtype=torch.bool),
@@ -67,11 +69,12 @@ def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations:
     }
     try:
         for is_prompt in kinds.values():
-            expected, expected_cache = forward(loaded, False, is_prompt)
-            got, cache = forward(loaded, True, is_prompt)
+            expected, expected_cache = forward(loaded, False, is_prompt, kv)
+            got, cache = forward(loaded, True, is_prompt, kv)
             assert torch.equal(got, expected)
-            written = zip(cache.k + cache.v, expected_cache.k + expected_cache.v, strict=True)
-            assert all(torch.equal(a, b) for a, b in written)
+            planes = [(a, b) for x, y in zip(cache.layers, expected_cache.layers, strict=True)
+                      for (a, _), (b, _) in zip(x.planes(), y.planes(), strict=True)]  # fmt: skip
+            assert all(torch.equal(a, b) for a, b in planes)
     finally:
         loaded.model.use_activations("float32")
 

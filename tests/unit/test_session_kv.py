@@ -47,11 +47,11 @@ def test_turn_shares_full_blocks_copies_the_partial_one_and_leaves_the_session_u
     seq = turn(store, "s", [*range(10), 99, 98])
     assert seq.block_table[:2] == session_blocks[:2]
     assert seq.block_table[2] != session_blocks[2]  # the partly filled block was copied, not shared
-    keys = store.kv_cache.k[0]
-    assert torch.equal(keys[seq.block_table[2], :2], keys[session_blocks[2], :2])
-    keys[seq.block_table[2], 2:] = -1.0  # the turn writes its new tokens into its own copy
+    keys = store.kv_cache.k[0]  # [blocks, heads, dim, block_size]
+    assert torch.equal(keys[seq.block_table[2], ..., :2], keys[session_blocks[2], ..., :2])
+    keys[seq.block_table[2], ..., 2:] = -1.0  # the turn writes its new tokens into its own copy
     assert store.pinned["s"].tokens == list(range(10))
-    assert keys[session_blocks[2], :2, 0, 0].tolist() == [8.0, 9.0]
+    assert keys[session_blocks[2], 0, 0, :2].tolist() == [8.0, 9.0]
 
 
 def test_lcp_stops_at_the_first_differing_token_and_keeps_one_token_to_compute() -> None:

@@ -7,6 +7,8 @@ from typing import Protocol
 
 import torch
 
+from statelm.engine.kv_cache import LayerKV
+
 
 @dataclass
 class AttentionMetadata:
@@ -54,8 +56,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        cache: LayerKV,  # this layer's blocks (statelm.engine.kv_cache's layout and format)
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]
