@@ -56,6 +56,16 @@ class ServingMetrics:
         }
         for name, (description, read) in gauges.items():
             Gauge(name, description, registry=registry).set_function(read)
+        kv_cache = engine.runner.kv_cache
+        Gauge(
+            "statelm_kv_cache_bytes_per_token",
+            "Bytes a token's KV takes in the cache, all layers, K and V, by KV format (--kv-cache-dtype)",
+            ["dtype"],
+            registry=registry,
+        ).labels(kv_cache.format.name).set(kv_cache.bytes_per_token)
+        Gauge("statelm_kv_cache_capacity_tokens", "Tokens the KV cache holds in all", registry=registry).set(
+            kv_cache.num_blocks * kv_cache.block_size
+        )
         self.journal = JournalCounters()
         registry.register(CounterCollector(self.journal, JOURNAL_FIGURES))
         registry.register(CounterCollector(pool.pins.counters, PIN_FIGURES))

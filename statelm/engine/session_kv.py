@@ -24,11 +24,13 @@ import torch
 
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.kv_cache import KVCache
+from statelm.engine.kv_format import KVFormat, format_of_rows
 from statelm.engine.sequence import SamplingParams, Sequence
 
 
 class SessionKVData:
-    """A session's KV outside the pool: its tokens and, per layer, K and V of shape [tokens, heads, dim].
+    """A session's KV outside the pool: its tokens and, per layer, K and V rows [tokens, heads, width] in the pool's
+    format (statelm.engine.kv_format: [tokens, heads, head_dim] of a float dtype, or q8_0 blocks as uint8).
 
     K and V exported from a GPU are still being copied to pinned host memory when export returns; `ready`
     fires when they are complete. Reading `keys` or `values` waits for it, so nothing sees half-copied
@@ -59,6 +61,11 @@ class SessionKVData:
         """V per layer, once complete (blocks until an asynchronous copy has finished)."""
         self.wait()
         return self._values
+
+    @property
+    def kv_format(self) -> KVFormat | None:
+        """The format of the rows (known before they are complete); None without layers."""
+        return format_of_rows(self._keys[0]) if self._keys else None
 
     def wait(self) -> None:
         """Block until keys and values are complete; returns at once for CPU data or a finished copy."""

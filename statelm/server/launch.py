@@ -17,7 +17,7 @@ from statelm.api.limits import GenerationLimits
 from statelm.api.responses.chains import ResponseRetention
 from statelm.api.responses.service import ResponsesService
 from statelm.api.serving import system_fingerprint
-from statelm.api.sessions import SessionService
+from statelm.api.sessions import KVFootprint, SessionService
 from statelm.api.stored_completions import CompletionStore
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
@@ -92,7 +92,9 @@ def build_services(
     except ValueError as exc:  # an unknown --tool-parser or --reasoning-parser
         raise LaunchError(str(exc)) from None
     retention = ResponseRetention(server_config.max_stored_responses, server_config.response_retention)
-    return chat, SessionService(manager), ResponsesService(chat.conversations, retention)
+    kv_cache = engine.runner.kv_cache
+    footprint = KVFootprint(kv_cache.format.name, kv_cache.bytes_per_token)
+    return chat, SessionService(manager, footprint), ResponsesService(chat.conversations, retention)
 
 
 def generation_limits(server_config: ServerConfig, context_length: int) -> GenerationLimits:
