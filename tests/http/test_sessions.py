@@ -97,6 +97,26 @@ def test_a_snapshot_of_another_kv_format_is_refused_with_409_naming_the_setting(
     assert api.get("/health").status_code == 200
 
 
+def test_a_saved_session_resumes_on_a_server_of_another_kv_format_and_recomputes_its_kv(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    first_args = tiny_args(tiny_model, state, "--kv-cache-dtype", "float32")
+    with serve_in_process(first_args) as first, first.http() as http:
+        create_session(http, session_id="moved", system=SYSTEM)
+        body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert http.post("/v1/chat/completions", json={**body, "session_id": "moved"}).status_code == 200
+        before = http.get("/v1/sessions/moved").json()
+    assert before["kv_cache_dtype"] == "float32" and before["num_tokens"] > 0
+    with serve_in_process(tiny_args(tiny_model, state)) as second, second.http() as http:  # 16-bit KV
+        resumed = http.get("/v1/sessions/moved").json()
+        assert resumed["num_messages"] == before["num_messages"] and resumed["kv_cache_dtype"] != "float32"
+        reply = http.post("/v1/chat/completions", json={**body, "session_id": "moved"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its float32 KV is not used
+        assert http.get("/v1/sessions/moved").json()["num_messages"] == before["num_messages"] + 2
+
+
 @pytest.mark.parametrize("bad_id", ["../escape", "/etc/passwd", "a/b", "..", ".hidden", "x" * 200, "sp ace"])
 def test_ids_that_could_be_paths_are_rejected(api: httpx.Client, bad_id: str) -> None:
     response = api.post("/v1/sessions", json={"session_id": bad_id})
