@@ -134,9 +134,8 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        help="auto (16-bit: a 16-bit model's own dtype, else bfloat16 where the CPU computes it natively or on a GPU,"
-        " float16 on other CPUs) | float32 | float16 | bfloat16 | q8_0 (8-bit values with a float16 scale per 32, as"
-        " llama.cpp's: about half the bytes of 16-bit).",
+        help="auto (16-bit: a 16-bit model's own dtype, else float16) | float32 | float16 | bfloat16 | q8_0 (8-bit"
+        " values with a float16 scale per 32, as llama.cpp's: about half the bytes of 16-bit).",
     )
     enforce_eager: bool = setting(False, help="CUDA: run every step eagerly (no CUDA graphs of decode steps).")
     max_queue: int = setting(256, help="Requests that may wait for a slot; more get 429.")

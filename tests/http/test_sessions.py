@@ -71,7 +71,7 @@ def test_sessions_and_metrics_show_the_kv_format_and_its_bytes_per_token(
     create_session(api, session_id="sized", system=SYSTEM)
     turn(client, model_name, "sized", "Hello there.")
     (listed,) = [entry for entry in api.get("/v1/sessions").json()["data"] if entry["id"] == "sized"]
-    auto = "bfloat16" if native_bf16() else "float16"  # the tiny model computes in float32: 16-bit KV by default
+    auto = "bfloat16" if native_bf16() else "float16"  # the model's own bfloat16 where native, else float16
     per_token = 2 * 2 * 2 * 16 * 2  # layers, K and V, KV heads, head dim, bytes
     assert (listed["kv_cache_dtype"], listed["kv_bytes_per_token"]) == (auto, per_token)
     assert listed["num_tokens"] > 0 and listed["kv_bytes"] == listed["num_tokens"] * per_token

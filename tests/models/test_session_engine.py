@@ -1,7 +1,7 @@
 """The default model as the server runs it: batch invariance, and exactness of session reuse and restore.
 
-Each test runs in every KV cache format: the default (16-bit: bfloat16 where the CPU computes it natively, float16
-elsewhere), float32, q8_0, and llama.cpp's arithmetic (int8 activations, float16 KV cache).
+Each test runs in every KV cache format: the default (float16 for this float32 model), float32, bfloat16, q8_0, and
+llama.cpp's arithmetic (int8 activations, float16 KV cache).
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ pytestmark = [pytest.mark.invariance, pytest.mark.slow]
 SETTINGS = {
     "default": {},
     "float32-kv": {"kv_cache_dtype": "float32"},
+    "bfloat16-kv": {"kv_cache_dtype": "bfloat16"},
     "q8_0-kv": {"kv_cache_dtype": "q8_0"},
     "int8-fp16kv": {"activations": "int8", "kv_cache_dtype": "float16"},
 }
