@@ -1,7 +1,8 @@
-"""What packed weights cost in accuracy: next-token agreement and KL divergence against the float model.
+"""What packed weights and narrow KV caches cost in accuracy: next-token agreement and KL divergence.
 
-Usage: .venv/bin/python -m bench.accuracy [--tokens 2000]
-The reference is the default GGUF dequantized to float32 and run as a float model. Each format runs through
+Usage: .venv/bin/python -m bench.accuracy [--tokens 2000] [--compare weights|kv]
+weights: the reference is the default GGUF dequantized to float32 and run as a float model (every run with a
+float16 KV cache). Each format runs through
 statelm's quantized kernel twice: with float32 activations, and with activations quantized to int8 per 32
 values as llama.cpp's CPU kernels do (`--activations`). `gguf` keeps the file's own blocks (Q4_1, and Q8_0
 for the embedding), so with float32 activations only float rounding separates it from the reference; `int8`
@@ -9,6 +10,8 @@ and `int4`
 re-quantize the float weights as a float checkpoint would be at load. Over a fixed text (the repository's
 docs, the first N tokens), it reports the share of positions whose most likely next token matches the
 reference's, and the mean KL(reference || format).
+kv: the default model as the server runs it (its packed GGUF weights) with a float32 KV cache is the reference; the
+same model with each narrower KV cache (float16, bfloat16, q8_0) runs the same text.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ def fixed_text() -> str:
     return "\n\n".join(Path(file).read_text() for file in files)
 
 
-def all_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
-    """Next-token logits [len(tokens), vocab] from a chunked prefill of the whole text."""
-    engine = create_engine(loaded, EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False))
+def all_logits(loaded: LoadedModel, tokens: list[int], kv: str = "float16") -> torch.Tensor:
+    """Next-token logits [len(tokens), vocab] from a chunked prefill of the whole text over a KV cache of format kv."""
+    config = EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False, kv_cache_dtype=kv)
+    engine = create_engine(loaded, config)
     seq = Sequence("accuracy", tokens, SamplingParams(0.0), frozenset(), len(tokens) + 8)
     assert engine.pool.grow(seq.block_table, len(tokens))
     model, runner = loaded.model, engine.runner
@@ -81,11 +85,31 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float
     return agree, kl
 
 
+def compare_kv_caches(tokens: int) -> None:
+    """Print the KV formats' table: each narrower cache against float32 KV, the served model's weights in both."""
+    with torch.inference_mode():
+        served = load_engine_model(EngineConfig())
+        text = served.tokenizer.encode(fixed_text())[:tokens]
+        create_engine(served, EngineConfig(kv_cache_memory=64 << 20))  # runs the self-check, picks a path
+        print(f"text: {len(text)} tokens of README.md + docs/*.md; the default model as served, compute path "
+              f"{served.model.compute_path}; reference: float32 KV cache")  # fmt: skip
+        reference = all_logits(served, text, "float32")
+        results = {kv: compare(reference, all_logits(served, text, kv)) for kv in ("float16", "bfloat16", "q8_0")}
+    print("| KV cache | top-1 agreement | mean KL divergence (nats) |")
+    print("| --- | ---: | ---: |")
+    for kv, (agree, kl) in results.items():
+        print(f"| {kv} | {agree:.2%} | {kl:.6f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--compare", choices=["weights", "kv"], default="weights")
     args = parser.parse_args()
     print(machine_report())
+    if args.compare == "kv":
+        compare_kv_caches(args.tokens)
+        return
     with torch.inference_mode():
         float_model = load_engine_model(EngineConfig(quantization="none"))
         tokens = float_model.tokenizer.encode(fixed_text())[: args.tokens]
