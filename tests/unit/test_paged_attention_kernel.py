@@ -48,6 +48,7 @@ CASES = {
     "mixed": ([12, 1, 6, 1], [12, 9, 21, 30]),
     "block-boundaries": ([5, 1, 4], [10, 6, 15]),
     "many-chunks": ([45, 1, 70, 3], [110, 300, 70, 64]),
+    "many-partitions": ([1, 40, 1], [1300, 1060, 513]),  # keys fold 512 at a time; decodes split over threads
 }
 
 
@@ -190,11 +191,16 @@ def test_rejects_caches_of_the_old_layout_and_int8_without_scales() -> None:
         torch.ops.statelm.paged_attention(torch.randn(1, 2, 32), q8.k, q8.v, tables, lengths, starts, 1.0, 0)
 
 
+LONG = [("float16", 2100, None), ("q8_0", 2100, 600)]  # several key partitions, a lone decode's split over threads
+
+
 @pytest.mark.invariance
-@pytest.mark.parametrize("kv", KV_FORMATS)
-@pytest.mark.parametrize("window", [None, 37])
-def test_a_row_is_bitwise_the_same_whatever_shares_its_call(kv: str, window: int | None) -> None:
-    heads, kv_heads, head_dim, block_size, length = 9, 3, 64, 16, 150
+@pytest.mark.parametrize(
+    ("kv", "length", "window"), [(kv, 150, window) for kv in KV_FORMATS for window in (None, 37)] + LONG
+)
+def test_a_row_is_bitwise_the_same_whatever_shares_its_call(kv: str, length: int, window: int | None) -> None:
+    """Also over several key partitions (2,100 keys), whose states a lone decode splits over threads."""
+    heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(length, kv_heads, head_dim, generator=gen)
     values = torch.randn(length, kv_heads, head_dim, generator=gen)
@@ -231,11 +237,14 @@ def test_a_row_is_bitwise_the_same_whatever_shares_its_call(kv: str, window: int
         prefill = attend(0, length)
     with kernel_threads(2):
         assert torch.equal(attend(0, length), prefill)
-        mismatched = [row for row in range(length) if not torch.equal(attend(row, row + 1)[0], prefill[row])]
+        edges = {0, 31, 32, 511, 512, 1023, 1024, 1535, 1536, 2047, 2048, length - 1}
+        rows = range(length) if length < 512 else sorted({*range(0, length, 61), *(e for e in edges if e < length)})
+        mismatched = [row for row in rows if not torch.equal(attend(row, row + 1)[0], prefill[row])]
         assert mismatched == []
-        for first in (16, 32, 117, 133, 149):  # a prompt whose first rows came from the prefix cache
+        firsts = (16, 32, 117, 133, length - 1) if length < 512 else (1536, 2047, length - 1)
+        for first in firsts:  # a prompt whose first rows came from the prefix cache
             assert torch.equal(attend(first, length), prefill[first:])
-    for row in (0, 31, 32, 100, 149):  # beside another sequence's prefill, and beside its decodes
+    for row in (0, 31, 32, 100, length - 1):  # beside another sequence's prefill, and beside its decodes
         assert torch.equal(attend(row, row + 1, other=(0, 40))[0], prefill[row])
         assert torch.equal(attend(row, row + 1, other=(39, 40))[0], prefill[row])
     reference = dense_attention(queries, stored(keys, kv), stored(values, kv), 0.125, window)

@@ -19,9 +19,13 @@
 // call: keys are visited in position order in chunks of kChunk keys aligned to absolute positions, with an
 // online softmax per chunk; a score is an FMA chain over d in order, a value accumulator an FMA chain over
 // the keys in order, and the softmax denominator is kept as kChunk lane-wise partial sums added up in a fixed
-// tree at the end. Vector lanes only ever hold independent elements, so it does not matter which lanes or
-// register blocks a row's work lands in. Threads split the work over (sequence, KV head, query heads, query
-// rows) only, never over keys. Rows that see a whole chunk are processed together (one load of each K/V row
+// tree at the end. The keys are cut into partitions of kPartition positions (aligned too): each gives a fresh
+// (max, partial sums, accumulator) per row, folded into the row's running state partition by partition, in
+// increasing order, by one formula under which a partition the row sees nothing of is an exact no-op. Vector lanes
+// only ever hold independent elements, so it does not matter which lanes or register blocks a row's work lands in.
+// Threads split the work over (sequence, KV head, query heads, query rows), and, when that leaves threads idle (a
+// few long decodes), over partitions: each partition's state is then kept apart and folded, in the same order by the
+// same formula, once all are done, so a row's bits do not depend on the split. Rows that see a whole chunk are processed together (one load of each K/V row
 // for all of them); a row that sees part of a chunk (the diagonal, a window's start) is processed alone,
 // over exactly its own keys.
 
@@ -36,6 +40,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -332,6 +337,8 @@ void gemm(int64_t rows, const float* a, int64_t lda, const B& b, int64_t cols, i
 // The attention itself.
 
 constexpr int64_t kTileQueries = 48;  // query vectors (rows x heads) per KV head an item aims for: shared K/V loads
+constexpr int64_t kPartition = 512;   // keys per partition, a multiple of kChunk
+constexpr int64_t kSplitBelow = 2;    // split items over partitions when there are fewer than this many per thread
 constexpr int64_t kSerialCost = 16384;  // below this many head-key visits a call stays on the calling thread
 constexpr int64_t kMaxGroups = kMaxHeadDim / kGroup;
 
@@ -348,17 +355,21 @@ struct Scratch {
   float* keys = nullptr;     // [dim][kChunk] the chunk's keys, when they cannot be read in place
   float* values = nullptr;   // [kChunk][padded] the chunk's values widened to float32 (when not read in place)
   float* scales = nullptr;   // [kChunk][kMaxGroups] the chunk's value scales (q8_0)
+  float* run_acc = nullptr;  // [m][padded] the running state over the partitions folded so far
+  float* run_sums = nullptr;  // [m][kChunk]
+  float* run_maxes = nullptr;  // [m]
 
   void reserve(int64_t m, int64_t padded, int64_t dim) {
-    const int64_t sizes[] = {m * padded, m * padded, m * kChunk, m * kChunk, m,
-                             dim * kChunk, kChunk * padded, kChunk * kMaxGroups};
+    const int64_t sizes[] = {m * padded, m * padded, m * kChunk, m * kChunk, m, dim * kChunk,
+                             kChunk * padded, kChunk * kMaxGroups, m * padded, m * kChunk, m};
     int64_t total = 16;
     for (int64_t size : sizes) total += round_up(size, 16);
     if (static_cast<int64_t>(storage.size()) < total) storage.assign(total, 0.0f);
     const auto base = reinterpret_cast<std::uintptr_t>(storage.data());
     float* p = storage.data() + (round_up(base, 64) - base) / sizeof(float);
-    float** slots[] = {&queries, &acc, &scores, &sums, &maxes, &keys, &values, &scales};
-    for (int i = 0; i < 8; ++i) {
+    float** slots[] = {&queries, &acc, &scores, &sums, &maxes, &keys, &values, &scales, &run_acc, &run_sums,
+                       &run_maxes};
+    for (int i = 0; i < 11; ++i) {
       *slots[i] = p;
       p += round_up(sizes[i], 16);
     }
@@ -417,7 +428,26 @@ struct Problem {
 struct Item {
   int64_t seq, kv_head0, kv_heads, head0, heads, row0, rows;
   double cost;
+  int64_t part = -1;           // >= 0: only this partition, its state written to partials (a split item)
+  float* partials = nullptr;   // [max, sums, accumulator] of every query vector (see partial_floats)
 };
+
+// Floats of one partition's state of an item's query vectors: a max, kChunk partial sums and the accumulator each.
+int64_t partial_floats(const Problem& pb, const Item& it) {
+  return it.kv_heads * it.rows * it.heads * (1 + kChunk + pb.padded);
+}
+
+// The key positions an item's rows read, [first, last), and the first query row's position.
+struct KeyRange {
+  int64_t first, last, first_pos;
+};
+
+KeyRange key_range(const Problem& pb, const Item& it) {
+  const int64_t qlen = pb.query_start[it.seq + 1] - pb.query_start[it.seq];
+  const int64_t first_pos = pb.seq_lens[it.seq] - qlen + it.row0;
+  const int64_t first = pb.window > 0 ? std::max<int64_t>(0, first_pos - pb.window + 1) : 0;
+  return {first, first_pos + it.rows, first_pos};
+}
 
 // Query row of pb.q, widened and scaled, zero-padded to pb.padded.
 template <typename Q>
@@ -449,12 +479,78 @@ void store_output(const Problem& pb, const float* acc, const float* sums, float*
   }
 }
 
+// The cache lines of the next chunk's K/V for one KV head, requested in two batches around this chunk's products so
+// that they arrive while it computes (the blocks of a sequence lie anywhere in the pool: no hardware prefetcher
+// follows a block table). A span is `count` runs of `bytes` bytes, `stride` bytes apart.
+struct Prefetcher {
+  static constexpr int kMaxSpans = 4 * (kChunk + 1);
+  struct Span {
+    const char* start;
+    int64_t bytes, stride, count;
+  };
+  Span spans[kMaxSpans];
+  int num_spans = 0, span = 0;
+  int64_t run = 0, line = 0;  // the run of the current span and the line in it to request next
+
+  void add(const void* start, int64_t bytes, int64_t stride = 0, int64_t count = 1) {
+    if (bytes == stride) bytes *= std::exchange(count, 1);  // contiguous runs: one
+    if (num_spans < kMaxSpans && bytes > 0) spans[num_spans++] = {static_cast<const char*>(start), bytes, stride, count};
+  }
+
+  int64_t lines() const {
+    int64_t total = 0;
+    for (int i = 0; i < num_spans; ++i) total += spans[i].count * ((spans[i].bytes + 127) / 64);
+    return total;
+  }
+
+  void issue(int64_t n) {
+    while (n > 0 && span < num_spans) {
+      const Span& sp = spans[span];
+      const auto first = reinterpret_cast<std::uintptr_t>(sp.start + run * sp.stride) / 64 * 64;
+      const auto last = reinterpret_cast<std::uintptr_t>(sp.start + run * sp.stride + sp.bytes - 1) / 64 * 64;
+      for (; n > 0 && first + 64 * line <= last; --n, ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(first + 64 * line), _MM_HINT_T0);
+      }
+      if (first + 64 * line > last) {
+        line = 0;
+        if (++run == sp.count) {
+          run = 0;
+          ++span;
+        }
+      }
+    }
+  }
+};
+
+// Requests for the keys at positions [begin, end) of one KV head: key columns, values and their scales.
+template <typename T>
+void plan_prefetch(const Problem& pb, int64_t seq, int64_t head, int64_t begin, int64_t end, Prefetcher& prefetcher) {
+  const Layout& layout = pb.layout;
+  const int64_t size = layout.block_size, sz = sizeof(T);
+  const T* k_cache = static_cast<const T*>(pb.k_cache);
+  const T* v_cache = static_cast<const T*>(pb.v_cache);
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t block = pb.tables.at(seq, pos / size), first = pos % size;
+    const int64_t last = std::min(size, first + (end - pos));  // past the last key wanted in this block
+    const int64_t keys = last - first;
+    prefetcher.add(k_cache + layout.key(block, head, first), keys * sz, size * sz, layout.dim);
+    prefetcher.add(v_cache + layout.value(block, head, first), keys * layout.dim * sz);
+    if constexpr (kQuantized<T>) {
+      prefetcher.add(pb.k_scale + layout.key_scale(block, head, first), keys * 2, size * 2, layout.groups);
+      prefetcher.add(pb.v_scale + layout.value_scale(block, head, first), keys * layout.groups * 2);
+    }
+    pos += keys;
+  }
+}
+
 // One online-softmax step of query vectors [m0, m0 + count) over the chunk's keys [lo, hi) (chunk offsets).
+// The rest of prefetcher's requests go out between its score and value products.
 template <typename KB, typename VB>
 void softmax_step(Scratch& s, const Problem& pb, const KB& keys, const VB& values, int64_t m0, int64_t count,
-                  int lo, int hi) {
+                  int lo, int hi, Prefetcher& prefetcher) {
   float* scores = s.scores + m0 * kChunk;
   gemm(count, s.queries + m0 * pb.padded, pb.padded, keys, kChunk, pb.dim, scores, kChunk, false);
+  prefetcher.issue(std::numeric_limits<int64_t>::max());
   for (int64_t m = 0; m < count; ++m) {
     float* row = scores + m * kChunk;
     for (int j = 0; j < lo; ++j) row[j] = kNegInf;
@@ -508,6 +604,60 @@ void gather_keys(const Problem& pb, const int64_t* blocks, int64_t head, int64_t
   }
 }
 
+// Fold a partition's state (max, sums, acc) into the running state of `count` query vectors, in a fixed formula:
+// each side weighted by e^(its max - the new max), exactly 1 for the side holding the new max, so that an empty
+// partition (max -inf, sums and acc 0) leaves the running state as it was, bit for bit.
+void fold(int64_t count, int64_t padded, float* run_maxes, float* run_sums, float* run_acc, const float* maxes,
+          const float* sums, const float* acc) {
+  for (int64_t m = 0; m < count; ++m) {
+    const float new_max = std::max(run_maxes[m], maxes[m]);
+    const Vec run_weight = run_maxes[m] == new_max ? vset(1.0f) : vexp(vset(run_maxes[m] - new_max));
+    const Vec weight = maxes[m] == new_max ? vset(1.0f) : vexp(vset(maxes[m] - new_max));
+    float* rs = run_sums + m * kChunk;
+    const float* ps = sums + m * kChunk;
+    for (int v = 0; v < kChunkVecs; ++v) {
+      vstore(rs + v * kLanes, vfma(vload(rs + v * kLanes), run_weight, vmul(vload(ps + v * kLanes), weight)));
+    }
+    float* ra = run_acc + m * padded;
+    const float* pa = acc + m * padded;
+    for (int64_t d = 0; d < padded; d += kLanes) vstore(ra + d, vfma(vload(ra + d), run_weight, vmul(vload(pa + d), weight)));
+    run_maxes[m] = new_max;
+  }
+}
+
+// An item's output rows from its running state.
+void store_outputs(const Problem& pb, const Item& it, Scratch& s) {
+  const int64_t first_token = pb.query_start[it.seq] + it.row0;
+  for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+    for (int64_t r = 0; r < it.rows; ++r) {
+      for (int64_t h = 0; h < it.heads; ++h) {
+        const int64_t m = (kv * it.rows + r) * it.heads + h;
+        store_output(pb, s.run_acc + m * pb.padded, s.run_sums + m * kChunk, s.values, first_token + r,
+                     (it.kv_head0 + kv) * pb.group + it.head0 + h);
+      }
+    }
+  }
+}
+
+// Fresh running states for `count` query vectors (or, with maxes, a partition's).
+void clear_state(int64_t count, int64_t padded, float* maxes, float* sums, float* acc) {
+  std::fill(acc, acc + count * padded, 0.0f);
+  std::fill(sums, sums + count * kChunk, 0.0f);
+  std::fill(maxes, maxes + count, kNegInf);
+}
+
+// The outputs of an item whose partitions were computed apart (split items): their states folded in order.
+void combine_item(const Problem& pb, const Item& it, const float* partials, int64_t parts, Scratch& s) {
+  const int64_t count = it.kv_heads * it.rows * it.heads, stride = partial_floats(pb, it);
+  s.reserve(count, pb.padded, pb.dim);
+  clear_state(count, pb.padded, s.run_maxes, s.run_sums, s.run_acc);
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* state = partials + p * stride;
+    fold(count, pb.padded, s.run_maxes, s.run_sums, s.run_acc, state, state + count, state + count * (1 + kChunk));
+  }
+  store_outputs(pb, it, s);
+}
+
 template <typename T>
 void run_item(const Problem& pb, const Item& it, Scratch& s) {
   const int64_t heads = it.heads, per_kv = it.rows * heads, dim = pb.dim, padded = pb.padded;
@@ -531,9 +681,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
     }
   }
   const int64_t count = it.kv_heads * per_kv;
-  std::fill(s.acc, s.acc + count * padded, 0.0f);
-  std::fill(s.sums, s.sums + count * kChunk, 0.0f);
-  std::fill(s.maxes, s.maxes + count, kNegInf);
+  clear_state(count, padded, s.run_maxes, s.run_sums, s.run_acc);
 
   const Layout& layout = pb.layout;
   const T* k_cache = static_cast<const T*>(pb.k_cache);
@@ -546,85 +694,98 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
   for (int64_t d = 0; d < dim; ++d) key_rows[d] = s.keys + d * kChunk;
 
   const auto first_key = [&](int64_t pos) { return pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0; };
-  const int64_t tile_lo = first_key(first_pos), tile_hi = first_pos + it.rows;  // keys the tile reads
+  const KeyRange range = key_range(pb, it);
+  const int64_t tile_lo = range.first, tile_hi = range.last;  // keys the tile reads
   const int64_t last_block = (pb.seq_lens[it.seq] - 1) / layout.block_size;  // the table's last block of the sequence
+  const int64_t part_lo = it.part >= 0 ? it.part : tile_lo / kPartition;
+  const int64_t part_hi = it.part >= 0 ? it.part + 1 : (tile_hi + kPartition - 1) / kPartition;
+  const int64_t fetch_hi = it.part >= 0 ? std::min(tile_hi, part_hi * kPartition) : tile_hi;  // keys it will read
   int64_t blocks[kChunk];  // the block of each key of the chunk (past the sequence: its last block, never read)
-  for (int64_t c = tile_lo / kChunk * kChunk; c < tile_hi; c += kChunk) {
-    const int lo = static_cast<int>(std::max(c, tile_lo) - c), hi = static_cast<int>(std::min(c + kChunk, tile_hi) - c);
-    for (int j = 0; j < kChunk; ++j) blocks[j] = pb.tables.at(it.seq, std::min((c + j) / layout.block_size, last_block));
-    for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
-      const int64_t head = it.kv_head0 + kv;
-      KeyColumns<T> columns;
-      columns.stride = layout.block_size;
-      if (keys_in_place) {
-        for (int v = 0; v < kChunkVecs; ++v) {
-          const int j = v * kLanes;
-          const int64_t offset = (c + j) % layout.block_size;
-          columns.columns[v] = k_cache + layout.key(blocks[j], head, offset);
-          if constexpr (kQuantized<T>) columns.scales[v] = pb.k_scale + layout.key_scale(blocks[j], head, offset);
+  for (int64_t part = part_lo; part < part_hi; ++part) {
+    clear_state(count, padded, s.maxes, s.sums, s.acc);
+    const int64_t keys_lo = std::max(tile_lo, part * kPartition), keys_hi = std::min(tile_hi, (part + 1) * kPartition);
+    for (int64_t c = keys_lo / kChunk * kChunk; c < keys_hi; c += kChunk) {
+      const int lo = static_cast<int>(std::max(c, keys_lo) - c), hi = static_cast<int>(std::min(c + kChunk, keys_hi) - c);
+      for (int j = 0; j < kChunk; ++j) blocks[j] = pb.tables.at(it.seq, std::min((c + j) / layout.block_size, last_block));
+      for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+        const int64_t head = it.kv_head0 + kv;
+        Prefetcher prefetcher;
+        if (const int64_t next = c + kChunk; next < fetch_hi) {
+          plan_prefetch<T>(pb, it.seq, head, next, std::min(next + kChunk, fetch_hi), prefetcher);
         }
-      } else {
-        gather_keys<T>(pb, blocks, head, c, lo, hi, s.keys);
-      }
-      for (int j = lo; j < hi; ++j) {
-        const int64_t offset = (c + j) % layout.block_size;
-        const T* row = v_cache + layout.value(blocks[j], head, offset);
-        if constexpr (kQuantized<T>) {
-          const at::Half* scales = pb.v_scale + layout.value_scale(blocks[j], head, offset);
-          for (int64_t g = 0; g < layout.groups; ++g) s.scales[j * layout.groups + g] = to_float(scales[g]);
-        }
-        if (values_in_place) {
-          value_src[j] = row;
+        const int64_t half = (prefetcher.lines() + 1) / 2;
+        prefetcher.issue(half);
+        KeyColumns<T> columns;
+        columns.stride = layout.block_size;
+        if (keys_in_place) {
+          for (int v = 0; v < kChunkVecs; ++v) {
+            const int j = v * kLanes;
+            const int64_t offset = (c + j) % layout.block_size;
+            columns.columns[v] = k_cache + layout.key(blocks[j], head, offset);
+            if constexpr (kQuantized<T>) columns.scales[v] = pb.k_scale + layout.key_scale(blocks[j], head, offset);
+          }
         } else {
-          widen_row(row, dim, padded, s.values + j * padded);
-          value_rows[j] = s.values + j * padded;
+          gather_keys<T>(pb, blocks, head, c, lo, hi, s.keys);
         }
-      }
-      const auto step = [&](int64_t m0, int64_t n, int a, int b) {
-        const auto with_keys = [&](const auto& keys) {
+        for (int j = lo; j < hi; ++j) {
+          const int64_t offset = (c + j) % layout.block_size;
+          const T* row = v_cache + layout.value(blocks[j], head, offset);
+          if constexpr (kQuantized<T>) {
+            const at::Half* scales = pb.v_scale + layout.value_scale(blocks[j], head, offset);
+            for (int64_t g = 0; g < layout.groups; ++g) s.scales[j * layout.groups + g] = to_float(scales[g]);
+          }
           if (values_in_place) {
-            softmax_step(s, pb, keys, Rows<T>{value_src, s.scales, layout.groups}, m0, n, a, b);
+            value_src[j] = row;
           } else {
-            softmax_step(s, pb, keys, Rows<float>{value_rows}, m0, n, a, b);
+            widen_row(row, dim, padded, s.values + j * padded);
+            value_rows[j] = s.values + j * padded;
+          }
+        }
+        const auto step = [&](int64_t m0, int64_t n, int a, int b) {
+          const auto with_keys = [&](const auto& keys) {
+            if (values_in_place) {
+              softmax_step(s, pb, keys, Rows<T>{value_src, s.scales, layout.groups}, m0, n, a, b, prefetcher);
+            } else {
+              softmax_step(s, pb, keys, Rows<float>{value_rows}, m0, n, a, b, prefetcher);
+            }
+          };
+          if (keys_in_place) {
+            with_keys(columns);
+          } else {
+            with_keys(Rows<float>{key_rows});
           }
         };
-        if (keys_in_place) {
-          with_keys(columns);
-        } else {
-          with_keys(Rows<float>{key_rows});
-        }
-      };
-      // Rows that see the whole chunk go together; a row that sees part of it goes alone, over its own keys.
-      const int64_t base = kv * per_kv;
-      int64_t r = 0;
-      while (r < it.rows) {
-        const int64_t pos = first_pos + r;
-        const int64_t a = std::max(c, first_key(pos)), b = std::min(c + kChunk, pos + 1);
-        if (a >= b) {
-          ++r;
-        } else if (a == c && b == c + kChunk) {
-          int64_t end = r + 1;
-          while (end < it.rows && first_key(first_pos + end) <= c && first_pos + end >= c + kChunk - 1) ++end;
-          step(base + r * heads, (end - r) * heads, 0, kChunk);
-          r = end;
-        } else {
-          step(base + r * heads, heads, static_cast<int>(a - c), static_cast<int>(b - c));
-          ++r;
+        // Rows that see the whole chunk go together; a row that sees part of it goes alone, over its own keys.
+        const int64_t base = kv * per_kv;
+        int64_t r = 0;
+        while (r < it.rows) {
+          const int64_t pos = first_pos + r;
+          const int64_t a = std::max(c, first_key(pos)), b = std::min(c + kChunk, pos + 1);
+          if (a >= b) {
+            ++r;
+          } else if (a == c && b == c + kChunk) {
+            int64_t end = r + 1;
+            while (end < it.rows && first_key(first_pos + end) <= c && first_pos + end >= c + kChunk - 1) ++end;
+            step(base + r * heads, (end - r) * heads, 0, kChunk);
+            r = end;
+          } else {
+            step(base + r * heads, heads, static_cast<int>(a - c), static_cast<int>(b - c));
+            ++r;
+          }
         }
       }
     }
-  }
-  float* tmp = s.values;  // free again: the output staging row
-  for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
-    for (int64_t r = 0; r < it.rows; ++r) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t m = (kv * it.rows + r) * heads + h;
-        store_output(pb, s.acc + m * padded, s.sums + m * kChunk, tmp, first_token + r,
-                     (it.kv_head0 + kv) * pb.group + it.head0 + h);
-      }
+    if (it.partials != nullptr) {  // a split item: this partition's state, folded later with the others'
+      std::copy(s.maxes, s.maxes + count, it.partials);
+      std::copy(s.sums, s.sums + count * kChunk, it.partials + count);
+      std::copy(s.acc, s.acc + count * padded, it.partials + count * (1 + kChunk));
+    } else {
+      fold(count, padded, s.run_maxes, s.run_sums, s.run_acc, s.maxes, s.sums, s.acc);
     }
   }
+  if (it.partials == nullptr) store_outputs(pb, it, s);
 }
+
 // Splits the call into items: query-row tiles per sequence over all its KV heads; when that leaves too few
 // items to keep the threads busy, one KV head per item, then parts of the query heads sharing a KV head.
 std::vector<Item> plan_items(const Problem& pb, int64_t num_seqs, int64_t threads) {
@@ -660,19 +821,75 @@ std::vector<Item> plan_items(const Problem& pb, int64_t num_seqs, int64_t thread
   return items;
 }
 
+// Items over partitions, one each, when there are too few items to keep the threads busy: the partitions' states go
+// to a workspace, and each item's are folded in order once all are done. Empty if no item spans two partitions.
+std::vector<Item> split_items(const Problem& pb, const std::vector<Item>& items, int64_t threads,
+                              std::vector<float>& workspace, std::vector<int64_t>& first_part) {
+  std::vector<Item> parts;
+  if (threads <= 1 || static_cast<int64_t>(items.size()) >= kSplitBelow * threads) return parts;
+  int64_t floats = 0;
+  for (const Item& it : items) {
+    const KeyRange range = key_range(pb, it);
+    floats += ((range.last + kPartition - 1) / kPartition - range.first / kPartition) * partial_floats(pb, it);
+  }
+  workspace.resize(floats);
+  float* partials = workspace.data();
+  for (const Item& it : items) {
+    const KeyRange range = key_range(pb, it);
+    first_part.push_back(static_cast<int64_t>(parts.size()));
+    const double per_key = it.cost / static_cast<double>(range.last - range.first + kChunk);
+    for (int64_t p = range.first / kPartition; p * kPartition < range.last; ++p) {
+      Item part = it;
+      part.part = p;
+      part.partials = std::exchange(partials, partials + partial_floats(pb, it));
+      const int64_t keys = std::min(range.last, (p + 1) * kPartition) - std::max(range.first, p * kPartition);
+      part.cost = per_key * static_cast<double>(keys + kChunk);
+      parts.push_back(part);
+    }
+  }
+  first_part.push_back(static_cast<int64_t>(parts.size()));
+  if (static_cast<int64_t>(parts.size()) == static_cast<int64_t>(items.size())) parts.clear();  // nothing to split
+  return parts;
+}
+
+// Longest first, handed out one at a time: which thread runs an item never changes its result.
+template <typename Fn>
+void run_in_parallel(std::vector<int64_t>& order, const std::vector<double>& costs, Fn&& fn) {
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  statelm::parallel_for(static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch& scratch = thread_scratch();
+    for (int64_t i = begin; i < end; ++i) fn(order[i], scratch);
+  });
+}
+
 template <typename T>
 void run_items(const Problem& pb, std::vector<Item>& items, int64_t threads) {
   double total = 0.0;
   for (const Item& it : items) total += it.cost;
-  if (threads <= 1 || items.size() <= 1 || total < kSerialCost) {
+  if (threads <= 1 || total < kSerialCost) {
     for (const Item& it : items) run_item<T>(pb, it, thread_scratch());
     return;
   }
-  // Longest first, handed out one at a time: which thread runs an item never changes its result.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  statelm::parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch& scratch = thread_scratch();
-    for (int64_t i = begin; i < end; ++i) run_item<T>(pb, items[i], scratch);
+  std::vector<float> workspace;
+  std::vector<int64_t> first_part;
+  std::vector<Item> parts = split_items(pb, items, threads, workspace, first_part);
+  std::vector<Item>& work = parts.empty() ? items : parts;
+  std::vector<int64_t> order(work.size());
+  std::vector<double> costs(work.size());
+  for (size_t i = 0; i < work.size(); ++i) {
+    order[i] = static_cast<int64_t>(i);
+    costs[i] = work[i].cost;
+  }
+  run_in_parallel(order, costs, [&](int64_t i, Scratch& scratch) { run_item<T>(pb, work[i], scratch); });
+  if (parts.empty()) return;
+  order.resize(items.size());
+  costs.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    order[i] = static_cast<int64_t>(i);
+    costs[i] = static_cast<double>(first_part[i + 1] - first_part[i]);
+  }
+  run_in_parallel(order, costs, [&](int64_t i, Scratch& scratch) {
+    combine_item(pb, items[i], parts[first_part[i]].partials, first_part[i + 1] - first_part[i], scratch);
   });
 }
 
