@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from bench.common import machine_report
+from bench.common import machine_report, prefilled_session
 from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine, kv_cache_format, load_engine_model
 from statelm.engine.engine import Engine
@@ -29,19 +29,6 @@ from statelm.engine.sequence import SamplingParams
 from statelm.engine.session_kv import SessionKVData
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.loader import LoadedModel
-
-
-def context_kv(loaded: LoadedModel, context: int, kv_dtype: str) -> SessionKVData:
-    """The KV of a prompt of context - 1 tokens, computed as prompt rows (a session's exact KV)."""
-    engine = engine_for(loaded, kv_dtype, context + 64)
-    prompt = [(7 * j) % 1000 + 100 for j in range(context)]
-    engine.add_request("prompt", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), "context")
-    while engine.has_work():
-        engine.step()
-    engine.commit_turn("prompt", "context")
-    data = engine.sessions.export("context")
-    assert data is not None and len(data.tokens) == context
-    return data
 
 
 def step_times(loaded: LoadedModel, data: SessionKVData, batch: int, steps: int, kv_dtype: str) -> list[float]:
@@ -121,7 +108,7 @@ def main() -> None:
     print("| KV cache | batch | context | step ms (spread) | ratio | KV read per step | bound ratio |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for kv_dtype in args.kv_cache_dtype.split(","):
-        kv_data = {context: context_kv(loaded, context, kv_dtype) for context in contexts}
+        kv_data = {c: prefilled_session(engine_for(loaded, kv_dtype, c + 64), c) for c in contexts}
         per_token, name = bytes_per_token(loaded, kv_dtype), kv_cache_format(kv_dtype, loaded).name
         for batch in (int(b) for b in args.batch.split(",")):
             runs: dict[int, list[float]] = {context: [] for context in contexts}

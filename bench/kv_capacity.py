@@ -27,12 +27,11 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import machine_report
+from bench.common import machine_report, prefilled_session
 from bench.gpu import LLAMA3_ROPE, write_model_dir
 from statelm.config import EngineConfig, parse_size
 from statelm.engine.builder import create_engine, kv_cache_format, load_engine_model
 from statelm.engine.engine import Engine
-from statelm.engine.sequence import SamplingParams
 from statelm.engine.session_kv import SessionKVData, SessionKVError
 from statelm.models.loader import DEFAULT_MODEL_FILE, LoadedModel, resolve_source
 from statelm.sessions.directory_store import DirectoryStore
@@ -68,18 +67,6 @@ def load(model: str, folder: Path) -> LoadedModel:
         return load_engine_model(EngineConfig())
     write_model_dir(folder, LLAMA_1B)
     return load_engine_model(EngineConfig(model=str(folder), load_format="dummy", dtype="float32", quantization="int8"))
-
-
-def prefilled(engine: Engine, tokens: int) -> SessionKVData:
-    """The exact KV of a session holding `tokens` tokens, computed as one prompt."""
-    prompt = [(13 * j) % 20000 + 100 for j in range(tokens)]
-    engine.add_request("first", prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True), "s0")
-    while engine.has_work():
-        engine.step()
-    engine.commit_turn("first", "s0")
-    data = engine.sessions.export("s0")
-    assert data is not None and len(data.tokens) == tokens
-    return data
 
 
 def fill(engine: Engine, data: SessionKVData) -> int:
@@ -173,7 +160,7 @@ def main() -> None:
                 )
                 engine = create_engine(loaded, config)
                 kv_cache = engine.runner.kv_cache
-                data = prefilled(engine, args.session_tokens)
+                data = prefilled_session(engine, args.session_tokens, "s0")
                 count = fill(engine, data)
                 for index in range(1, count):
                     engine.sessions.release(f"s{index}")
