@@ -21,6 +21,7 @@ from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
+from statelm.models.model_cache import ModelCache
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,10 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         dtype = torch.float32  # packed weights run in statelm's float32 kernels on every CPU
     else:
         dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
+    cache = ModelCache(max_bytes=config.model_cache_size)
+    loaded = load_model(
+        config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization, cache
+    )
     try:
         if loaded.model.use_activations(config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
@@ -113,6 +117,19 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     )
     if max_model_len < config.block_size:
         raise EngineConfigError(f"KV cache budget holds only {num_blocks} blocks; raise --kv-cache-memory")
+    log.info(
+        "allocating the KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d bytes a token); max model len %d; %s on %s, "
+        "%d threads",
+        num_blocks,
+        config.block_size,
+        num_blocks * block_bytes / 2**20,
+        kv.name,
+        block_bytes // config.block_size,
+        max_model_len,
+        loaded.dtype,
+        loaded.device,
+        threads,
+    )
     kv_cache = KVCache(
         model_config.num_hidden_layers,
         num_blocks,
@@ -121,18 +138,6 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         model_config.head_dim,
         kv,
         loaded.device,
-    )
-    log.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d bytes a token); max model len %d; %s on %s, %d threads",
-        num_blocks,
-        config.block_size,
-        num_blocks * block_bytes / 2**20,
-        kv.name,
-        kv_cache.bytes_per_token,
-        max_model_len,
-        loaded.dtype,
-        loaded.device,
-        threads,
     )
     cuda_graphs = loaded.device.type == "cuda" and model.compute_path == "triton" and not config.enforce_eager
     return Engine(
