@@ -110,6 +110,7 @@ def q8_0_edge_rows() -> torch.Tensor:
     return rows
 
 
+@pytest.mark.invariance
 @pytest.mark.parametrize("kv", KV_FORMATS)
 @pytest.mark.parametrize("block_size", [16, 5])
 def test_kernel_store_equals_the_reference_store(kv: str, block_size: int) -> None:
@@ -129,6 +130,7 @@ def test_kernel_store_equals_the_reference_store(kv: str, block_size: int) -> No
         assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8))
 
 
+@pytest.mark.invariance
 def test_q8_0_quantization_rounds_ties_to_even_and_zero_scales_to_zero() -> None:
     values, scales = quantize_q8_0(q8_0_edge_rows())
     assert scales[0, 0, 0].item() == 2.0**-6
