@@ -1,8 +1,9 @@
 """Decode step time against context length, on the engine alone (no HTTP): does long context stay cheap?
 
-Usage: .venv/bin/python -m bench.decode_context [--contexts 128,2048,8160] [--batch 1,16] [--steps 20]
-    [--kv-cache-dtype auto,float32,q8_0] [--repeats 3]
-The model loads as the server loads it (packed GGUF weights, the compute path the start-up self-check picks).
+Usage: .venv/bin/python -m bench.decode_context [--model default] [--contexts 128,2048,8160] [--batch 1,16]
+    [--steps 20] [--kv-cache-dtype auto,float32,q8_0] [--repeats 3]
+The model (the default one, or any --model the server takes: a GGUF file's path) loads as the server loads it
+(packed GGUF weights, the compute path the start-up self-check picks).
 Issue 30's target: decode at 2,048 tokens of context within 1.5x the time of decode at 128, at batch 1 and 16, with
 16-bit KV; the figure at 8k reported.
 
@@ -90,6 +91,7 @@ def bandwidth(threads: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
     parser.add_argument("--contexts", default="128,2048,8160")
     parser.add_argument("--batch", default="1,16")
     parser.add_argument("--steps", type=int, default=20)
@@ -97,12 +99,12 @@ def main() -> None:
     parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     print(machine_report())
-    loaded = load_engine_model(EngineConfig())
+    loaded = load_engine_model(EngineConfig(model=args.model))
     create_engine(loaded, EngineConfig(kv_cache_memory=1 << 20))  # runs the self-check: picks the compute path
     model = loaded.model
     threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
     peak = bandwidth(threads)
-    print(f"settings: default model, {model.dtype}, compute path {model.compute_path}, {threads} threads; median of "
+    print(f"settings: {loaded.name}, {model.dtype}, compute path {model.compute_path}, {threads} threads; median of "
           f"{args.steps} decode steps, {args.repeats} engines in turn; memory read {peak / 1e9:.1f} GB/s")  # fmt: skip
     contexts = [int(c) for c in args.contexts.split(",")]
     print("| KV cache | batch | context | step ms (spread) | ratio | KV read per step | bound ratio |")

@@ -1,19 +1,20 @@
 """KV capacity per format: resident 4k-token sessions in 1 GiB of KV, the spill and restore of one, its snapshot.
 
-Usage: .venv/bin/python -m bench.kv_capacity [--models default,llama-1b] [--kv-cache-dtype float32,auto,q8_0]
+Usage: .venv/bin/python -m bench.kv_capacity [--models default,llama-1b,PATH.gguf] [--kv-cache-dtype float32,auto,q8_0]
     [--session-tokens 4096] [--pool 1GiB] [--runs 5] [--llama-server PATH]
 
 For each model and KV format, in-process on an engine whose KV pool is --pool:
-- bytes per token of the pool, against llama.cpp's default (float16 K and V: what llama-server's log reports for the
-  default model with --llama-server, its formula for the 1B model, which it has no GGUF of here);
+- bytes per token of the pool, against llama.cpp's default (float16 K and V: what llama-server's log reports for a
+  GGUF model with --llama-server, else its formula);
 - resident sessions: one session of --session-tokens tokens is prefilled, then its KV is loaded into new sessions
   (each into blocks of its own, as the server restores a snapshot) until the pool refuses one: the count held at once;
 - spill: what the server does to an idle session under memory pressure, export from the pool and write it as a
   snapshot bundle (fsynced) to a temporary state dir; restore: read it back (checksums) and load it into the pool;
   medians of --runs;
 - the snapshot bundle's size on disk.
-Models: `default` (SmolLM2-135M Q4_1 GGUF, as served) and `llama-1b` (Llama-3.2-1B's shapes, random weights packed
-int8 at load: 16 layers, 8 KV heads of 64, float32 activations as the default model's).
+Models: `default` (SmolLM2-135M Q4_1 GGUF, as served), `llama-1b` (Llama-3.2-1B's shapes, random weights packed
+int8 at load: 16 layers, 8 KV heads of 64, float32 activations as the default model's), or any model the server
+loads (a GGUF file's path: Llama-3.2-1B's Q8_0, say), as the server loads it.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from statelm.config import EngineConfig, parse_size
 from statelm.engine.builder import create_engine, kv_cache_format, load_engine_model
 from statelm.engine.engine import Engine
 from statelm.engine.session_kv import SessionKVData, SessionKVError
-from statelm.models.loader import DEFAULT_MODEL_FILE, LoadedModel, resolve_source
+from statelm.models.loader import LoadedModel, resolve_source
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.state_store import Area
@@ -63,8 +64,8 @@ LLAMA_1B = {  # Llama-3.2-1B's config.json
 
 def load(model: str, folder: Path) -> LoadedModel:
     """The model as the server loads it; llama-1b as random weights of Llama-3.2-1B's shapes, packed int8."""
-    if model == "default":
-        return load_engine_model(EngineConfig())
+    if model != "llama-1b":
+        return load_engine_model(EngineConfig(model=model))
     write_model_dir(folder, LLAMA_1B)
     return load_engine_model(EngineConfig(model=str(folder), load_format="dummy", dtype="float32", quantization="int8"))
 
@@ -107,10 +108,10 @@ def llama_cpp_bytes_per_token(server: Path | None, loaded: LoadedModel, model: s
     """llama.cpp's default KV bytes per token (float16 K and V) for the model, and where the figure comes from."""
     config = loaded.config
     formula = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim * 2
-    if server is None or model != "default":
+    source = None if model == "llama-1b" else resolve_source(model)
+    if server is None or source is None or not source.is_gguf:
         return formula, "formula"
-    gguf = resolve_source("default").path
-    assert gguf.name == DEFAULT_MODEL_FILE
+    gguf = source.path
     command = [str(server), "-m", str(gguf), "-c", "4096", "--port", "8731", "-t", "1", "-np", "1", "-v"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     timer = threading.Timer(120, process.kill)  # it serves until killed: a log without the line ends here
@@ -168,11 +169,12 @@ def main() -> None:
                 name = kv_cache_format(kv_dtype, loaded).name
                 float32_count = count if name == "float32" else float32_count
                 relative = f"{count / float32_count:.2f}x" if float32_count else "-"
-                print(f"| {model} | {name} | {kv_cache.bytes_per_token:,} | {kv_cache.bytes_per_token / peer:.2f}x | "
-                      f"{count} | {relative} | {spill * 1000:.0f} | {restore * 1000:.0f} | {size / 2**20:.1f} |",
+                per_token = kv_cache.bytes_per_token
+                print(f"| {Path(model).name} | {name} | {per_token:,} | {per_token / peer:.2f}x | {count} | "
+                      f"{relative} | {spill * 1000:.0f} | {restore * 1000:.0f} | {size / 2**20:.1f} |",
                       flush=True)  # fmt: skip
                 del engine, kv_cache
-            print(f"(llama.cpp's f16 KV for {model}: {peer:,} bytes per token, from its {source})")
+            print(f"(llama.cpp's f16 KV for {Path(model).name}: {peer:,} bytes per token, from its {source})")
 
 
 if __name__ == "__main__":
