@@ -1,6 +1,6 @@
 """What packed weights and narrow KV caches cost in accuracy: next-token agreement and KL divergence.
 
-Usage: .venv/bin/python -m bench.accuracy [--tokens 2000] [--compare weights|kv]
+Usage: .venv/bin/python -m bench.accuracy [--tokens 2000] [--compare weights|kv] [--windows 1]
 weights: the reference is the default GGUF dequantized to float32 and run as a float model (every run with a
 float16 KV cache). Each format runs through
 statelm's quantized kernel twice: with float32 activations, and with activations quantized to int8 per 32
@@ -11,12 +11,17 @@ re-quantize the float weights as a float checkpoint would be at load. Over a fix
 docs, the first N tokens), it reports the share of positions whose most likely next token matches the
 reference's, and the mean KL(reference || format).
 kv: the default model as the server runs it (its packed GGUF weights) with a float32 KV cache is the reference; the
-same model with each narrower KV cache (float16, bfloat16, q8_0) runs the same text.
+same model with each narrower KV cache (float16, bfloat16, q8_0) runs the same text, over --windows stretches of
+--tokens tokens spread over it. Every row is a prompt row, computed as the server computes prompt rows (float32
+activations, the LM head's too). A second table runs every row with int8 activations (as generated tokens are
+computed) over each KV format, against the same float32 reference: int8 rounding turns any small difference in its
+inputs into a different rounding, so it shows whether a KV format adds to int8's own loss.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from pathlib import Path
 
 import torch
@@ -49,7 +54,7 @@ def all_logits(loaded: LoadedModel, tokens: list[int], kv: str = "float16") -> t
     for start in range(0, len(tokens), CHUNK):
         count = min(CHUNK, len(tokens) - start)
         hidden = _hidden_of_chunk(runner, seq, count)
-        rows.append(model.compute_logits(hidden))
+        rows.append(model.compute_logits(hidden, torch.ones(count, dtype=torch.bool)))  # prompt rows, as served
         seq.num_computed_tokens += count
     return torch.cat(rows)
 
@@ -85,30 +90,43 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float
     return agree, kl
 
 
-def compare_kv_caches(tokens: int) -> None:
-    """Print the KV formats' table: each narrower cache against float32 KV, the served model's weights in both."""
+def compare_kv_caches(tokens: int, windows: int) -> None:
+    """Print the KV formats' tables: each narrower cache against float32 KV, the served model's weights in all."""
     with torch.inference_mode():
         served = load_engine_model(EngineConfig())
-        text = served.tokenizer.encode(fixed_text())[:tokens]
+        text = served.tokenizer.encode(fixed_text())
         create_engine(served, EngineConfig(kv_cache_memory=64 << 20))  # runs the self-check, picks a path
-        print(f"text: {len(text)} tokens of README.md + docs/*.md; the default model as served, compute path "
-              f"{served.model.compute_path}; reference: float32 KV cache")  # fmt: skip
-        reference = all_logits(served, text, "float32")
-        results = {kv: compare(reference, all_logits(served, text, kv)) for kv in ("float16", "bfloat16", "q8_0")}
-    print("| KV cache | top-1 agreement | mean KL divergence (nats) |")
-    print("| --- | ---: | ---: |")
-    for kv, (agree, kl) in results.items():
-        print(f"| {kv} | {agree:.2%} | {kl:.6f} |")
+        step = (len(text) - tokens) // max(1, windows - 1)
+        stretches = [text[index * step : index * step + tokens] for index in range(windows)]
+        print(f"text: {windows} stretches of {tokens} tokens spread over the {len(text)} of README.md + docs/*.md; "
+              f"the default model as served, compute path {served.model.compute_path}; reference: float32 KV cache, "
+              "float32 activations (as prompt rows are computed)")  # fmt: skip
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for stretch in stretches:
+            served.model.use_activations("float32")
+            reference = all_logits(served, stretch, "float32")
+            for kv in ("float16", "bfloat16", "q8_0"):
+                results.setdefault(("float32", kv), []).append(compare(reference, all_logits(served, stretch, kv)))
+            served.model.use_activations("int8")
+            for kv in ("float32", "float16", "bfloat16", "q8_0"):
+                results.setdefault(("int8", kv), []).append(compare(reference, all_logits(served, stretch, kv)))
+    print("| activations | KV cache | top-1 agreement | per stretch | mean KL divergence (nats) |")
+    print("| --- | --- | ---: | --- | ---: |")
+    for (activations, kv), rows in results.items():
+        agree, kl = statistics.mean(row[0] for row in rows), statistics.mean(row[1] for row in rows)
+        spread = ", ".join(f"{row[0]:.2%}" for row in rows)
+        print(f"| {activations} | {kv} | {agree:.2%} | {spread} | {kl:.2e} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
     parser.add_argument("--compare", choices=["weights", "kv"], default="weights")
+    parser.add_argument("--windows", type=int, default=1, help="kv: stretches of --tokens spread over the text")
     args = parser.parse_args()
     print(machine_report())
     if args.compare == "kv":
-        compare_kv_caches(args.tokens)
+        compare_kv_caches(args.tokens, args.windows)
         return
     with torch.inference_mode():
         float_model = load_engine_model(EngineConfig(quantization="none"))
