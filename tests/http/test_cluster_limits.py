@@ -31,8 +31,8 @@ SNAPSHOT_QUOTA = 24 * 1024  # a session of about 30 tokens takes about 17 KB (51
 def pair(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[InProcessServer, ...]]:
     """Two servers as replicas: one state dir, one ledger, each holding only the sessions it made."""
     state = tmp_path_factory.mktemp("pair") / "state"
-    args = ["--dtype", "float32", "--max-sessions-per-key", "3", "--max-stored-responses", "2"]
-    args += ["--snapshot-quota", str(SNAPSHOT_QUOTA)]
+    args = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-sessions-per-key", "3"]
+    args += ["--max-stored-responses", "2", "--snapshot-quota", str(SNAPSHOT_QUOTA)]
     engine_config, server_config = serve_configs(tiny_args(tiny_model, state, *args))
     server_config = replace(server_config, resume_sessions=False)
     ledger, apps = Remote(KeyLedger()), list[FastAPI]()
