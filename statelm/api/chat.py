@@ -32,7 +32,7 @@ from statelm.api.serving import (
     usage_of,
 )
 from statelm.api.stored_completions import CompletionStore
-from statelm.engine.async_engine import AsyncEngine
+from statelm.engine.client import EngineClient
 from statelm.metrics import ServingMetrics
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.ownership import current_principal
@@ -48,7 +48,7 @@ class ChatService:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         tokenizer: Tokenizer,
         model: ServedModel,
         metrics: ServingMetrics,
@@ -59,7 +59,7 @@ class ChatService:
         reasoning_parser: str = "auto",
         completions: CompletionStore | None = None,
     ) -> None:
-        defaults = sampling_defaults(engine.engine.sampling_defaults)
+        defaults = sampling_defaults(engine.info.sampling_defaults)
         self.context = ServingContext(
             engine,
             tokenizer,

@@ -25,8 +25,7 @@ from statelm.api.errors import APIError
 from statelm.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from statelm.api.serving import ServingContext
 from statelm.api.structured_output import forced_tool_constraint
-from statelm.engine.pins import PinRequest
-from statelm.engine.sequence import SamplingParams
+from statelm.engine.client import PinRequest, SamplingParams
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import Session, SessionSettings
 

@@ -15,7 +15,7 @@ from pydantic import (
     model_validator,
 )
 
-from statelm.engine.logits_processors import LOGIT_BIAS_LIMIT
+from statelm.engine.client import LOGIT_BIAS_LIMIT
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128

@@ -12,8 +12,9 @@ import torch
 from statelm.config import EngineConfig
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
+from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
-from statelm.engine.invariance import InvarianceReport, select_compute_path
+from statelm.engine.invariance import select_compute_path
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.pins import PinTable
 from statelm.engine.runner import ModelRunner
@@ -43,18 +44,19 @@ class EngineConfigError(ValueError):
 
 @dataclass
 class BuiltEngine:
-    """The loaded model and the engine thread serving it."""
+    """The loaded model and the client of the engine thread serving it."""
 
     loaded: LoadedModel
-    engine: AsyncEngine
-    invariance: InvarianceReport | None  # None: batch invariance was not asked for
+    engine: EngineClient
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
     """Load the model, allocate the KV pool and start the engine thread."""
     loaded = load_engine_model(config)
     engine = create_engine(loaded, config)
-    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
+    invariance = loaded.model.invariance  # None: batch invariance was not asked for
+    report = invariance.as_dict() if invariance is not None else None
+    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue, report))
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from statelm.engine.block_pool import BlockPool
+from statelm.engine.client import EngineStats, RequestOutput
 from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
 from statelm.engine.scheduler import Scheduler
@@ -18,25 +19,6 @@ from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class StepOutput:
-    """What one step produced for one choice of a request: new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    index: int = 0  # the choice
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
-    scheduled_at: float | None = None  # time.perf_counter() when the request's first chunk ran
-    produced_at: float = 0.0  # time.perf_counter() when this step's tokens were sampled
-    error: str | None = None
-    ended_by_token: bool = False  # the last new token ended the choice and is not output text (EOS, stop token)
-    repetition_detected: bool = False  # the choice ended because its output fell into a loop
 
 
 class Engine:
@@ -130,7 +112,21 @@ class Engine:
         """True while any request waits or runs."""
         return self.scheduler.has_work()
 
-    def step(self) -> list[StepOutput]:
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues, the KV pool, the prefix cache and the cache pins."""
+        pool = self.pool
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_pinned=pool.pins.num_pinned_blocks,
+            prefix_queried_tokens=pool.queried_tokens,
+            prefix_hit_tokens=pool.hit_tokens,
+            cache_pins=dataclasses.replace(pool.pins.counters),
+        )
+
+    def step(self) -> list[RequestOutput]:
         """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
         self.pool.expire_pins()
         chunks = self.scheduler.schedule()
@@ -164,9 +160,9 @@ class Engine:
         sampled = sample(logits[:, : self.vocab_size], seqs, self.generator)
         return self._record(seqs, sampled, time.perf_counter())
 
-    def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[StepOutput]:
+    def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[RequestOutput]:
         """Append sampled tokens and start the forks of first samples; a row that failed fails its request."""
-        outputs: list[StepOutput] = []
+        outputs: list[RequestOutput] = []
         failed: set[str] = set()
         for seq, outcome in zip(seqs, sampled, strict=True):
             if outcome.error is not None and seq.request_id not in failed:
@@ -209,7 +205,7 @@ class Engine:
             fork.first_scheduled_at = seq.first_scheduled_at
         return forks
 
-    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End seq's whole request with an error."""
         self.scheduler.abort(seq.request_id)
         if seq.prefill_only:
@@ -221,8 +217,8 @@ class Engine:
     @staticmethod
     def _output(
         seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None, produced_at: float
-    ) -> StepOutput:
-        return StepOutput(
+    ) -> RequestOutput:
+        return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
             finished=seq.is_finished,

@@ -15,8 +15,7 @@ from statelm.api.chat import ChatService
 from statelm.api.limits import GenerationLimits
 from statelm.api.responses.service import ResponsesService
 from statelm.api.sessions import SessionService
-from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.invariance import InvarianceReport
+from statelm.engine.client import EngineClient
 from statelm.metrics import ServingMetrics
 from statelm.server.auth import AuthMiddleware, KeyRing
 from statelm.server.drain import DrainGate, DrainMiddleware
@@ -54,14 +53,13 @@ class Guards:
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     chat: ChatService,
     session_service: SessionService,
     responses: ResponsesService,
     serving_metrics: ServingMetrics,
     guards: Guards,
     sse_keepalive: float = 10.0,
-    invariance: InvarianceReport | None = None,
     allowed_origins: list[str] | None = None,
 ) -> FastAPI:
     """An app serving chat, responses and sessions on the given engine; sessions (response chains too) are saved
@@ -91,7 +89,7 @@ def create_app(
     app.state.metrics = serving_metrics
     app.state.drain = guards.drain
     app.state.sse_keepalive = sse_keepalive
-    app.state.invariance = invariance
+    app.state.invariance = engine.info.batch_invariance
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)

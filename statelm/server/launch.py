@@ -50,18 +50,18 @@ def build_services(
     """Chat, session and responses services over a built engine, answering to the served name and the `--model`
     value (with tally, a key's limits count what it holds on every server sharing it)."""
     name = server_config.served_model_name or built.loaded.name
-    engine = built.engine.engine
+    info = built.engine.info
     output_settings = {
         "device": built.loaded.device.type,
         "quantization": engine_config.quantization,
         "activations": engine_config.activations,
         "batch_invariant": engine_config.batch_invariant,
-        "sampling_defaults": engine.sampling_defaults,
+        "sampling_defaults": info.sampling_defaults,
     }
     model = ServedModel(
         name=name,
         aliases=frozenset({engine_config.model, built.loaded.name} - {name}),
-        max_model_len=engine.max_model_len,
+        max_model_len=info.max_model_len,
         created=int(time.time()),
         system_fingerprint=system_fingerprint(built.loaded.fingerprint.digest, output_settings),
     )
@@ -147,8 +147,8 @@ def build_app(
         built = build_engine(engine_config)
     except (ModelLoadError, EngineConfigError) as exc:
         raise LaunchError(str(exc)) from None
-    metrics = ServingMetrics(built.engine.engine)
-    limits = generation_limits(server_config, built.engine.engine.max_model_len)
+    metrics = ServingMetrics(built.engine)
+    limits = generation_limits(server_config, built.engine.info.max_model_len)
     chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits, tally)
     guards = Guards(
         keys=keys,
@@ -166,7 +166,6 @@ def build_app(
         metrics,
         guards,
         server_config.sse_keepalive,
-        built.invariance,
         allowed_origins=server_config.allowed_origins,
     )
     app.state.model_name = built.loaded.name

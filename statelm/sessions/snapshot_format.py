@@ -24,7 +24,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from statelm.engine.session_kv import SessionKVData
+from statelm.engine.client import SessionKVData
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError, SnapshotQuotaError
 from statelm.sessions.state_store import Area, StateStore

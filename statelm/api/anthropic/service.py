@@ -21,9 +21,7 @@ from statelm.api.chat_prompt import RenderedPrompt
 from statelm.api.conversation import ConversationService
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
-from statelm.engine.async_engine import EngineError
-from statelm.engine.pins import PinRequest
-from statelm.engine.session_kv import common_prefix_length
+from statelm.engine.client import EngineError, PinRequest, common_prefix_length
 from statelm.sessions.ownership import current_principal
 
 
@@ -113,8 +111,8 @@ class MessagesService:
     async def _cached_prefix(self, translated: Conversation, prompt: RenderedPrompt) -> CachedPrefix:
         """The prompt's prefixes up to its breakpoints: each one's conversation rendered, matched by tokens, cut to
         whole blocks, and pinned for the longest TTL asked of it."""
-        pool = self.context.engine.engine.pool
-        if not translated.breakpoints or not pool.enable_prefix_caching:
+        engine = self.context.engine.info
+        if not translated.breakpoints or not engine.prefix_caching:
             return CachedPrefix()
         kwargs = self.context.prompter.template_kwargs(translated.chat, {})
         ttls: dict[int, float] = {}
@@ -124,7 +122,7 @@ class MessagesService:
             )
             shared = common_prefix_length(rendered.ids, prompt.ids)
             length = min(shared, len(prompt.ids) - 1)  # the cache leaves the prompt's last token to compute
-            length -= length % pool.block_size
+            length -= length % engine.block_size
             if length:
                 ttls[length] = max(ttls.get(length, 0.0), breakpoint.ttl_s)
         owner = current_principal().owner

@@ -26,7 +26,7 @@ class HealthStatus(BaseModel):
 async def health(request: Request, response: Response) -> HealthStatus:
     """The server is up and its event loop is free; 503 while it drains or when the engine cannot recover."""
     invariance = request.app.state.invariance
-    details = invariance.as_dict() if invariance is not None else None
+    details = dict(invariance) if invariance is not None else None
     if request.app.state.drain.draining:
         response.status_code = 503
         return HealthStatus(status="draining", batch_invariance=details)

@@ -33,7 +33,7 @@ from statelm.api.tokenize import (
     detokenize,
     tokenize,
 )
-from statelm.engine.async_engine import EngineError
+from statelm.engine.client import EngineError
 from statelm.sessions.ownership import current_principal
 
 router = APIRouter()  # OpenAI's routes live under /v1, the token tools at the root, as in vLLM
