@@ -11,8 +11,8 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from statelm.api.anthropic.service import MessagesService
-from statelm.api.chat import ChatService
 from statelm.api.limits import GenerationLimits
+from statelm.api.openai.chat import ChatService
 from statelm.api.responses.service import ResponsesService
 from statelm.api.sessions import SessionService
 from statelm.engine.client import EngineClient

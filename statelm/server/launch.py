@@ -12,13 +12,14 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from statelm.api.chat import ChatService, ServedModel
+from statelm.api.conversation import ConversationService
 from statelm.api.limits import GenerationLimits
+from statelm.api.openai.chat import ChatService
+from statelm.api.openai.stored_completions import CompletionStore
 from statelm.api.responses.chains import ResponseRetention
 from statelm.api.responses.service import ResponsesService
-from statelm.api.serving import system_fingerprint
+from statelm.api.serving import ServedModel, ServingContext, sampling_defaults, system_fingerprint
 from statelm.api.sessions import SessionService
-from statelm.api.stored_completions import CompletionStore
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
 from statelm.metrics import ServingMetrics
@@ -78,21 +79,22 @@ def build_services(
         persist_idle_after=server_config.persist_idle_after,
     )
     try:
-        chat = ChatService(
+        context = ServingContext(
             built.engine,
             built.loaded.tokenizer,
             model,
             metrics,
-            manager,
-            limits=limits,
+            limits,
+            sampling_defaults(info.sampling_defaults),
             tool_parser=server_config.tool_parser,
             reasoning_parser=server_config.reasoning_parser,
-            completions=CompletionStore(server_config.max_stored_completions),
         )
     except ValueError as exc:  # an unknown --tool-parser or --reasoning-parser
         raise LaunchError(str(exc)) from None
+    conversations = ConversationService(context, manager)
+    chat = ChatService(conversations, CompletionStore(server_config.max_stored_completions))
     retention = ResponseRetention(server_config.max_stored_responses, server_config.response_retention)
-    return chat, SessionService(manager), ResponsesService(chat.conversations, retention)
+    return chat, SessionService(manager), ResponsesService(conversations, retention)
 
 
 def generation_limits(server_config: ServerConfig, context_length: int) -> GenerationLimits:

@@ -9,10 +9,11 @@ from typing import TypeVar
 
 import pytest
 
-from statelm.api.chat import ChatService
+from statelm.api.conversation import ConversationService
 from statelm.api.errors import APIError
+from statelm.api.openai.chat import ChatService
 from statelm.api.protocol import ChatCompletionRequest
-from statelm.api.serving import ServedModel
+from statelm.api.serving import ServedModel, ServingContext
 from statelm.config import SessionDurability
 from statelm.engine.client import EngineError, EngineStats
 from statelm.metrics import ServingMetrics
@@ -44,7 +45,8 @@ def serve(tokenizer: Tokenizer, engine: FakeEngine, work: Callable[[ChatService]
         await manager.start()
         model = ServedModel(name="tiny", aliases=frozenset(), max_model_len=engine.info.max_model_len, created=0)
         try:
-            return await work(ChatService(engine, tokenizer, model, ServingMetrics(engine), manager))
+            context = ServingContext(engine, tokenizer, model, ServingMetrics(engine))
+            return await work(ChatService(ConversationService(context, manager)))
         finally:
             await manager.close()
 

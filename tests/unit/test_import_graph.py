@@ -9,8 +9,23 @@ PACKAGE = Path(__file__).resolve().parents[2] / "statelm"
 ENGINE = "statelm.engine"
 ENGINE_CLIENT = "statelm.engine.client"  # the one engine module the layers above may import
 ENGINE_FACTORY = {"statelm.server.launch": "statelm.engine.builder"}  # who builds the in-process engine, and how
-ABOVE_ENGINE = ("statelm.api", "statelm.sessions", "statelm.server", "statelm.cluster", "statelm.cli", "statelm.metrics")
-BELOW_ENGINE = ("statelm.models", "statelm.kernels", "statelm.tokenizer", "statelm.config", "statelm.cpu", "statelm.paths")
+ABOVE_ENGINE = (
+    "statelm.api",
+    "statelm.sessions",
+    "statelm.server",
+    "statelm.cluster",
+    "statelm.cli",
+    "statelm.metrics",
+)
+BELOW_ENGINE = (
+    "statelm.models",
+    "statelm.kernels",
+    "statelm.tokenizer",
+    "statelm.config",
+    "statelm.cpu",
+    "statelm.paths",
+)
+WIRE_PROTOCOLS = ("statelm.api.openai", "statelm.api.responses", "statelm.api.anthropic")  # over the conversation core
 OUTSIDE = ("statelm", "statelm.__main__", "statelm.webui")  # the package, `python -m statelm`, the web UI's files
 
 
@@ -62,6 +77,15 @@ def test_above_the_engine_only_the_engine_client_is_imported() -> None:
         if any(inside(module, layer) for layer in ABOVE_ENGINE)
     }
     assert {module: imports for module, imports in wrong.items() if imports} == {}
+
+
+def test_the_conversation_core_imports_no_wire_protocol() -> None:
+    core = {
+        module: sorted(imported for imported in imports if any(inside(imported, wire) for wire in WIRE_PROTOCOLS))
+        for module, imports in import_graph().items()
+        if inside(module, "statelm.api") and not any(inside(module, wire) for wire in WIRE_PROTOCOLS)
+    }
+    assert {module: imports for module, imports in core.items() if imports} == {}
 
 
 def test_the_graph_sees_the_imports_it_checks() -> None:

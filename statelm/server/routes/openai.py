@@ -12,10 +12,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from statelm.api.chat import ChatService
-from statelm.api.completions import CompletionService
-from statelm.api.completions_protocol import CompletionRequest, CompletionResponse
 from statelm.api.errors import APIError
+from statelm.api.openai.chat import ChatService
+from statelm.api.openai.completions import CompletionService
+from statelm.api.openai.completions_protocol import CompletionRequest, CompletionResponse
 from statelm.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
