@@ -95,7 +95,7 @@ JOURNAL_FIGURES = [  # JournalCounters, updated by the journal's worker threads
     ("statelm_journal_recoveries", "Sessions brought up to date by their journals at start", "recoveries"),
     ("statelm_journal_failures", "Session journal writes that failed or were skipped", "failures"),
 ]
-PIN_FIGURES = [  # PinCounters, of the engine's latest stats
+PIN_FIGURES = [  # CachePinCounters, of the engine's latest stats
     ("statelm_cache_pins_created", "Prefixes pinned by cache_control", "created"),
     ("statelm_cache_pin_hits", "Pinned prefixes a request found whole in the cache", "hits"),
     ("statelm_cache_pins_expired", "Cache pins released at the end of their TTL", "expired"),

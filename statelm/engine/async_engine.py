@@ -202,7 +202,7 @@ class AsyncEngine:
     def _drain_commands(self, block: bool) -> bool:
         """Apply queued commands (waiting for one if block, until a cache pin may expire); False when asked to stop."""
         try:
-            timeout = self.engine.pool.pins.seconds_to_next_expiry() if block else None
+            timeout = self.engine.pool.cache_pins.seconds_to_next_expiry() if block else None
             command = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return True

@@ -12,11 +12,11 @@ import torch
 from statelm.config import EngineConfig
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
+from statelm.engine.cache_pins import CachePinTable
 from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
 from statelm.engine.invariance import select_compute_path
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.pins import PinTable
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.layers import RowChunking
@@ -144,7 +144,9 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
         ),
-        pool=BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, pin_table(config, num_blocks)),
+        pool=BlockPool(
+            num_blocks, config.block_size, config.enable_prefix_caching, cache_pin_table(config, num_blocks)
+        ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -154,9 +156,9 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     )
 
 
-def pin_table(config: EngineConfig, num_blocks: int) -> PinTable:
+def cache_pin_table(config: EngineConfig, num_blocks: int) -> CachePinTable:
     """The cache pins' table, its caps the configured shares of the pool's blocks."""
-    return PinTable(
+    return CachePinTable(
         max_blocks=int(config.pinned_kv_fraction * num_blocks),
         max_blocks_per_owner=int(config.pinned_kv_fraction_per_key * num_blocks),
     )

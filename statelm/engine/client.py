@@ -17,10 +17,10 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from statelm.engine.cache_pins import CachePinCounters, CachePinRequest
 from statelm.engine.grammar import CompiledGrammar, GrammarBackend, GrammarError, tool_call_schema
 from statelm.engine.guidance import ReasoningBudget
 from statelm.engine.logits_processors import LOGIT_BIAS_LIMIT
-from statelm.engine.pins import PinCounters, PinRequest
 from statelm.engine.repetition import RepetitionConfig
 from statelm.engine.sampler import TokenLogprob
 from statelm.engine.sequence import FinishReason, SamplingParams
@@ -28,6 +28,8 @@ from statelm.engine.session_kv import SessionKVData, SessionKVError, SpillHandle
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
+    "CachePinCounters",
+    "CachePinRequest",
     "CompiledGrammar",
     "EngineClient",
     "EngineError",
@@ -37,8 +39,6 @@ __all__ = [
     "FinishReason",
     "GrammarBackend",
     "GrammarError",
-    "PinCounters",
-    "PinRequest",
     "ReasoningBudget",
     "RepetitionConfig",
     "RequestOutput",
@@ -80,7 +80,7 @@ class EngineStats:
     kv_blocks_pinned: int = 0  # of prefixes pinned by cache pins, held or free
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache since start
     prefix_hit_tokens: int = 0  # of which found there
-    cache_pins: PinCounters = field(default_factory=PinCounters)
+    cache_pins: CachePinCounters = field(default_factory=CachePinCounters)
 
     @property
     def prefix_cache_hit_rate(self) -> float:

@@ -79,7 +79,7 @@ class Engine:
             for index in range(params.n)
         ]
         first.forks = forks
-        first.pending_pins = sorted(params.cache_pins, key=lambda pin: pin.num_tokens)
+        first.pending_cache_pins = sorted(params.cache_pins, key=lambda pin: pin.num_tokens)
         self.scheduler.add(first)
 
     def _seeded_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
@@ -120,15 +120,15 @@ class Engine:
             waiting=len(self.scheduler.waiting),
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_free=pool.num_free_blocks,
-            kv_blocks_pinned=pool.pins.num_pinned_blocks,
+            kv_blocks_pinned=pool.cache_pins.num_pinned_blocks,
             prefix_queried_tokens=pool.queried_tokens,
             prefix_hit_tokens=pool.hit_tokens,
-            cache_pins=dataclasses.replace(pool.pins.counters),
+            cache_pins=dataclasses.replace(pool.cache_pins.counters),
         )
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
-        self.pool.expire_pins()
+        self.pool.expire_cache_pins()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -148,7 +148,7 @@ class Engine:
             # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
             published = min(seq.num_computed_tokens, len(seq.prompt_ids))
             self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, published)
-            if seq.pending_pins:
+            if seq.pending_cache_pins:
                 self._place_pins(seq)
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:
                 seq.finish(FinishReason.STOP)
@@ -183,9 +183,9 @@ class Engine:
     def _place_pins(self, seq: Sequence) -> None:
         """Pin each prefix seq asked for whose whole blocks are now in the cache (computed or found there)."""
         size = self.pool.block_size
-        while seq.pending_pins and seq.pending_pins[0].num_tokens // size <= len(seq.block_hashes):
-            request = seq.pending_pins.pop(0)
-            self.pool.pin(seq.block_hashes[: request.num_tokens // size], request.ttl_s, request.owner)
+        while seq.pending_cache_pins and seq.pending_cache_pins[0].num_tokens // size <= len(seq.block_hashes):
+            request = seq.pending_cache_pins.pop(0)
+            self.pool.pin_prefix(seq.block_hashes[: request.num_tokens // size], request.ttl_s, request.owner)
 
     def _start_forks(self, seq: Sequence) -> list[Sequence]:
         """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""

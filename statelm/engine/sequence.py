@@ -8,9 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.engine.cache_pins import CachePinRequest
 from statelm.engine.grammar import CompiledGrammar
 from statelm.engine.guidance import GuideStop, OutputGuide, ReasoningBudget
-from statelm.engine.pins import PinRequest
 from statelm.engine.repetition import RepetitionConfig
 
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); negative seeds wrap around
@@ -42,7 +42,7 @@ class SamplingParams:
     reasoning: ReasoningBudget | None = None  # caps the think block; its end tag is forced when the budget is spent
     repetition: RepetitionConfig | None = None  # ends the sequence (STOP) when its output falls into a loop
     priority: int = 0  # waiting sequences of a higher priority are scheduled first (OpenAI's service_tier)
-    cache_pins: tuple[PinRequest, ...] = ()  # prompt prefixes to pin in the prefix cache once computed (or found)
+    cache_pins: tuple[CachePinRequest, ...] = ()  # prompt prefixes to pin in the prefix cache once computed (or found)
 
     @property
     def greedy(self) -> bool:
@@ -87,7 +87,9 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks published so far
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
-    pending_pins: list[PinRequest] = field(default_factory=list)  # shortest first, pinned once their blocks are
+    pending_cache_pins: list[CachePinRequest] = field(
+        default_factory=list
+    )  # shortest first, pinned once their blocks are
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # a seeded choice's own; unseeded ones draw from the engine's

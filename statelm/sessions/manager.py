@@ -321,7 +321,7 @@ class SessionManager:
             return None
         data = await self._kv_outside_pool(session)
         if data is not None:
-            await self._pin(data)
+            await self._pin_host_memory(data)
         return data
 
     def end_turn(self, session: Session | None, request_id: str, messages: list[dict[str, Any]] | None) -> None:
@@ -405,7 +405,7 @@ class SessionManager:
     async def load_snapshot(self, snapshot_id: str, session_id: str | None, overwrite: bool) -> Session:
         """A session made from a snapshot, its KV placed in the pool (or held spilled if the pool is full)."""
         manifest, content = await asyncio.to_thread(self.snapshots.read, snapshot_id, current_principal())
-        await self._pin(content.kv)
+        await self._pin_host_memory(content.kv)
         target = check_id(session_id, "session_id") if session_id is not None else new_session_id()
         existing = self.sessions.get(target)
         if existing is not None:
@@ -464,10 +464,10 @@ class SessionManager:
                 return None
         return content.kv
 
-    async def _pin(self, data: SessionKVData) -> None:
+    async def _pin_host_memory(self, data: SessionKVData) -> None:
         """Pin KV bound for a GPU pool in a worker thread, so that loading it copies asynchronously."""
         if self.engine.info.device == "cuda":
-            await asyncio.to_thread(data.pin)
+            await asyncio.to_thread(data.pin_host_memory)
 
     def _spilled(self, session_id: str, data: SessionKVData) -> None:
         """The engine spilled a session's KV under memory pressure: keep it and write it to the store."""

@@ -63,9 +63,9 @@ def run_turn(engine: Engine, session_id: str, prompt: list[int], max_tokens: int
     engine.add_request(request_id, prompt, SamplingParams(0.0, max_tokens=max_tokens, ignore_eos=True), session_id)
     generated = run_until_idle(engine)
     assert engine.commit_turn(request_id, session_id) == len(prompt) + len(generated) - 1
-    assert engine.sessions.pinned[session_id].exact == len(prompt)
+    assert engine.sessions.resident[session_id].exact == len(prompt)
     assert run_until_idle(engine) == []
-    assert engine.sessions.pinned[session_id].exact == len(prompt) + len(generated) - 1
+    assert engine.sessions.resident[session_id].exact == len(prompt) + len(generated) - 1
     return generated
 
 
@@ -73,7 +73,7 @@ def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> tor
     """Logits after prompt, computed from the session's KV (attached by LCP), without sampling."""
     seq = Sequence("probe", prompt, SamplingParams(0.0), frozenset(), 4096, session_id=session_id)
     attached = engine.sessions.attach(seq, engine.sessions.reusable_length(seq))
-    assert attached == len(engine.sessions.pinned[session_id].tokens)
+    assert attached == len(engine.sessions.resident[session_id].tokens)
     assert engine.pool.grow(seq.block_table, seq.num_tokens)
     logits = engine.runner.execute([ScheduledChunk(seq, seq.num_uncomputed_tokens)]).logits
     engine.pool.release(seq.block_table)

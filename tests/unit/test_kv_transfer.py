@@ -9,7 +9,7 @@ import torch
 
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.session_kv import PinnedKV, SessionKVData, SessionKVStore
+from statelm.engine.session_kv import SessionBlocks, SessionKVData, SessionKVStore
 
 BLOCK = 4
 HEADS, DIM = 2, 3
@@ -106,7 +106,7 @@ def store_holding(cache: KVCache, num_tokens: int, seed: int) -> tuple[SessionKV
     store = SessionKVStore(pool, cache)
     allocated = pool.allocate(pool.blocks_needed(num_tokens))
     blocks = random.Random(seed).sample(allocated, len(allocated))
-    store.pinned["s"] = PinnedKV(list(range(num_tokens)), blocks, [], num_tokens)
+    store.resident["s"] = SessionBlocks(list(range(num_tokens)), blocks, [], num_tokens)
     return store, blocks
 
 
@@ -119,7 +119,7 @@ def test_a_spill_keeps_the_old_kv_when_the_freed_blocks_are_overwritten_at_once(
     spilled: list[SessionKVData] = []
     store.spill_handler = lambda session_id, data: spilled.append(data)
     assert store.reclaim(4096)
-    assert store.pool.num_free_blocks == 4096 and "s" not in store.pinned
+    assert store.pool.num_free_blocks == 4096 and "s" not in store.resident
     for tensor in (*cache.k, *cache.v):
         tensor.fill_(-1.0)  # the next forward writing into the freed blocks, queued at once on the compute stream
     (data,) = spilled
@@ -153,7 +153,7 @@ def test_a_restore_is_visible_to_the_next_forward_and_may_come_straight_from_an_
     shape = source.k[0].shape
     target = SessionKVStore(BlockPool(1024, BLOCK), KVCache(4, 1024, BLOCK, *shape[2:], torch.bfloat16, device))
     target.load("s", data)
-    restored = target.pinned["s"].block_table
+    restored = target.resident["s"].block_table
     for ours, theirs in zip((*target.kv_cache.k, *target.kv_cache.v), expected, strict=True):
         assert torch.equal(expected_rows(ours, restored, num_tokens), theirs)  # read on the compute stream
 

@@ -43,14 +43,14 @@ def test_common_prefix_length() -> None:
 def test_turn_shares_full_blocks_copies_the_partial_one_and_leaves_the_session_untouched() -> None:
     store = make_store()
     store.load("s", data_for(list(range(10))))  # blocks: [0-3] [4-7] [8,9]
-    session_blocks = list(store.pinned["s"].block_table)
+    session_blocks = list(store.resident["s"].block_table)
     seq = turn(store, "s", [*range(10), 99, 98])
     assert seq.block_table[:2] == session_blocks[:2]
     assert seq.block_table[2] != session_blocks[2]  # the partly filled block was copied, not shared
     keys = store.kv_cache.k[0]
     assert torch.equal(keys[seq.block_table[2], :2], keys[session_blocks[2], :2])
     keys[seq.block_table[2], 2:] = -1.0  # the turn writes its new tokens into its own copy
-    assert store.pinned["s"].tokens == list(range(10))
+    assert store.resident["s"].tokens == list(range(10))
     assert keys[session_blocks[2], :2, 0, 0].tolist() == [8.0, 9.0]
 
 
@@ -70,12 +70,12 @@ def test_commit_replaces_the_session_kv_and_discard_keeps_it() -> None:
     seq = turn(store, "s", [1, 2, 3, 4, 5, 6, 7, 8, 9], "dropped")
     store.park(seq)
     store.discard("dropped")
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5]
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5]
     assert store.pool.num_free_blocks == free_before
     seq = turn(store, "s", [1, 2, 3, 4, 5, 6, 7, 8, 9], "kept")
     store.park(seq)
     assert store.commit("kept", "s") == 9
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
     assert store.pool.num_used_blocks == 3
     assert store.commit("kept", "s") is None
 
@@ -84,14 +84,14 @@ def test_fork_shares_blocks_and_each_side_writes_its_own_copy() -> None:
     store = make_store()
     store.load("parent", data_for(list(range(6))))
     assert store.fork("parent", "child")
-    assert store.pinned["child"].block_table == store.pinned["parent"].block_table
+    assert store.resident["child"].block_table == store.resident["parent"].block_table
     used = store.pool.num_used_blocks
     child_turn = turn(store, "child", [*range(6), 50, 51], "c")
     store.park(child_turn)
     store.commit("c", "child")
-    assert store.pinned["parent"].tokens == list(range(6))
-    assert store.pinned["child"].block_table[0] == store.pinned["parent"].block_table[0]
-    assert store.pinned["child"].block_table[1] != store.pinned["parent"].block_table[1]
+    assert store.resident["parent"].tokens == list(range(6))
+    assert store.resident["child"].block_table[0] == store.resident["parent"].block_table[0]
+    assert store.resident["child"].block_table[1] != store.resident["parent"].block_table[1]
     store.release("child")
     assert store.pool.num_used_blocks == used
     assert not store.fork("missing", "other")
@@ -117,7 +117,7 @@ def test_reclaim_spills_least_recently_used_idle_sessions_only() -> None:
     store.acquire("busy", None)
     store.load("new", data_for(list(range(200, 204))))
     assert store.reclaim(3)
-    assert spilled == ["old"] and "old" not in store.pinned and "busy" in store.pinned
+    assert spilled == ["old"] and "old" not in store.resident and "busy" in store.resident
     assert not store.reclaim(6)  # only "new" was idle: spilled, and "busy" still holds its blocks
     assert spilled == ["old", "new"]
 
@@ -126,7 +126,7 @@ def test_a_spilled_session_is_restored_when_its_turn_acquires_it() -> None:
     store = make_store()
     data = data_for([1, 2, 3, 4, 5])
     store.acquire("s", data)
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5] and store.pinned["s"].users == 1
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5] and store.resident["s"].users == 1
 
 
 def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
@@ -136,7 +136,7 @@ def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
     seq.num_computed_tokens = 7
     store.park(seq)
     store.commit("t", "s")
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5, 6, 7] and store.pinned["s"].exact == 5
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5, 6, 7] and store.resident["s"].exact == 5
     follow_up = Sequence("u", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), frozenset(), 100, session_id="s")
     assert store.reusable_length(follow_up) == 5
     assert store.export("s").tokens == [1, 2, 3, 4, 5]
@@ -149,7 +149,7 @@ def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
     refresh.num_computed_tokens = refresh.num_tokens
     store.park(refresh)
     store.finish_refresh(refresh)
-    assert store.pinned["s"].exact == 7 and not store.holds_back(follow_up)
+    assert store.resident["s"].exact == 7 and not store.holds_back(follow_up)
     assert store.reusable_length(follow_up) == 7
 
 
@@ -167,4 +167,4 @@ def test_a_refresh_overtaken_by_a_change_of_the_session_is_dropped() -> None:
     store.park(refresh)
     used = store.pool.num_used_blocks
     store.finish_refresh(refresh)
-    assert "s" not in store.pinned and store.pool.num_used_blocks <= used and not store.refreshing
+    assert "s" not in store.resident and store.pool.num_used_blocks <= used and not store.refreshing

@@ -21,7 +21,7 @@ from statelm.api.chat_prompt import RenderedPrompt
 from statelm.api.conversation import ConversationService
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
-from statelm.engine.client import EngineError, PinRequest, common_prefix_length
+from statelm.engine.client import CachePinRequest, EngineError, common_prefix_length
 from statelm.sessions.ownership import current_principal
 
 
@@ -29,12 +29,12 @@ from statelm.sessions.ownership import current_principal
 class CachedPrefix:
     """The prompt's prefixes up to its breakpoints, in whole KV blocks, as the pins asked of the engine."""
 
-    pins: tuple[PinRequest, ...] = ()
+    cache_pins: tuple[CachePinRequest, ...] = ()
 
     @property
     def tokens(self) -> int:
         """The longest prefix, up to the last breakpoint (0 without a breakpoint)."""
-        return max((pin.num_tokens for pin in self.pins), default=0)
+        return max((pin.num_tokens for pin in self.cache_pins), default=0)
 
     def usage(self, stats: GenerationStats) -> Usage:
         """A finished generation's usage in Anthropic's terms."""
@@ -94,7 +94,7 @@ class MessagesService:
             self.conversations.admit(chat, message_id)
             prompt = await self.conversations.prompt(chat, chat.messages, translated.prefill)
             cached = await self._cached_prefix(translated, prompt)
-            generation = await self.conversations.generate_prompt(chat, message_id, prompt, cached.pins)
+            generation = await self.conversations.generate_prompt(chat, message_id, prompt, cached.cache_pins)
         skeleton = MessageObject(
             id=message_id, model=request.model, content=[], usage=Usage(input_tokens=len(prompt.ids), output_tokens=0)
         )
@@ -126,4 +126,4 @@ class MessagesService:
             if length:
                 ttls[length] = max(ttls.get(length, 0.0), breakpoint.ttl_s)
         owner = current_principal().owner
-        return CachedPrefix(tuple(PinRequest(length, ttl, owner) for length, ttl in sorted(ttls.items())))
+        return CachedPrefix(tuple(CachePinRequest(length, ttl, owner) for length, ttl in sorted(ttls.items())))
