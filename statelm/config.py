@@ -52,6 +52,20 @@ def parse_sampling_defaults(text: str) -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class Switch:
+    """A second spelling of one value of a setting: a bool option whose `--no-` form sets that value."""
+
+    flag: str  # e.g. --persist-sessions, whose --no-persist-sessions sets `off`
+    off: Any
+    help: str
+
+    @property
+    def off_flag(self) -> str:
+        """The spelling that sets `off`."""
+        return f"--no-{self.flag.removeprefix('--')}"
+
+
+@dataclass(frozen=True)
 class Setting:
     """How `statelm serve` sets a config field: the option's help, name, text form and default as typed."""
 
@@ -64,6 +78,7 @@ class Setting:
     minimum: float | None = None
     maximum: float | None = None
     cli: bool = True  # False: not a `statelm serve` option
+    switch: Switch | None = None  # another option that sets one of the field's values
 
 
 SETTING = "statelm.setting"  # the key of a field's Setting in its metadata
@@ -82,9 +97,10 @@ def setting(
     minimum: float | None = None,
     maximum: float | None = None,
     cli: bool = True,
+    switch: Switch | None = None,
 ) -> Any:
     """A dataclass field with a default (or a factory of one) and the `statelm serve` option that sets it."""
-    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, maximum, cli)}
+    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, maximum, cli, switch)}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
@@ -172,6 +188,12 @@ class ServerConfig:
         help="What a crash may lose: turn (nothing answered: every change is journalled and fsynced first) | spill"
         " (changes since a session was last spilled or saved at a graceful stop) | off (every session: kept in memory"
         " only, neither saved nor resumed).",
+        switch=Switch(
+            "--persist-sessions",
+            SessionDurability.OFF,
+            help="Save sessions and resume them on the next start; --no-persist-sessions is the same as"
+            " --session-durability off.",
+        ),
     )
     persist_idle_after: float | None = setting(  # seconds
         None,
