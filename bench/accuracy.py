@@ -39,7 +39,7 @@ def all_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
     """Next-token logits [len(tokens), vocab] from a chunked prefill of the whole text."""
     engine = create_engine(loaded, EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False))
     seq = Sequence("accuracy", tokens, SamplingParams(0.0), frozenset(), len(tokens) + 8)
-    assert engine.pool.grow(seq.block_table, len(tokens))
+    assert engine.kv.grow(seq.block_table, len(tokens))
     model, runner = loaded.model, engine.runner
     rows = []
     for start in range(0, len(tokens), CHUNK):

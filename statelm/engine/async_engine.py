@@ -142,7 +142,7 @@ class AsyncEngine:
 
     def empty_session_kv(self) -> SessionKVData:
         """The KV of no tokens, shaped as the pool's."""
-        return SessionKVData([], *self.engine.sessions.kv_cache.gather([], 0))
+        return SessionKVData([], *self.engine.kv.kv_cache.gather([], 0))
 
     def on_spill(self, handler: SpillHandler | None) -> None:
         """Hand the KV of sessions spilled under pressure to handler, on the calling event loop (None: no spills)."""

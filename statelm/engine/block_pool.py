@@ -100,16 +100,6 @@ class BlockPool:
             if self._refcounts[block] == 0:
                 (self._free_pinned if self.cache_pins.is_pinned(block) else self._free)[block] = None
 
-    def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Extend block_table in place to hold num_tokens tokens; False if the pool is too small now."""
-        missing = self.blocks_needed(num_tokens) - len(block_table)
-        if missing <= 0:
-            return True
-        if missing > self.num_free_blocks:
-            return False
-        block_table.extend(self.allocate(missing))
-        return True
-
     def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of tokens (leaving at least one token to compute).
 
@@ -142,11 +132,12 @@ class BlockPool:
         return blocks, hashes
 
     def register_full_blocks(
-        self, tokens: Sequence[int], block_table: list[int], block_hashes: list[int], num_computed: int
-    ) -> None:
-        """Publish the computed, full blocks of a sequence that are not yet in the cache; extends block_hashes."""
+        self, tokens: Sequence[int], block_table: Sequence[int], block_hashes: Sequence[int], num_computed: int
+    ) -> list[int]:
+        """Publish the computed full blocks of a table past the block_hashes it has published; their chained hashes."""
+        new_hashes: list[int] = []
         if not self.enable_prefix_caching:
-            return
+            return new_hashes
         size = self.block_size
         previous = block_hashes[-1] if block_hashes else ROOT_HASH
         for index in range(len(block_hashes), num_computed // size):
@@ -157,8 +148,9 @@ class BlockPool:
                 self._block_of_hash[digest] = block
                 self._hash_of[block] = digest
                 self._tokens_of[block] = chunk
-            block_hashes.append(digest)
+            new_hashes.append(digest)
             previous = digest
+        return new_hashes
 
     def pin_prefix(self, hashes: Sequence[int], ttl_s: float, owner: str) -> bool:
         """Pin the cached prefix whose full blocks have these chained hashes; False if not all cached or over a cap."""

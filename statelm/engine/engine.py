@@ -12,6 +12,7 @@ import torch
 
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.client import EngineStats, RequestOutput
+from statelm.engine.kv_manager import KVManager
 from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
 from statelm.engine.scheduler import Scheduler
@@ -22,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Owns the scheduler, block pool and model runner; knows nothing of HTTP."""
+    """Owns the scheduler, the KV manager (over the block pool) and the model runner; knows nothing of HTTP."""
 
     def __init__(
         self,
@@ -37,14 +38,15 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size  # ids the tokenizer knows; logit columns past them (padding) are never sampled
-        self.pool = pool
+        self.pool = pool  # read for stats; its blocks change only through self.kv
+        self.kv = KVManager(pool, runner.kv_cache)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampling_defaults = dict(sampling_defaults or {})  # request fields' defaults for this model, by name
-        self.sessions = SessionKVStore(pool, runner.kv_cache)
+        self.sessions = SessionKVStore(self.kv)
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
-        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens, self.sessions)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
 
     def add_request(
         self,
@@ -128,7 +130,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
-        self.pool.expire_cache_pins()
+        self.kv.expire_cache_pins()
         chunks = self.scheduler.schedule()
         if not chunks:
             return []
@@ -147,9 +149,9 @@ class Engine:
             seq.num_computed_tokens += chunk.num_tokens
             # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
             published = min(seq.num_computed_tokens, len(seq.prompt_ids))
-            self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, published)
+            self.kv.publish(seq.block_table, seq.tokens, published)
             if seq.pending_cache_pins:
-                self._place_pins(seq)
+                self.kv.pin_published(seq.block_table, seq.pending_cache_pins)
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
@@ -180,27 +182,11 @@ class Engine:
         self.scheduler.add_forks([fork for fork in forks if not fork.is_finished])
         return outputs
 
-    def _place_pins(self, seq: Sequence) -> None:
-        """Pin each prefix seq asked for whose whole blocks are now in the cache (computed or found there)."""
-        size = self.pool.block_size
-        while seq.pending_cache_pins and seq.pending_cache_pins[0].num_tokens // size <= len(seq.block_hashes):
-            request = seq.pending_cache_pins.pop(0)
-            self.pool.pin_prefix(seq.block_hashes[: request.num_tokens // size], request.ttl_s, request.owner)
-
     def _start_forks(self, seq: Sequence) -> list[Sequence]:
         """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""
         forks, seq.forks = seq.forks, []
-        full, partial = divmod(len(seq.prompt_ids), self.pool.block_size)
         for fork in forks:
-            fork.block_table = list(seq.block_table[:full])
-            fork.block_hashes = list(seq.block_hashes[:full])
-            self.pool.retain(fork.block_table)
-            fork.num_computed_tokens = full * self.pool.block_size
-            if partial and self.pool.num_free_blocks:
-                (copy,) = self.pool.allocate(1)
-                self.runner.kv_cache.copy_block(seq.block_table[full], copy)
-                fork.block_table.append(copy)
-                fork.num_computed_tokens = len(seq.prompt_ids)
+            fork.num_computed_tokens = self.kv.start_from(fork.block_table, seq.block_table, len(seq.prompt_ids))
             fork.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
             fork.first_scheduled_at = seq.first_scheduled_at
         return forks

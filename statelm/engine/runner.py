@@ -57,7 +57,7 @@ class ModelRunner:
             logits = self.graphs.replay(
                 [seq.tokens[seq.num_computed_tokens] for seq in seqs],
                 [seq.num_computed_tokens for seq in seqs],
-                [seq.block_table for seq in seqs],
+                [seq.block_table.blocks for seq in seqs],
                 [seq.num_computed_tokens + 1 for seq in seqs],
             )
             return ForwardResult(seqs, logits)
@@ -124,8 +124,9 @@ class ModelRunner:
 
     @staticmethod
     def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        width = max(len(chunk.seq.block_table) for chunk in chunks)
+        width = max(len(chunk.seq.block_table.blocks) for chunk in chunks)
         tables = torch.zeros((len(chunks), width), dtype=torch.int64)
         for i, chunk in enumerate(chunks):
-            tables[i, : len(chunk.seq.block_table)] = torch.tensor(chunk.seq.block_table, dtype=torch.int64)
+            blocks = chunk.seq.block_table.blocks
+            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         return tables

@@ -11,6 +11,7 @@ import torch
 from statelm.engine.cache_pins import CachePinRequest
 from statelm.engine.grammar import CompiledGrammar
 from statelm.engine.guidance import GuideStop, OutputGuide, ReasoningBudget
+from statelm.engine.kv_manager import BlockTable
 from statelm.engine.repetition import RepetitionConfig
 
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); negative seeds wrap around
@@ -83,13 +84,10 @@ class Sequence:
     prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a session refresh)
     index: int = 0  # which of the request's n choices this is
     forks: list[Sequence] = field(default_factory=list)  # the other choices, started from this one's prompt KV
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks published so far
+    block_table: BlockTable = field(default_factory=BlockTable)  # its KV blocks, which the KVManager changes
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
-    pending_cache_pins: list[CachePinRequest] = field(
-        default_factory=list
-    )  # shortest first, pinned once their blocks are
+    pending_cache_pins: list[CachePinRequest] = field(default_factory=list)  # shortest first, pinned once computed
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # a seeded choice's own; unseeded ones draw from the engine's

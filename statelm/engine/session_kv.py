@@ -22,8 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from statelm.engine.block_pool import BlockPool
-from statelm.engine.kv_cache import KVCache
+from statelm.engine.kv_manager import BlockTable, KVManager
 from statelm.engine.sequence import SamplingParams, Sequence
 
 
@@ -82,11 +81,10 @@ class SessionKVData:
 
 @dataclass
 class SessionBlocks:
-    """Tokens whose K/V a session holds, and the blocks (each referenced once by it) that hold them."""
+    """Tokens whose K/V a session holds, and the table of blocks (each referenced once by it) that hold them."""
 
     tokens: list[int]
-    block_table: list[int]
-    block_hashes: list[int]
+    table: BlockTable
     exact: int  # leading tokens whose K/V were computed as prompt rows; the rest await a refresh
     last_used: float = field(default_factory=time.monotonic)
     users: int = 0  # sequences of running turns attached to it; only unused sessions may spill
@@ -111,18 +109,12 @@ SpillHandler = Callable[[str, SessionKVData], None]
 class SessionKVStore:
     """The KV blocks of every resident session, plus the parked KV of turns that have ended."""
 
-    def __init__(self, pool: BlockPool, kv_cache: KVCache) -> None:
-        self.pool = pool
-        self.kv_cache = kv_cache
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
         self.resident: dict[str, SessionBlocks] = {}
         self.parked: dict[str, SessionBlocks] = {}
         self.spill_handler: SpillHandler | None = None  # receives the KV of sessions spilled under pressure
         self.refreshing: dict[str, tuple[Sequence, SessionBlocks]] = {}  # session → refresh and the KV it extends
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-        return self.pool.block_size
 
     def num_tokens(self, session_id: str) -> int | None:
         """Tokens a resident session holds; None if it is not resident."""
@@ -151,18 +143,10 @@ class SessionKVStore:
     def attach(self, seq: Sequence, length: int) -> int:
         """Start seq from the first length tokens of its session's KV; returns the tokens actually attached."""
         held = self.resident[seq.session_id or ""]
-        full, partial = divmod(length, self.block_size)
-        if partial and not (self.pool.num_free_blocks or self.reclaim(1, keep=seq.session_id)):
-            length, partial = full * self.block_size, 0
-        seq.block_table = list(held.block_table[:full])
-        self.pool.retain(seq.block_table)
-        seq.block_hashes = list(held.block_hashes[:full])
-        if partial:
-            (copy,) = self.pool.allocate(1)
-            self.kv_cache.copy_block(held.block_table[full], copy)
-            seq.block_table.append(copy)
-        seq.num_computed_tokens = length
-        return length
+        if length % self.kv.block_size and not self.kv.num_free_blocks:
+            self.reclaim(1, keep=seq.session_id)  # room for the copy of the partly filled block, if a spill makes it
+        seq.num_computed_tokens = self.kv.start_from(seq.block_table, held.table, length)
+        return seq.num_computed_tokens
 
     def park(self, seq: Sequence) -> None:
         """Keep the KV of a session turn that ended (finished, stopped or aborted) until commit or discard."""
@@ -170,13 +154,9 @@ class SessionKVStore:
         if held is not None:
             held.users -= 1
         computed = seq.num_computed_tokens
-        keep = self.pool.blocks_needed(computed)
-        self.pool.release(seq.block_table[keep:])
         exact = min(computed, len(seq.prompt_ids))
-        self.parked[seq.request_id] = SessionBlocks(
-            seq.tokens[:computed], seq.block_table[:keep], seq.block_hashes, exact
-        )
-        seq.block_table, seq.block_hashes = [], []
+        table = self.kv.park(seq.block_table, computed)
+        self.parked[seq.request_id] = SessionBlocks(seq.tokens[:computed], table, exact)
 
     def commit(self, request_id: str, session_id: str) -> int | None:
         """Make a parked turn's KV the session's; returns the session's token count, None if nothing was parked."""
@@ -186,8 +166,7 @@ class SessionKVStore:
         previous = self.resident.get(session_id)
         if previous is not None:
             parked.users = previous.users
-            self.kv_cache.fence_reads(previous.block_table)
-            self.pool.release(previous.block_table)
+            self.kv.free(previous.table, exported=True)
         self.resident[session_id] = parked
         return len(parked.tokens)
 
@@ -227,14 +206,13 @@ class SessionKVStore:
         """Free a parked turn's KV; the session keeps what it had."""
         parked = self.parked.pop(request_id, None)
         if parked is not None:
-            self.pool.release(parked.block_table)
+            self.kv.free(parked.table)
 
     def release(self, session_id: str) -> None:
         """Forget a session's KV (its full blocks stay in the prefix cache until reused)."""
         held = self.resident.pop(session_id, None)
         if held is not None:
-            self.kv_cache.fence_reads(held.block_table)  # an export of them may still be copying (a spill's is)
-            self.pool.release(held.block_table)
+            self.kv.free(held.table, exported=True)  # an export of them may still be copying (a spill's is)
 
     def fork(self, source_id: str, target_id: str) -> bool:
         """Give target the same KV as source, sharing its blocks; False if source is not resident."""
@@ -242,10 +220,7 @@ class SessionKVStore:
         if source is None:
             return False
         self.release(target_id)
-        self.pool.retain(source.block_table)
-        self.resident[target_id] = SessionBlocks(
-            list(source.tokens), list(source.block_table), list(source.block_hashes), source.exact
-        )
+        self.resident[target_id] = SessionBlocks(list(source.tokens), self.kv.share(source.table), source.exact)
         return True
 
     def export(self, session_id: str) -> SessionKVData | None:
@@ -253,35 +228,30 @@ class SessionKVStore:
         held = self.resident.get(session_id)
         if held is None:
             return None
-        keys, values, ready = self.kv_cache.gather(held.block_table, held.exact)
+        keys, values, ready = self.kv.gather(held.table, held.exact)
         return SessionKVData(held.tokens[: held.exact], keys, values, ready)
 
     def load(self, session_id: str, data: SessionKVData) -> None:
         """Write a session's K/V into newly allocated blocks, spilling idle sessions if the pool is short."""
-        needed = self.pool.blocks_needed(len(data.tokens))
-        if needed > self.pool.num_free_blocks and not self.reclaim(needed):
-            raise SessionKVError(
-                f"the KV pool has {self.pool.num_free_blocks} free blocks; this session needs {needed}"
-            )
+        needed = self.kv.blocks_needed(len(data.tokens))
+        if needed > self.kv.num_free_blocks and not self.reclaim(needed):
+            raise SessionKVError(f"the KV pool has {self.kv.num_free_blocks} free blocks; this session needs {needed}")
         self.release(session_id)
-        blocks = self.pool.allocate(needed)
-        self.kv_cache.scatter(blocks, *data.in_flight())
-        hashes: list[int] = []
-        self.pool.register_full_blocks(data.tokens, blocks, hashes, len(data.tokens))
-        self.resident[session_id] = SessionBlocks(list(data.tokens), blocks, hashes, len(data.tokens))
+        table = self.kv.load(data.tokens, *data.in_flight())
+        self.resident[session_id] = SessionBlocks(list(data.tokens), table, len(data.tokens))
 
     def reclaim(self, needed_blocks: int, keep: str | None = None) -> bool:
         """Spill least recently used idle sessions (but keep) until needed_blocks are free; False if impossible."""
         if self.spill_handler is None:
-            return needed_blocks <= self.pool.num_free_blocks
+            return needed_blocks <= self.kv.num_free_blocks
         idle = sorted((p.last_used, sid) for sid, p in self.resident.items() if p.users == 0 and sid != keep)
         for _, session_id in idle:
-            if self.pool.num_free_blocks >= needed_blocks:
+            if self.kv.num_free_blocks >= needed_blocks:
                 break
-            if not self.pool.num_sole_references(self.resident[session_id].block_table):
+            if not self.kv.num_sole_references(self.resident[session_id].table):
                 continue  # every block is shared with a fork or a running turn: spilling frees nothing
             data = self.export(session_id)
             self.release(session_id)  # on a GPU, later forwards wait for the export's copy before reusing the blocks
             if data is not None:
                 self.spill_handler(session_id, data)
-        return self.pool.num_free_blocks >= needed_blocks
+        return self.kv.num_free_blocks >= needed_blocks

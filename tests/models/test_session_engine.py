@@ -74,9 +74,9 @@ def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> tor
     seq = Sequence("probe", prompt, SamplingParams(0.0), frozenset(), 4096, session_id=session_id)
     attached = engine.sessions.attach(seq, engine.sessions.reusable_length(seq))
     assert attached == len(engine.sessions.resident[session_id].tokens)
-    assert engine.pool.grow(seq.block_table, seq.num_tokens)
+    assert engine.kv.grow(seq.block_table, seq.num_tokens)
     logits = engine.runner.execute([ScheduledChunk(seq, seq.num_uncomputed_tokens)]).logits
-    engine.pool.release(seq.block_table)
+    engine.kv.free(seq.block_table)
     return logits
 
 
