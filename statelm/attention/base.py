@@ -1,4 +1,5 @@
-"""What an attention backend receives for one batched forward over the paged KV cache."""
+"""What a model and its attention backend see of one batched forward over the paged KV cache: the KV view, the
+step's attention metadata, and the backend interface."""
 
 from __future__ import annotations
 
@@ -44,6 +45,14 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         """Number of sequences in the batch."""
         return len(self.query_lens)
+
+
+class KVView(Protocol):
+    """The paged KV cache as a model reads and writes it: K and V per layer, each [num_blocks, block_size,
+    num_kv_heads, head_dim] (the engine's KVCache is one)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
 
 
 class AttentionBackend(Protocol):

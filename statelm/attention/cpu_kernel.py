@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 from statelm.kernels.build import load_kernels
 
 

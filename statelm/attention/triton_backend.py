@@ -31,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 
 PARTITION_SIZE = 512  # keys per partition of the key range (a multiple of every key tile size)
 TILE_ROWS = 32  # query rows (tokens x query heads of one KV head) per tile

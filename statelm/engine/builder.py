@@ -15,10 +15,10 @@ from statelm.engine.block_pool import BlockPool
 from statelm.engine.cache_pins import CachePinTable
 from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
-from statelm.engine.invariance import select_compute_path
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
+from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 from statelm.engine.cuda_graphs import DecodeGraphs
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.scheduler import ScheduledChunk

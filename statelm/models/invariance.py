@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.attention.base import AttentionBackend, AttentionMetadata
 from statelm.cpu import describe
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
 from statelm.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)

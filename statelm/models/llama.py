@@ -10,9 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
-from statelm.engine.attention.reference import TorchAttentionBackend
-from statelm.engine.kv_cache import KVCache
+from statelm.attention.base import AttentionBackend, AttentionMetadata, KVView
+from statelm.attention.reference import TorchAttentionBackend
 from statelm.kernels.build import kernels_available
 from statelm.models.config import ModelConfig
 from statelm.models.fused_decoder import FusedDecoder
@@ -30,8 +29,8 @@ from statelm.models.layers import (
 from statelm.models.packed import PackedEmbedding, PackedLinear
 
 if TYPE_CHECKING:
-    from statelm.engine.invariance import InvarianceReport
     from statelm.kernels.quant import PackedWeight
+    from statelm.models.invariance import InvarianceReport
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 ACTIVATIONS = ("float32", "int8", "int8-decode")
@@ -170,7 +169,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: KVCache,
+        kv_cache: KVView,
         meta: AttentionMetadata,
         is_prompt: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -224,12 +223,12 @@ class LlamaForCausalLM(nn.Module):
         """Run the model's attention (and, once chosen, its linears) through one of compute_paths()."""
         window = self.config.sliding_window
         if path == "kernels":
-            from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
+            from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
 
             self.backend = CpuKernelAttentionBackend(sliding_window=window)
             self.ops = KernelLayerOps()
         elif path == "triton":
-            from statelm.engine.attention.triton_backend import TritonAttentionBackend
+            from statelm.attention.triton_backend import TritonAttentionBackend
 
             self.backend = TritonAttentionBackend(sliding_window=window)
             self.ops = LayerOps()

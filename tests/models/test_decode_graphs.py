@@ -22,8 +22,8 @@ from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine
 from statelm.engine.cuda_graphs import DecodeGraphs, batch_buckets, context_bound
 from statelm.engine.engine import Engine
-from statelm.engine.invariance import InvarianceReport
 from statelm.engine.sequence import SamplingParams
+from statelm.models.invariance import InvarianceReport
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.engine_run import generate

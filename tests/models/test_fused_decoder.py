@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 from statelm.engine.kv_cache import KVCache
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.models.layers import RowChunking

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 
 from statelm.config import EngineConfig
 from statelm.engine.builder import EngineConfigError, create_engine
-from statelm.engine.invariance import probe_model, select_compute_path
 from statelm.models import layers
+from statelm.models.invariance import probe_model, select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 

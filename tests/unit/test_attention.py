@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.reference import TorchAttentionBackend
 from statelm.cpu import cpu_flags, describe, native_bf16
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.reference import TorchAttentionBackend
 
 
 def naive_attention(

@@ -19,6 +19,7 @@ ABOVE_ENGINE = (
 )
 BELOW_ENGINE = (
     "statelm.models",
+    "statelm.attention",
     "statelm.kernels",
     "statelm.tokenizer",
     "statelm.config",
@@ -75,6 +76,20 @@ def test_above_the_engine_only_the_engine_client_is_imported() -> None:
         )
         for module, imports in import_graph().items()
         if any(inside(module, layer) for layer in ABOVE_ENGINE)
+    }
+    assert {module: imports for module, imports in wrong.items() if imports} == {}
+
+
+def test_the_models_import_nothing_of_the_engine_and_attention_nothing_of_the_models() -> None:
+    forbidden = {
+        "statelm.models": (ENGINE, *ABOVE_ENGINE),
+        "statelm.attention": (ENGINE, *ABOVE_ENGINE, "statelm.models"),
+    }
+    wrong = {
+        module: sorted(imported for imported in imports if any(inside(imported, above) for above in banned))
+        for module, imports in import_graph().items()
+        for layer, banned in forbidden.items()
+        if inside(module, layer)
     }
     assert {module: imports for module, imports in wrong.items() if imports} == {}
 

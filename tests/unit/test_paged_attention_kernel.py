@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
 from statelm.kernels.build import KernelBuildError, load_kernels
 from tests.unit.kernel_threads import kernel_threads
 

@@ -20,9 +20,9 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from statelm.engine.attention import triton_backend
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.triton_backend import TritonAttentionBackend
+from statelm.attention import triton_backend
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.triton_backend import TritonAttentionBackend
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
