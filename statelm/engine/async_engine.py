@@ -49,7 +49,6 @@ class AsyncEngine:
             device=engine.runner.device.type,
             batch_invariance=batch_invariance,
         )
-        self._stats = engine.stats()  # replaced by the engine thread after each step and command
         self._unfinished = 0  # generate() calls in progress, changed on the event loop only
         self._commands: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._subscribers: dict[str, _Subscriber] = {}
@@ -97,15 +96,15 @@ class AsyncEngine:
 
     def queue_is_full(self) -> bool:
         """True when max_queue requests already wait for a slot in the running batch."""
-        return self._unfinished - self._stats.running >= self.info.max_queue
+        return self._unfinished - self.engine.latest_stats.running >= self.info.max_queue
 
     def is_degraded(self) -> bool:
         """True when the engine cannot serve: its thread died, or its last forward passes all failed."""
         return not self._thread.is_alive() or self.engine.failed_steps_in_a_row >= DEGRADED_AFTER_FAILED_STEPS
 
     def stats(self) -> EngineStats:
-        """The engine's state after its latest step or command."""
-        return self._stats
+        """The engine's state as its latest step (which follows any command) left it or is running it."""
+        return self.engine.latest_stats
 
     def commit_turn(self, request_id: str, session_id: str) -> None:
         """Make a session turn's KV the session's, after the commands sent before."""
@@ -191,11 +190,7 @@ class AsyncEngine:
             try:
                 if not self._drain_commands(block=not self.engine.has_work()):
                     return
-                outputs = self.engine.step()
-                self._stats = stats = self.engine.stats()
-                for output in outputs:
-                    output.stats = stats
-                self._publish(outputs)
+                self._publish(self.engine.step())
             except Exception:  # keep serving: a bug in one step must not kill the thread
                 log.exception("engine loop error")
 

@@ -71,7 +71,7 @@ class EngineInfo:
 
 @dataclass(frozen=True)
 class EngineStats:
-    """The engine's state after a step or a command: its queues, the KV pool, the prefix cache and the cache pins."""
+    """The engine's state when a step has chosen its batch, or has ended: queues, KV pool, prefix cache, cache pins."""
 
     running: int = 0  # sequences in the running batch
     waiting: int = 0  # sequences waiting for a slot
@@ -151,7 +151,7 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats:
-        """The engine's state after its latest step or command."""
+        """The engine's state as of its latest step (commands run between steps)."""
         ...
 
     def commit_turn(self, request_id: str, session_id: str) -> None:

@@ -15,7 +15,7 @@ from statelm.engine.client import EngineStats, RequestOutput
 from statelm.engine.kv_manager import KVManager
 from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
-from statelm.engine.scheduler import Scheduler
+from statelm.engine.scheduler import ScheduledChunk, Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore
 
@@ -47,6 +47,7 @@ class Engine:
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
+        self.latest_stats = self.stats()  # replaced by every step (read by other threads)
 
     def add_request(
         self,
@@ -129,11 +130,24 @@ class Engine:
         )
 
     def step(self) -> list[RequestOutput]:
-        """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
+        """Run one scheduling step; a model error fails that step's requests, a sampling error only its request.
+
+        `latest_stats` is taken once the step's batch is chosen (its sequences count as running during the
+        forward) and again at its end, which every output carries.
+        """
         self.kv.expire_cache_pins()
         chunks = self.scheduler.schedule()
+        self.latest_stats = self.stats()
         if not chunks:
             return []
+        outputs = self._run(chunks)
+        self.latest_stats = stats = self.stats()
+        for output in outputs:
+            output.stats = stats
+        return outputs
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Run the chunks through the model and sample where a token is due."""
         started = time.perf_counter()
         try:
             result = self.runner.execute(chunks)
