@@ -27,8 +27,11 @@ from statelm.engine.client import (
     SpillHandler,
     common_prefix_length,
 )
+from statelm.models.loader import ModelFingerprint
 
 LAYERS = 2
+# the fingerprint of the fake's model, which the sessions layer writes into bundles and checks when it reads them
+FINGERPRINT = ModelFingerprint({"config": "c", "weights": "w", "dtype": "float32", "tokenizer": "t"})
 
 
 def token_kv(tokens: list[int]) -> SessionKVData:

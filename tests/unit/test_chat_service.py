@@ -21,9 +21,8 @@ from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import SessionSettings
 from statelm.tokenizer import Tokenizer
 from tests.models.tiny_model_dir import write_chatml_tokenizer
-from tests.unit.fake_engine import FakeEngine
+from tests.unit.fake_engine import FINGERPRINT, FakeEngine
 from tests.unit.memory_state_store import MemoryStore
-from tests.unit.test_session_manager import FINGERPRINT
 
 REPLY = "Paris is the capital of France."
 T = TypeVar("T")

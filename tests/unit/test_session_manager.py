@@ -10,14 +10,12 @@ import pytest
 import torch
 
 from statelm.config import SessionDurability
-from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import SessionBusyError
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import SessionSettings, SessionState
 from statelm.sessions.state_store import StateStore
-from tests.unit.fake_engine import FakeEngine, token_kv
+from tests.unit.fake_engine import FINGERPRINT, FakeEngine, token_kv
 
-FINGERPRINT = ModelFingerprint({"config": "c", "weights": "w", "dtype": "float32", "tokenizer": "t"})
 USER = {"role": "user", "content": "Hi"}
 REPLY = {"role": "assistant", "content": "Hello"}
 T = TypeVar("T")
