@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 MODEL ?= default
 
-.PHONY: setup kernels webui browser serve test lint bench clean
+.PHONY: setup kernels webui browser test-data serve test lint bench clean
 
 setup: $(VENV)/.stamp-model
 
@@ -16,12 +16,15 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+# torch and the build's own requirements (pyproject.toml's [build-system]) go in first: the package is built in this
+# venv (--no-build-isolation), against the torch it runs with, and keeps its kernels' build in build/kernels
 $(VENV)/.stamp-torch: $(BIN)/python
-	$(BIN)/pip install --quiet torch==$(TORCH_VERSION)
+	$(BIN)/pip install --quiet torch==$(TORCH_VERSION) 'setuptools>=77' 'ninja>=1.11'
 	touch $@
 
-$(VENV)/.stamp-package: $(VENV)/.stamp-torch pyproject.toml
-	$(BIN)/pip install --quiet -e '.[dev]'
+# builds the kernels too (setup.py); `make kernels` brings them up to date
+$(VENV)/.stamp-package: $(VENV)/.stamp-torch pyproject.toml setup.py
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[dev]'
 	touch $@
 
 $(VENV)/.stamp-model: $(VENV)/.stamp-package
@@ -30,13 +33,15 @@ $(VENV)/.stamp-model: $(VENV)/.stamp-package
 
 # Ray Serve, for `statelm serve --replicas N` and its tests (the single-process server never imports it).
 $(VENV)/.stamp-cluster: $(VENV)/.stamp-package
-	$(BIN)/pip install --quiet -e '.[dev,cluster]'
+	$(BIN)/pip install --quiet --no-build-isolation -e '.[dev,cluster]'
 	touch $@
 
-# statelm's C++ kernels compile once per machine (cached in the user cache dir); without a compiler the
-# server still runs, on the slower torch paths, and says so.
+# statelm's C++ kernels: one library per CPU class in statelm/kernels/lib (setup.py), built by the package install
+# above and brought up to date here on every run (ninja compiles only what changed: a second or two when nothing
+# did). The server loads the best one at start and never compiles. Without a compiler the server still runs, on
+# the slower torch paths, and says so.
 kernels: setup
-	$(BIN)/python -m statelm.kernels.build || echo "statelm: C++ kernels unavailable; the torch paths will serve"
+	@$(BIN)/python setup.py --quiet build_ext --inplace || echo "statelm: C++ kernels not built; the torch paths will serve"
 
 # The web UI (webui/, Vite + Preact) builds into statelm/webui/dist, which the server serves at / and the wheel
 # ships. It needs Node >= 20.19 and npm; without them the server still runs and / says how to build the page.
@@ -60,16 +65,21 @@ browser:
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
 		|| echo "statelm: could not install chromium; the browser tests will skip"; fi
 
+# llama.cpp's tokenizer test vocabularies and vectors (models/ggml-vocab-*), from the llama-cpp-python sdist: fetched
+# once into the user cache (tests/llama_vocab.py); without them the tokenizer tests skip, except under `make test`.
+test-data: setup
+	$(BIN)/python -m tests.llama_vocab
+
 serve: kernels webui
 	$(BIN)/statelm serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: kernels webui browser $(VENV)/.stamp-cluster
+test: kernels webui browser test-data $(VENV)/.stamp-cluster
 	$(BIN)/ruff check .
 	@if [ -f webui/node_modules/.stamp ]; then cd webui && npm test --silent; fi
-	$(BIN)/python -m pytest -q --durations=20
+	STATELM_REQUIRE_TEST_DATA=1 $(BIN)/python -m pytest -q --durations=20
 
 lint: setup
 	$(BIN)/ruff check .
 
 clean:
-	rm -rf $(VENV) .pytest_cache webui/node_modules statelm/webui/dist
+	rm -rf $(VENV) .pytest_cache webui/node_modules statelm/webui/dist build statelm/kernels/lib

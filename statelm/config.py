@@ -30,6 +30,18 @@ def parse_size(text: str) -> int:
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
 
 
+def format_size(num_bytes: int) -> str:
+    """Bytes as `512 B`, `11.2 MiB`…"""
+    if num_bytes < 1024:
+        return f"{num_bytes} B"
+    value = num_bytes / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} GiB"
+
+
 def parse_duration(text: str) -> float:
     """Seconds from a duration such as `30d`, `12h`, `90m` or `3600`."""
     match = _DURATION.match(text)
@@ -157,6 +169,14 @@ class EngineConfig:
     max_queue: int = setting(256, help="Requests that may wait for a slot; more get 429.")
     seed: int = setting(0, help="Seed for dummy weights.")
     threads: int | None = setting(None, help="Torch CPU threads (default: all cores).")
+    model_cache_size: int | None = setting(  # bytes
+        8 * 2**30,
+        help="Disk the model cache (converted models, shared by every server of this user) may use, e.g. 8GiB;"
+        " past it the least recently used entries go (0: no limit). `statelm cache ls|rm` shows and clears it.",
+        parse=parse_size,
+        text_default="8GiB",
+        zero_is_none=True,
+    )
     default_sampling: dict[str, Any] = setting(  # request field defaults over the model's own
         factory=dict,
         help='Sampling defaults over the model\'s own, as JSON: \'{"temperature": 0.7, "top_k": 40}\'.',

@@ -5,11 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from statelm.engine.client import EngineClient
 from statelm.sessions.journal_store import JournalCounters
+from statelm.sessions.storage import StorageCondition, StorageHealth
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 1, 2.5, 5, 10, 30, 60)
 
@@ -62,6 +63,10 @@ class ServingMetrics:
         registry.register(CounterCollector(lambda: self.journal, JOURNAL_FIGURES))
         registry.register(CounterCollector(lambda: engine.stats().cache_pins, PIN_FIGURES))
 
+    def watch_storage(self, health: StorageHealth, owed: Callable[[], int]) -> None:
+        """Export the state store's condition, room, owed writes, failures and refusals (owed: how many writes)."""
+        self.registry.register(StorageCollector(health, owed))
+
     def record_finished(self, finish_reasons: list[str], prompt: int, cached: int, completion: int) -> None:
         """Account for one generation that has ended: how each of its choices ended, and its tokens."""
         for reason in finish_reasons:
@@ -89,11 +94,51 @@ class CounterCollector(Collector):
             yield CounterMetricFamily(name, help_text, getattr(counters, attribute))
 
 
+class StorageCollector(Collector):
+    """The state store as last seen (statelm.sessions.storage), read at scrape time without I/O."""
+
+    def __init__(self, health: StorageHealth, owed: Callable[[], int]) -> None:
+        self.health = health
+        self.owed = owed
+
+    def collect(self) -> Iterator[Metric]:
+        """Condition (one gauge per condition, 1 for the current one), free bytes, owed writes, failures, refusals."""
+        owed = self.owed()
+        current = self.health.condition(owed)
+        condition = GaugeMetricFamily(
+            "statelm_storage_condition", "The state store's condition (1: the current one)", labels=["condition"]
+        )
+        for each in StorageCondition:
+            condition.add_metric([each.value], float(each is current))
+        yield condition
+        free = self.health.space.free_bytes
+        if free is not None:
+            yield GaugeMetricFamily("statelm_storage_free_bytes", "Bytes free in the state store", value=free)
+        yield GaugeMetricFamily(
+            "statelm_storage_owed_writes", "Sessions whose journal must be rewritten or spill written", value=owed
+        )
+        for name, help_text, counts in (
+            ("statelm_storage_failures", "Writes to the state store that failed, by cause", self.health.failures),
+            (
+                "statelm_storage_refusals",
+                "Requests refused (507) because what they would keep could not be saved, by cause",
+                self.health.refusals,
+            ),
+        ):
+            family = CounterMetricFamily(name, help_text, labels=["cause"])
+            for cause in StorageCondition:
+                if cause is not StorageCondition.OK:
+                    family.add_metric([cause.value], counts[cause])
+            yield family
+
+
 JOURNAL_FIGURES = [  # JournalCounters, updated by the journal's worker threads
     ("statelm_journal_appends", "Session journal records written", "appends"),
     ("statelm_journal_bytes", "Bytes of session journal records written", "bytes"),
     ("statelm_journal_recoveries", "Sessions brought up to date by their journals at start", "recoveries"),
     ("statelm_journal_failures", "Session journal writes that failed or were skipped", "failures"),
+    ("statelm_journal_write_seconds", "Seconds session journal writes took (fsync included)", "write_seconds"),
+    ("statelm_journal_slow_writes", "Session journal writes that took a second or more", "slow_writes"),
 ]
 PIN_FIGURES = [  # CachePinCounters, of the engine's latest stats
     ("statelm_cache_pins_created", "Prefixes pinned by cache_control", "created"),

@@ -17,31 +17,16 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
-from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+from tokenizers import decoders, models
+
+from statelm.gguf_vocab import VocabError, build_gguf_vocab, bytes_to_unicode
 
 # Special tokens that end an assistant turn in common chat templates; they stop generation too.
 # One text at a time: no rayon pool, so no warning (and no disabled pool) in processes forked after tokenizing
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>")
 
-# GGUF `tokenizer.ggml.token_type` values (llama.cpp's llama_token_type).
-_TOKEN_TYPE_UNKNOWN = 2
-_TOKEN_TYPE_CONTROL = 3
-_TOKEN_TYPE_USER_DEFINED = 4
-
-# Pre-tokenizer split expressions, as llama.cpp (llama-vocab.cpp) and the models' tokenizer.json use them.
-_LLAMA3_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_QWEN2_SPLIT = (
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
-    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-)
-_LLAMA3_PRE = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "pixtral", "dbrx", "smaug-bpe"})
-_QWEN2_PRE = frozenset({"qwen2", "deepseek-r1-qwen", "megrez"})
-_DIGITS_PRE = frozenset({"smollm", "starcoder", "refact", "codeshell"})
 _BYTE_PIECE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
 
 
@@ -65,6 +50,7 @@ class Tokenizer:
         chat_template: str | None = None,
         add_bos_token: bool = False,
         extra_eos_ids: Iterable[int] = (),
+        append_tokens: Sequence[str] = (),
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
@@ -72,6 +58,8 @@ class Tokenizer:
         self.chat_template = chat_template
         self.bos_token_id = backend.token_to_id(bos_token) if bos_token is not None else None
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
+        self.append_tokens = tuple(append_tokens)
+        self._append_ids = [i for i in map(backend.token_to_id, self.append_tokens) if i is not None]
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
         self._added_text = {i: tok.content for i, tok in added.items()}
@@ -81,7 +69,8 @@ class Tokenizer:
         eos |= {specials[t] for t in END_OF_TURN_TOKENS if t in specials}
         self.eos_token_ids: frozenset[int] = frozenset(i for i in (*eos, *extra_eos_ids) if i is not None)
         self._byte_level = isinstance(backend.decoder, decoders.ByteLevel)
-        self._byte_decoder = {c: b for b, c in _bytes_to_unicode().items()}
+        self._word_pieces = isinstance(backend.model, models.WordPiece)
+        self._byte_decoder = {c: b for b, c in bytes_to_unicode().items()}
 
     @classmethod
     def from_hf_dir(cls, path: Path) -> Tokenizer:
@@ -118,40 +107,25 @@ class Tokenizer:
 
     @classmethod
     def from_gguf_fields(cls, fields: Mapping[str, Any]) -> Tokenizer:
-        """Build from decoded GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`)."""
-        kind = fields.get("tokenizer.ggml.model")
-        tokens: list[str] = list(fields.get("tokenizer.ggml.tokens") or [])
-        if not tokens:
-            raise TokenizerError("GGUF file has no tokenizer.ggml.tokens")
-        token_types: list[int] = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-        builders = {"gpt2": _gguf_byte_level_backend, "llama": _gguf_sentencepiece_backend}
-        if kind not in builders:
-            raise TokenizerError(f"unsupported GGUF tokenizer model {kind!r} (supported: gpt2, llama)")
+        """Build from decoded GGUF metadata (`tokenizer.ggml.*`, `tokenizer.chat_template`), as llama.cpp reads it."""
         try:
-            backend = builders[kind](fields, tokens, token_types)
-        except Exception as exc:  # the tokenizers library raises bare Exception for malformed vocabularies
-            raise TokenizerError(f"malformed GGUF tokenizer: {exc}") from exc
-
-        def token(key: str) -> str | None:
-            index = fields.get(f"tokenizer.ggml.{key}")
-            return tokens[int(index)] if index is not None and 0 <= int(index) < len(tokens) else None
-
-        _add_gguf_special_tokens(backend, tokens, token_types, kind == "gpt2")
-        named = [token(k) for k in ("bos_token_id", "eos_token_id", "unknown_token_id", "padding_token_id")]
-        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in named if t])
-        extra = [fields[k] for k in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id") if k in fields]
+            vocab = build_gguf_vocab(fields)
+        except VocabError as exc:
+            raise TokenizerError(str(exc)) from exc
         return cls(
-            backend,
-            bos_token=token("bos_token_id"),
-            eos_token=token("eos_token_id"),
+            vocab.backend,
+            bos_token=vocab.bos_token,
+            eos_token=vocab.eos_token,
             chat_template=fields.get("tokenizer.chat_template"),
-            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", kind == "llama")),
-            extra_eos_ids=[int(i) for i in extra],
+            add_bos_token=vocab.add_bos,
+            extra_eos_ids=vocab.extra_eos_ids,
+            append_tokens=vocab.append_tokens,
         )
 
     @functools.cached_property
     def _content_hash(self) -> str:
-        identity = json.dumps([self.bos_token, self.eos_token, self.add_bos_token, sorted(self.eos_token_ids)])
+        named: list[Any] = [self.bos_token, self.eos_token, self.add_bos_token, sorted(self.eos_token_ids)]
+        identity = json.dumps([*named, list(self.append_tokens)] if self.append_tokens else named)
         return hashlib.sha256((identity + self.backend.to_str()).encode("utf-8")).hexdigest()
 
     def content_hash(self) -> str:
@@ -159,15 +133,17 @@ class Tokenizer:
         return self._content_hash
 
     def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
-        """Token ids of `text`; `add_special_tokens` prepends BOS when the model wants it.
+        """Token ids of `text`; `add_special_tokens` adds the model's BOS (and BERT's [SEP], T5's EOS) around it.
 
         Through `encode_batch`, which lets go of the GIL while it works (`encode` holds it): a long text
         tokenized in a worker thread then leaves the event loop free.
         """
         ids = self.backend.encode_batch([text], add_special_tokens=False)[0].ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            return [self.bos_token_id, *ids]
-        return ids
+        if not add_special_tokens:
+            return ids
+        if self.add_bos_token and self.bos_token_id is not None:
+            ids.insert(0, self.bos_token_id)
+        return ids + self._append_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`."""
@@ -189,7 +165,11 @@ class Tokenizer:
         if piece is None:
             raise IndexError(f"token id {token_id} out of range")
         if self._byte_level:
-            return bytes(self._byte_decoder[c] for c in piece)
+            if all(c in self._byte_decoder for c in piece):
+                return bytes(self._byte_decoder[c] for c in piece)
+            return piece.encode("utf-8")  # an entry stored as plain text (no byte-level merge reaches it)
+        if self._word_pieces:
+            return piece[2:].encode("utf-8") if piece.startswith("##") else b" " + piece.encode("utf-8")
         match = _BYTE_PIECE.match(piece)
         return bytes([int(match.group(1), 16)]) if match else piece.replace("▁", " ").encode("utf-8")
 
@@ -365,113 +345,3 @@ def _pick_template(value: Any) -> str | None:
         named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
         return named.get("default") or next(iter(named.values()), None)
     return value if isinstance(value, str) else None
-
-
-@functools.cache
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character table used by byte-level BPE vocabularies."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
-def _gguf_byte_level_backend(fields: Mapping[str, Any], tokens: list[str], token_types: list[int]) -> BackendTokenizer:
-    """Byte-level BPE (`tokenizer.ggml.model == "gpt2"`), pre-tokenized as llama.cpp does for `ggml.pre`."""
-    alphabet = set(_bytes_to_unicode().values())
-    spell = _bytes_to_unicode()
-    vocab = {
-        tok if set(tok) <= alphabet else "".join(spell[b] for b in tok.encode("utf-8")): i
-        for i, tok in enumerate(tokens)
-    }
-    merges = [tuple(m.split(" ", 1)) for m in fields.get("tokenizer.ggml.merges") or []]
-    pre = str(fields.get("tokenizer.ggml.pre") or "default")
-    backend = BackendTokenizer(models.BPE(vocab, merges, ignore_merges=pre in _LLAMA3_PRE))
-    backend.pre_tokenizer = _byte_level_pre_tokenizer(pre)
-    if pre in _QWEN2_PRE:
-        backend.normalizer = normalizers.NFC()
-    backend.decoder = decoders.ByteLevel()
-    return backend
-
-
-def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
-    """The pre-tokenizer of the original tokenizer.json for a llama.cpp `tokenizer.ggml.pre` name."""
-    split = _LLAMA3_SPLIT if pre in _LLAMA3_PRE else _QWEN2_SPLIT if pre in _QWEN2_PRE else None
-    if split is not None:
-        return pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    if pre in _DIGITS_PRE:
-        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
-    return byte_level
-
-
-def _gguf_sentencepiece_backend(
-    fields: Mapping[str, Any], tokens: list[str], token_types: list[int]
-) -> BackendTokenizer:
-    """SentencePiece BPE (`tokenizer.ggml.model == "llama"`) with byte fallback and `▁` spaces."""
-    scores = list(fields.get("tokenizer.ggml.scores") or [-float(i) for i in range(len(tokens))])
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    if "tokenizer.ggml.merges" in fields:
-        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
-    else:
-        merges = _merges_from_scores(tokens, scores)
-    unk_index = fields.get("tokenizer.ggml.unknown_token_id")
-    unk = tokens[int(unk_index)] if unk_index is not None else None
-    if unk is None:
-        unk = next((t for t, kind in zip(tokens, token_types, strict=False) if kind == _TOKEN_TYPE_UNKNOWN), None)
-    backend = BackendTokenizer(models.BPE(vocab, merges, unk_token=unk, fuse_unk=True, byte_fallback=True))
-    add_prefix = bool(fields.get("tokenizer.ggml.add_space_prefix", True))
-    # Like llama.cpp and sentencepiece: every text fragment (the start, and after each added token) gets the
-    # space prefix, even one already starting with a space; `Metaspace(prepend_scheme="first")` would not.
-    spaces = normalizers.Replace(" ", "▁")
-    backend.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), spaces]) if add_prefix else spaces
-    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
-    if add_prefix:
-        steps.append(decoders.Strip(" ", 1, 0))
-    backend.decoder = decoders.Sequence(steps)
-    return backend
-
-
-def _merges_from_scores(tokens: list[str], scores: list[float]) -> list[tuple[str, str]]:
-    """BPE merges implied by a SentencePiece vocabulary: every split of a piece into two pieces, by score."""
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    merges: list[tuple[str, str, float]] = []
-    for piece, score in zip(tokens, scores, strict=False):
-        local = [
-            (piece[:k], piece[k:], score) for k in range(1, len(piece)) if piece[:k] in vocab and piece[k:] in vocab
-        ]
-        merges.extend(sorted(local, key=lambda m: (vocab[m[0]], vocab[m[1]])))
-    merges.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
-    return [(left, right) for left, right, _ in merges]
-
-
-def _add_gguf_special_tokens(
-    backend: BackendTokenizer, tokens: list[str], token_types: list[int], byte_level: bool
-) -> None:
-    """Control tokens become special added tokens, user-defined ones plain added tokens (matched whole)."""
-    alphabet = set(_bytes_to_unicode().values())
-    control = [
-        AddedToken(tok, normalized=False, special=True)
-        for tok, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_CONTROL and (not byte_level or set(tok) <= alphabet)
-    ]
-    backend.add_special_tokens(control)
-    user = [
-        AddedToken(tok, normalized=False, special=False)
-        for tok, kind in zip(tokens, token_types, strict=False)
-        if kind == _TOKEN_TYPE_USER_DEFINED
-    ]
-    backend.add_tokens(user)

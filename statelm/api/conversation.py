@@ -5,7 +5,8 @@ Chat completions and responses both serve from it; each wire protocol translates
 messages, starts from the KV of the session it reads (longest common prefix) and, when its final event arrives and
 before that event is passed on, commits into its target session and waits until that session's changes are durable
 (its journal records written and fsynced, under `--session-durability turn`), so a client never sees a turn end that
-a crash could lose; a turn dropped before that (an error, a client gone, a stream closed) commits nothing.
+a crash could lose; a turn dropped before that (an error, a client gone, a stream closed) commits nothing, and one
+whose record cannot be written (a full disk) is taken back and ends in StorageError instead of its final event.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from statelm.api.serving import ServingContext
 from statelm.api.structured_output import forced_tool_constraint
 from statelm.engine.client import CachePinRequest, SamplingParams
 from statelm.sessions.manager import SessionManager
-from statelm.sessions.session import Session, SessionSettings
+from statelm.sessions.session import Session, SessionKind, SessionSettings
 
 
 def stored_messages(transcript: Sequence[dict[str, Any]]) -> list[ChatMessage]:
@@ -92,6 +93,9 @@ class ConversationTurn:
         later prompts show the reasoning; the session's cache follows whatever it renders (longest common prefix).
         """
         plan = self.plan
+        target = plan.target
+        kept_as_response = target is not None and target.kind is SessionKind.RESPONSES
+        what = "the response" if kept_as_response else f"the turn of session {target.id if target else None!r}"
 
         async def committed() -> AsyncIterator[ChoiceEvent]:
             reply = ChoiceMessage()
@@ -103,7 +107,7 @@ class ConversationTurn:
                         self.end([*(plan.history if plan.fresh else ()), *new_messages, message])
                         if on_commit is not None:
                             on_commit(event)
-                        await self.sessions.settled(plan.target)  # the client sees the end once it is durable
+                        await self.sessions.settled(plan.target, what)  # the client sees the end once it is durable
                     yield event
             finally:
                 self.end(None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 class APIError(Exception):
-    """An error with an HTTP status and OpenAI's type/param/code fields."""
+    """An error with an HTTP status, OpenAI's type/param/code fields, and any headers it is answered with."""
 
     def __init__(
         self,
@@ -13,6 +13,7 @@ class APIError(Exception):
         type: str = "invalid_request_error",
         param: str | None = None,
         code: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -20,6 +21,7 @@ class APIError(Exception):
         self.type = type
         self.param = param
         self.code = code
+        self.headers = headers  # sent with the error (Retry-After)
 
     def to_dict(self) -> dict[str, dict[str, str | None]]:
         """OpenAI's error body."""

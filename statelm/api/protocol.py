@@ -15,6 +15,7 @@ from pydantic import (
     model_validator,
 )
 
+from statelm.api.json_schemas import JSONSchema, JSONSchemaOrText, check_parameters_schema
 from statelm.engine.client import LOGIT_BIAS_LIMIT
 
 MAX_STOP_STRINGS = 16
@@ -99,7 +100,7 @@ class JSONSchemaSpec(TypedModel):
 
     name: FunctionName
     description: str | None = None
-    json_schema: JSONObject | None = Field(default=None, alias="schema")  # absent: any JSON object
+    json_schema: JSONSchema | None = Field(default=None, alias="schema")  # absent: any JSON object
     strict: bool | None = None
 
 
@@ -113,7 +114,7 @@ class JSONObjectResponseFormat(TypedModel):
     """`response_format` {"type": "json_object"}: one JSON object; llama.cpp's `schema` makes it follow a schema."""
 
     type: Literal["json_object"]
-    json_schema: JSONObject | None = Field(default=None, alias="schema")  # llama.cpp
+    json_schema: JSONSchema | None = Field(default=None, alias="schema")  # llama.cpp
 
 
 class JSONSchemaResponseFormat(TypedModel):
@@ -121,7 +122,7 @@ class JSONSchemaResponseFormat(TypedModel):
 
     type: Literal["json_schema"]
     json_schema: JSONSchemaSpec | None = None
-    schema_: JSONObject | None = Field(default=None, alias="schema")  # llama.cpp: the schema itself
+    schema_: JSONSchema | None = Field(default=None, alias="schema")  # llama.cpp: the schema itself
 
     @model_validator(mode="after")
     def _one_schema(self) -> JSONSchemaResponseFormat:
@@ -138,7 +139,7 @@ ResponseFormat = Annotated[
 class StructuredOutputs(TypedModel):
     """vLLM's `structured_outputs`: exactly one of a JSON schema, a regex, a grammar (GBNF/Lark) or choices."""
 
-    json_schema: JSONObject | str | None = Field(default=None, alias="json")
+    json_schema: JSONSchemaOrText | None = Field(default=None, alias="json")
     regex: Annotated[str, Field(min_length=1)] | None = None
     grammar: Annotated[str, Field(min_length=1)] | None = None
     choice: Annotated[list[str], Field(min_length=1)] | None = None
@@ -212,12 +213,12 @@ class GenerationRequest(SamplingOptions):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
-    guided_json: JSONObject | str | None = None  # vLLM's earlier names of structured_outputs' fields
+    guided_json: JSONSchemaOrText | None = None  # vLLM's earlier names of structured_outputs' fields
     guided_regex: Annotated[str, Field(min_length=1)] | None = None
     guided_grammar: Annotated[str, Field(min_length=1)] | None = None
     guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
     grammar: Annotated[str, Field(min_length=1)] | None = None  # llama.cpp: a GBNF grammar
-    json_schema: JSONObject | None = None  # llama.cpp: a JSON schema
+    json_schema: JSONSchema | None = None  # llama.cpp: a JSON schema
 
     @field_validator("stream_options")
     @classmethod
@@ -297,6 +298,11 @@ class FunctionDefinition(TypedModel):
     description: str | None = None
     parameters: JSONObject | None = None
     strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_schema(cls, schema: JSONObject | None, info: ValidationInfo) -> JSONObject | None:
+        return check_parameters_schema(schema, info.data.get("name"))
 
 
 class ToolDefinition(TypedModel):

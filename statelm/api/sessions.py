@@ -25,6 +25,7 @@ from statelm.sessions.errors import SessionError
 from statelm.sessions.manager import SessionManager, SessionView
 from statelm.sessions.ownership import current_principal
 from statelm.sessions.session import Session, SessionSettings
+from statelm.sessions.storage import StorageError
 
 _STATUS_OF_CODE = {
     "invalid_id": 400,
@@ -37,12 +38,14 @@ _STATUS_OF_CODE = {
     "session_limit_reached": 429,
     "kv_pool_full": 507,
     "snapshot_quota_exceeded": 507,
+    "insufficient_storage": 507,
 }
 METADATA = ("sessions", "metadata")  # where a session's metadata is kept: annotations[name][key]
 _TYPE_OF_CODE = {
     "session_limit_reached": "rate_limit_error",
     "kv_pool_full": "server_error",
     "snapshot_quota_exceeded": "insufficient_quota",
+    "insufficient_storage": "server_error",
 }
 
 
@@ -50,7 +53,8 @@ def session_api_error(error: SessionError) -> APIError:
     """The HTTP error for a sessions-layer error."""
     status = _STATUS_OF_CODE.get(error.code, 400)
     kind = _TYPE_OF_CODE.get(error.code, "invalid_request_error")
-    return APIError(error.message, status=status, type=kind, param=error.param, code=error.code)
+    headers = {"Retry-After": str(error.retry_after)} if isinstance(error, StorageError) else None
+    return APIError(error.message, status=status, type=kind, param=error.param, code=error.code, headers=headers)
 
 
 def session_object(view: SessionView) -> SessionObject:
@@ -105,15 +109,16 @@ class SessionService:
         if body.messages is not None:
             system = [{"role": "system", "content": body.system}] if body.system is not None else []
             transcript = system + [message.for_transcript() for message in body.messages]
-        session = await self.manager.create(body.session_id, settings, transcript)
-        self._set_metadata(session, body.metadata)
+        session = await self.manager.create(
+            body.session_id, settings, transcript, annotations=_annotations(body.metadata)
+        )
         return await self._object(session)
 
     async def update(self, session_id: str, body: UpdateSessionRequest) -> SessionObject:
         """Replace a session's metadata."""
         session = self.manager.get(session_id)
-        self._set_metadata(session, body.metadata)
-        return await self._object(session)
+        self.manager.annotate(session, *METADATA, dict(body.metadata) if body.metadata else None)
+        return await self._object(session, f"the metadata of session {session_id!r}")
 
     async def list(self) -> SessionList:
         """The caller's sessions, least recently used first."""
@@ -134,14 +139,13 @@ class SessionService:
 
     async def rollback(self, session_id: str, body: RollbackRequest) -> SessionObject:
         """Keep only the first messages of a session's transcript."""
-        return await self._object(self.manager.rollback(session_id, body.keep_messages))
+        session = self.manager.rollback(session_id, body.keep_messages)
+        return await self._object(session, f"the rollback of session {session_id!r}")
 
     async def fork(self, session_id: str, body: ForkRequest) -> SessionObject:
         """A copy of a session that shares its KV."""
         metadata = body.metadata if body.metadata is not None else session_metadata(self.manager.get(session_id))
-        child = await self.manager.fork(session_id, body.session_id)
-        self._set_metadata(child, metadata)
-        return await self._object(child)
+        return await self._object(await self.manager.fork(session_id, body.session_id, _annotations(metadata)))
 
     async def snapshot(self, session_id: str, body: SnapshotRequest) -> SnapshotObject:
         """Save a session as a snapshot."""
@@ -159,24 +163,28 @@ class SessionService:
     async def update_snapshot(self, snapshot_id: str, body: UpdateSnapshotRequest) -> SnapshotObject:
         """Change a snapshot's title, description or tags."""
         changes = body.model_dump(include=body.model_fields_set)
-        store = self.manager.snapshots
-        return snapshot_object(await asyncio.to_thread(store.update, snapshot_id, changes, current_principal()))
+        what, update = f"the metadata of snapshot {snapshot_id!r}", self.manager.snapshots.update
+        return snapshot_object(await self.manager.stored(what, update, snapshot_id, changes, current_principal()))
 
     async def delete_snapshot(self, snapshot_id: str) -> DeletedObject:
         """Delete a snapshot."""
-        await asyncio.to_thread(self.manager.snapshots.delete, snapshot_id, current_principal())
+        what, delete = f"the deletion of snapshot {snapshot_id!r}", self.manager.snapshots.delete
+        await self.manager.stored(what, delete, snapshot_id, current_principal())
         return DeletedObject(id=snapshot_id, object="snapshot.deleted")
 
     async def load_snapshot(self, snapshot_id: str, body: LoadSnapshotRequest) -> SessionObject:
         """A new session from a snapshot."""
         return await self._object(await self.manager.load_snapshot(snapshot_id, body.session_id, body.overwrite))
 
-    def _set_metadata(self, session: Session, metadata: dict[str, str] | None) -> None:
-        """Replace session's metadata (None or empty: none), a change journalled as a turn is."""
-        self.manager.annotate(session, *METADATA, dict(metadata) if metadata else None)
-
-    async def _object(self, session: Session) -> SessionObject:
-        """The session's object, once its changes are durable."""
-        await self.manager.settled(session)
+    async def _object(self, session: Session, changed: str | None = None) -> SessionObject:
+        """The session's object, once its changes (what `changed` names) are durable (StorageError if they cannot be:
+        they were taken back)."""
+        await self.manager.settled(session, changed)
         (view,) = await self.manager.view([session])
         return session_object(view)
+
+
+def _annotations(metadata: dict[str, str] | None) -> dict[str, Any]:
+    """A new session's annotations holding metadata (None or empty: none)."""
+    name, key = METADATA
+    return {name: {key: dict(metadata)}} if metadata else {}

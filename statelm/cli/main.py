@@ -6,6 +6,7 @@ from typing import Any
 
 import typer
 
+from statelm.cli.cache import cache_app
 from statelm.cli.chat_repl import chat
 from statelm.cli.docs import docs
 from statelm.cli.server_control import server_app
@@ -30,6 +31,7 @@ app.command()(docs)
 app.add_typer(server_app, name="server")
 app.add_typer(session_app, name="session")
 app.add_typer(snapshot_app, name="snapshot")
+app.add_typer(cache_app, name="cache")
 
 
 @app.command()

@@ -14,6 +14,8 @@ from rich.segment import Segment
 from rich.table import Table
 from rich.text import Text
 
+from statelm.config import format_size
+
 ROLE_STYLES = {"user": "bold cyan", "assistant": "bold green", "system": "bold magenta", "developer": "bold magenta"}
 
 
@@ -35,16 +37,7 @@ def duration(seconds: float) -> str:
 
 def size(num_bytes: int | None) -> str:
     """Bytes as `512 B`, `11.2 MiB`…"""
-    if num_bytes is None:
-        return "-"
-    if num_bytes < 1024:
-        return f"{num_bytes} B"
-    value = num_bytes / 1024
-    for unit in ("KiB", "MiB"):
-        if value < 1024:
-            return f"{value:.1f} {unit}"
-        value /= 1024
-    return f"{value:.1f} GiB"
+    return "-" if num_bytes is None else format_size(num_bytes)
 
 
 def clip(text: str | None, width: int) -> str:

@@ -29,7 +29,7 @@ class KeyLedger:
     def __init__(self) -> None:
         self.incarnation = uuid.uuid4().hex  # a restarted ledger (empty) has a new one
         self._owners: dict[str, str] = {}  # session id → owner
-        self._claimed: dict[str, float] = {}  # session id → when it was counted
+        self._claimed: dict[str, float] = {}  # session id → when it was counted (monotonic: clock jumps do not count)
         self._sessions: dict[str, set[str]] = {}  # owner → session ids
         self._responses: dict[str, dict[str, tuple[float, str]]] = {}  # owner → response id → (created_at, session)
 
@@ -90,7 +90,7 @@ class KeyLedger:
     def retain(self, present: set[str], grace_s: float = CLAIM_GRACE_S) -> int:
         """Stop counting sessions neither present (in the store or held by a live replica) nor claimed within
         grace_s; how many."""
-        now = time.time()
+        now = time.monotonic()
         gone = [sid for sid in self._owners if sid not in present and self._claimed.get(sid, 0.0) < now - grace_s]
         for session_id in gone:
             self.release(session_id)
@@ -98,7 +98,7 @@ class KeyLedger:
 
     def _add(self, owner: str, session_id: str) -> None:
         self._owners[session_id] = owner
-        self._claimed[session_id] = time.time()
+        self._claimed[session_id] = time.monotonic()
         self._sessions.setdefault(owner, set()).add(session_id)
 
 

@@ -22,6 +22,7 @@ from statelm.models.compute_path import compute_paths, use_activations, use_comp
 from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
+from statelm.models.model_cache import ModelCache
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +72,10 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         dtype = torch.float32  # packed weights run in statelm's float32 kernels on every CPU
     else:
         dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization)
+    cache = ModelCache(max_bytes=config.model_cache_size)
+    loaded = load_model(
+        config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization, cache
+    )
     try:
         if use_activations(loaded.model, config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
@@ -115,17 +119,8 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     )
     if max_model_len < config.block_size:
         raise EngineConfigError(f"KV cache budget holds only {num_blocks} blocks; raise --kv-cache-memory")
-    kv_cache = KVCache(
-        model_config.num_hidden_layers,
-        num_blocks,
-        config.block_size,
-        model_config.num_key_value_heads,
-        model_config.head_dim,
-        kv_dtype,
-        loaded.device,
-    )
     log.info(
-        "KV cache: %d blocks of %d tokens (%.1f MiB, %s); max model len %d; %s on %s, %d threads",
+        "allocating the KV cache: %d blocks of %d tokens (%.1f MiB, %s); max model len %d; %s on %s, %d threads",
         num_blocks,
         config.block_size,
         num_blocks * block_bytes / 2**20,
@@ -134,6 +129,15 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         loaded.dtype,
         loaded.device,
         threads,
+    )
+    kv_cache = KVCache(
+        model_config.num_hidden_layers,
+        num_blocks,
+        config.block_size,
+        model_config.num_key_value_heads,
+        model_config.head_dim,
+        kv_dtype,
+        loaded.device,
     )
     cuda_graphs = loaded.device.type == "cuda" and model.compute_path == "triton" and not config.enforce_eager
     return Engine(

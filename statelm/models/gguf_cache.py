@@ -2,15 +2,14 @@
 
 Parsing a GGUF's metadata with the gguf package costs seconds (its vocabulary is read element by element) and
 converting its tensors more; the cache keeps the decoded metadata as JSON and the converted tensors (packed
-weights included) in safetensors, memory-mapped on the next start. An entry is keyed by the file's path,
-size and modification time and by the conversion settings, so a changed file is converted again.
+weights included) in safetensors, memory-mapped on the next start. An entry is keyed by the file's content
+and by the conversion settings, so a changed file is converted again.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,7 +55,7 @@ def load_converted_gguf(path: Path, dtype: torch.dtype, packed: bool, cache: Mod
             metadata_digest=metadata["digest"],
             weights=lambda: iter(weights),
         )
-    print(f"converting {path.name} once; later starts read it from the model cache", file=sys.stderr)
+    log.info("converting %s once into the model cache %s; later starts read it from there", path.name, cache.root)
     gguf = load_gguf(path, dtype)
     converted = list(gguf.tensors(packed=packed))
     tensors: dict[str, torch.Tensor] = {}

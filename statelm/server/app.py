@@ -87,6 +87,7 @@ def create_app(
     app.state.messages = MessagesService(chat.conversations)
     app.state.noted_betas = set()  # anthropic-beta names already logged as ignored
     app.state.metrics = serving_metrics
+    serving_metrics.watch_storage(manager.health, lambda: len(manager.owed()))
     app.state.drain = guards.drain
     app.state.sse_keepalive = sse_keepalive
     app.state.invariance = engine.info.batch_invariance

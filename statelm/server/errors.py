@@ -37,9 +37,11 @@ def error_body(error: APIError, path: str) -> dict[str, Any]:
 
 
 def error_response(error: APIError, path: str, headers: Mapping[str, str] | None = None) -> JSONResponse:
-    """JSON response for an APIError on the route at path."""
+    """JSON response for an APIError on the route at path, with the error's headers and headers."""
     status = anthropic_status(error) if speaks_anthropic(path) else error.status
-    return JSONResponse(error_body(error, path), status_code=status, headers=headers)
+    return JSONResponse(
+        error_body(error, path), status_code=status, headers={**(error.headers or {}), **(headers or {})}
+    )
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]], body: Any = None) -> APIError:

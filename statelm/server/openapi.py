@@ -23,7 +23,7 @@ ERROR_STATUSES = {
     429: "Too many waiting requests, or too many sessions for this key",
     500: "Internal error",
     503: "Shutting down: retry after the Retry-After seconds",
-    507: "Out of room: KV pool or snapshot quota",
+    507: "Out of room: KV pool, snapshot quota, or a state directory that cannot save the change (Retry-After)",
 }
 SSE_EVENT = {  # a stream's event: its data, or (when it has an `event:` line: Responses, Anthropic) both
     "anyOf": [

@@ -12,16 +12,19 @@ and renamed into place; a bundle it replaces is moved aside (`.old-…`) first a
 bundle and a log replaced whole are written to a temporary file, fsynced and renamed over the old one; an append is
 one write and an fsync. The directory is fsynced after an entry in it is made, renamed or removed. Temporaries name
 their writer (statelm.sessions.temporaries), so that `prepare` tells those of running writers from those a crash left.
+A write that fails (a full disk) removes its temporary at once, and an append that fails cuts the log back.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from collections.abc import Mapping
 from pathlib import Path
 
 from statelm.sessions.state_store import Area
+from statelm.sessions.storage import FULL_BELOW_BYTES, StorageCondition, StoreSpace
 from statelm.sessions.synced_files import fsync_directory, write_synced
 from statelm.sessions.temporaries import OLD_PREFIX, TEMP_PREFIX, clean_temporaries, temporary_path
 
@@ -63,10 +66,7 @@ class DirectoryStore:
     def replace_file(self, area: Area, name: str, file: str, data: bytes) -> None:
         """Write a temporary file in the bundle's directory and rename it over the file."""
         directory = self._bundle(area, name)
-        temporary = temporary_path(directory, TEMP_PREFIX, file)
-        write_synced(temporary, data)
-        os.replace(temporary, directory / file)
-        fsync_directory(directory)
+        _replace_file(temporary_path(directory, TEMP_PREFIX, file), directory / file, data)
 
     def delete_bundle(self, area: Area, name: str) -> None:
         """Remove a bundle's directory."""
@@ -90,10 +90,16 @@ class DirectoryStore:
         created = not path.exists()
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
-            view = memoryview(data)
-            while view:
-                view = view[os.write(descriptor, view) :]
-            os.fsync(descriptor)
+            before = os.fstat(descriptor).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(descriptor, view) :]
+                os.fsync(descriptor)
+            except OSError:
+                with contextlib.suppress(OSError):  # what a full disk took of the record goes
+                    os.ftruncate(descriptor, before)
+                raise
             size = os.fstat(descriptor).st_size
         finally:
             os.close(descriptor)
@@ -104,10 +110,7 @@ class DirectoryStore:
     def replace_log(self, name: str, data: bytes) -> int:
         """Write a temporary file, fsync it and rename it over the log."""
         path = self._log(name)
-        temporary = temporary_path(path.parent, TEMP_PREFIX, path.name)
-        write_synced(temporary, data)
-        os.replace(temporary, path)
-        fsync_directory(path.parent)
+        _replace_file(temporary_path(path.parent, TEMP_PREFIX, path.name), path, data)
         return len(data)
 
     def read_log(self, name: str) -> bytes:
@@ -143,6 +146,22 @@ class DirectoryStore:
         entries = _visible(self.root / Area.JOURNAL)
         return sorted(entry.name.removesuffix(LOG_SUFFIX) for entry in entries if entry.name.endswith(LOG_SUFFIX))
 
+    def space(self) -> StoreSpace:
+        """The directory's file system as statvfs sees it: read-only, under FULL_BELOW_BYTES free, or ok."""
+        location = f"the state directory {self.root}"
+        try:
+            stats = os.statvfs(self.root)
+        except FileNotFoundError:
+            return StoreSpace(location, StorageCondition.MISSING)
+        free, total = stats.f_bavail * stats.f_frsize, stats.f_blocks * stats.f_frsize
+        if not self.root.is_dir():
+            condition = StorageCondition.MISSING
+        elif stats.f_flag & os.ST_RDONLY:
+            condition = StorageCondition.READ_ONLY
+        else:
+            condition = StorageCondition.FULL if free < FULL_BELOW_BYTES else StorageCondition.OK
+        return StoreSpace(location, condition, free, total)
+
     def private(self) -> DirectoryStore:
         """A store in `.spill-<pid>` under root."""
         return DirectoryStore(self.root / f".spill-{os.getpid()}")
@@ -163,6 +182,18 @@ def _visible(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     return [entry for entry in directory.iterdir() if not entry.name.startswith(".")]
+
+
+def _replace_file(temporary: Path, target: Path, data: bytes) -> None:
+    """Write data to temporary, fsynced, and rename it over target; a write that fails removes its temporary."""
+    try:
+        write_synced(temporary, data)
+        os.replace(temporary, target)
+    except OSError:
+        with contextlib.suppress(OSError):
+            temporary.unlink(missing_ok=True)
+        raise
+    fsync_directory(target.parent)
 
 
 def _replace_directory(source: Path, target: Path) -> None:

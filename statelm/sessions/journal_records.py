@@ -12,11 +12,15 @@ leaves older records behind, which are skipped).
 {"type": "rollback",   "lsn", "time", "keep_messages": n}
 {"type": "annotation", "lsn", "name", "key", "value"}       annotations[name][key] set (value null: removed)
 {"type": "delete",     "lsn"}
+{"type": "batch",      "lsn", "records": [...]}             changes made together (by one request): all or none
 ```
 
 A `session` record states the whole session (creation, fork, snapshot load, or a journal rewritten after
 a failed write); the others change the session before them. An `annotation` record is a change of what the
-API a session belongs to keeps with it: a response chain's stored response kept or dropped. The KV is not in
+API a session belongs to keeps with it: a response chain's stored response kept or dropped. A `batch` record holds
+the changes of one session made in one step of the event loop (a turn and the response it stored), so that they are
+written, torn and replayed together; its `lsn` is its last record's, and recovery reads its records as if each stood
+alone (`flatten`), so a saved directory current to one of them has only the later ones replayed. The KV is not in
 the journal: a recovered session's KV is whatever its directory holds, and its next turn recomputes the rest
 by longest common prefix of token ids.
 """
@@ -28,7 +32,7 @@ from typing import Any
 from statelm.sessions.journal import JournalCorruptError
 from statelm.sessions.session import Session
 
-SESSION, TURN, ROLLBACK, ANNOTATION, DELETE = "session", "turn", "rollback", "annotation", "delete"
+SESSION, TURN, ROLLBACK, ANNOTATION, DELETE, BATCH = "session", "turn", "rollback", "annotation", "delete", "batch"
 
 
 def session_record(session: Session) -> dict[str, Any]:
@@ -54,6 +58,30 @@ def annotation_record(session: Session, name: str, key: str, value: dict[str, An
 def delete_record(lsn: int) -> dict[str, Any]:
     """The session deleted."""
     return {"type": DELETE, "lsn": lsn}
+
+
+def batch_record(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """Changes (none stating the whole session) written as one record."""
+    return {"type": BATCH, "lsn": records[-1]["lsn"], "records": records}
+
+
+def flatten(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A journal's records with each batch replaced by the records it holds."""
+    flat: list[dict[str, Any]] = []
+    for record in records:
+        if record.get("type") != BATCH:
+            flat.append(record)
+            continue
+        held = record.get("records")
+        if not (isinstance(held, list) and held and all(map(_is_change, held))):
+            raise JournalCorruptError("a batch record does not hold a list of changes")
+        flat.extend(held)
+    return flat
+
+
+def _is_change(record: object) -> bool:
+    """Whether a record changes a session (rather than stating it whole, deleting it, or holding others)."""
+    return isinstance(record, dict) and record.get("type") in (TURN, ROLLBACK, ANNOTATION)
 
 
 def record_lsn(record: dict[str, Any]) -> int:

@@ -1,9 +1,17 @@
 """Sessions on the event loop's side: create, list, turn bookkeeping, fork, rollback, spill, persist, snapshot.
 
-The engine owns the KV; this manager owns transcripts and settings, moves KV between the pool and the state
-store (statelm.sessions.state_store), and journals every change of a session (statelm.sessions.journal_store).
-Blocking store I/O runs in worker threads; engine work goes through the EngineClient, which runs it in order
-between steps.
+The engine owns the KV; this manager owns transcripts and settings, moves KV
+between the pool and the state store (statelm.sessions.state_store), and journals every change of a session
+(statelm.sessions.journal_store). Blocking store I/O runs in worker threads; engine work goes through the
+EngineClient, which runs it in order between steps.
+
+Durable or refused: a change is made in memory at once, journalled, and answered once its record is durable
+(`settled`). If the record cannot be written (a full, read-only or vanished state store), the change is taken back,
+with every change of the session made after it, and whoever waits on it gets StorageError (507): the session is as it
+was before. A creation and a deletion wait for their record before they go on. The manager looks at the store now and
+then: it reports its condition (statelm.sessions.storage), remakes a state directory that vanished, and once the
+store takes writes again rewrites the journals that failed writes left broken and writes the spills that could not
+be written.
 """
 
 from __future__ import annotations
@@ -16,7 +24,8 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, TypeVar
 
 from statelm.config import SessionDurability
 from statelm.engine.client import EngineClient, SessionKVData, SessionKVError
@@ -30,17 +39,20 @@ from statelm.sessions.errors import (
     check_id,
 )
 from statelm.sessions.journal_records import annotation_record, rollback_record, session_record, turn_record
-from statelm.sessions.journal_store import JournalCounters, SessionJournal
+from statelm.sessions.journal_store import JournalCounters, Outcome, SessionJournal
 from statelm.sessions.ownership import current_principal
 from statelm.sessions.recovery import Recovered, recover_session, recover_sessions
 from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
 from statelm.sessions.snapshots import SnapshotStore
 from statelm.sessions.state_store import Area, StateStore
+from statelm.sessions.storage import StorageCondition, StorageError, StorageHealth, StoreSpace, cause_of
 from statelm.sessions.tally import KeyTally
 
 log = logging.getLogger(__name__)
 IDLE_CHECK_MAX_S = 5.0  # the longest an idle session waits past --persist-idle-after to be saved
+STORAGE_CHECK_S = 1.0  # how often the state store's condition is looked at (and what it is owed paid)
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -49,6 +61,15 @@ class SessionLimits:
 
     max_sessions_per_key: int | None = None
     snapshot_quota: int | None = None
+
+
+@dataclass
+class _Unconfirmed:
+    """A change of a session whose journal record is not known durable yet: the write's outcome, and its undo."""
+
+    outcome: asyncio.Future[Outcome]
+    undo: Callable[[], None]
+    session: Session
 
 
 @dataclass
@@ -85,8 +106,10 @@ class SessionManager:
         resume: bool = True,
         tally: KeyTally | None = None,
         persist_idle_after: float | None = None,
+        storage_check_s: float = STORAGE_CHECK_S,
     ) -> None:
         self.engine = engine
+        self.store = store
         self.resume = resume  # take every session the store holds at start (else share it, adopting some)
         self.limits = limits or SessionLimits()
         self.tally = tally  # counts every key's sessions beyond this server (a cluster's replicas), if any
@@ -105,6 +128,16 @@ class SessionManager:
         self._writes: set[asyncio.Task[None]] = set()
         self.persist_idle_after = persist_idle_after if self.persist else None  # seconds; None: no idle saves
         self._idle_saver: asyncio.Task[None] | None = None
+        self._changed_at: dict[str, float] = {}  # monotonic time of each session's last change (for idle saves)
+        self._started_at = time.monotonic()
+        self._unconfirmed: dict[str, list[_Unconfirmed]] = {}  # by session id, in the order made
+        self.reverted: list[Callable[[Session], None]] = []  # told of a session whose changes were taken back
+        self.health = StorageHealth(StoreSpace(str(store), StorageCondition.OK))
+        self._unwritten_spills: set[str] = set()  # sessions whose spilled KV could not be written (kept in memory)
+        self.storage_check_s = storage_check_s
+        self._storage_watch: asyncio.Task[None] | None = None
+        self._failed_with_free = -1  # free bytes when the owed writes last failed
+        self._remake_failed = False  # whether remaking a vanished store failed (logged once)
 
     async def start(self) -> None:
         """Take spilled KV from the engine from now on, and resume the sessions the last run left."""
@@ -118,15 +151,19 @@ class SessionManager:
                 await asyncio.to_thread(self.saved.prepare, area, False)
         if self.persist_idle_after is not None:
             self._idle_saver = asyncio.create_task(self._save_idle_sessions(self.persist_idle_after))
+        self.health.observe(await asyncio.to_thread(self.store.space), 0)
+        self._storage_watch = asyncio.create_task(self._watch_storage(self.storage_check_s))
 
     async def _save_idle_sessions(self, idle_after: float) -> None:
-        """Save every session changed since its last save and idle for idle_after seconds, as they become so."""
+        """Save every session changed since its last save and idle for idle_after seconds, as they become so (by the
+        monotonic clock: a wall clock set back delays no save)."""
         period = min(max(idle_after / 4, 0.1), IDLE_CHECK_MAX_S)
         while True:
             await asyncio.sleep(period)
-            now = time.time()
+            now = time.monotonic()
             for session in list(self.sessions.values()):
-                if session.disk_stale and not session.busy and now - session.last_used >= idle_after:
+                changed_at = self._changed_at.get(session.id, self._started_at)
+                if session.disk_stale and not session.busy and now - changed_at >= idle_after:
                     try:
                         await self._save(session)
                     except (OSError, SessionError) as exc:
@@ -135,6 +172,7 @@ class SessionManager:
     async def _resume(self, journal: SessionJournal) -> None:
         """Take in the sessions the last run left, each as of its last change."""
         started = time.perf_counter()
+        log.info("resuming the sessions the last run left in %s", self.saved)
         found = await asyncio.to_thread(recover_sessions, self.saved, self.fingerprint)
         self._take(found, journal)
         if found.sessions:
@@ -181,10 +219,11 @@ class SessionManager:
     async def close(self) -> None:
         """Save every session (when persisting) or remove the private spill store; the engine must still run."""
         self.engine.on_spill(None)
-        if self._idle_saver is not None:
-            self._idle_saver.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._idle_saver
+        for task in (self._idle_saver, self._storage_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._writes:
             await asyncio.gather(*self._writes, return_exceptions=True)
         if not self.persist:
@@ -208,13 +247,42 @@ class SessionManager:
         settings: SessionSettings,
         transcript: list[dict[str, Any]] | None = None,
         kind: SessionKind = SessionKind.SESSION,
+        annotations: dict[str, Any] | None = None,
+        replacing: Session | None = None,
     ) -> Session:
-        """A new session of kind owned by the caller: with transcript, or empty but for the system message if given.
+        """A new session of kind owned by the caller: with transcript, or empty but for the system message if given,
+        and annotations; returned once its creation is durable (StorageError if it cannot be: no session is made).
+
+        With replacing (an idle session of that id), the new session takes its place in one durable step (its record
+        replaces the journal whole): if that fails, replacing stays as it was.
 
         Sessions of every kind count toward the caller's limit: on this server, and with a tally on every server
         that shares it.
         """
         session_id = check_id(session_id, "session_id") if session_id is not None else new_session_id()
+        if replacing is not None:
+            self._idle(session_id)
+            del self.sessions[session_id]
+            released = self._untally(session_id)
+            if released is not None:
+                await released
+        try:
+            return await self._make(session_id, settings, transcript, kind, annotations or {}, replacing)
+        except BaseException:
+            if replacing is not None and session_id not in self.sessions:
+                self.sessions[session_id] = replacing
+                self._register([replacing])
+            raise
+
+    async def _make(
+        self,
+        session_id: str,
+        settings: SessionSettings,
+        transcript: list[dict[str, Any]] | None,
+        kind: SessionKind,
+        annotations: dict[str, Any],
+        replacing: Session | None,
+    ) -> Session:
         self._check_new(session_id)
         owner = current_principal().owner
         limit = self.limits.max_sessions_per_key
@@ -226,10 +294,24 @@ class SessionManager:
             self._check_new(session_id)  # made by another request while this one waited
         if transcript is None:
             transcript = [{"role": "system", "content": settings.system}] if settings.system is not None else []
-        session = Session(session_id, settings, transcript, owner=owner, kind=kind)
+        session = Session(session_id, settings, transcript, owner=owner, kind=kind, annotations=annotations)
         self.sessions[session_id] = session
-        self._changed(session, session_record)
+        session.busy = True  # no turn starts on it before it exists for good
+        try:
+            self._changed(session, None, partial(self._unmake, session, replacing is not None))
+            await self.settled(session, f"the new session {session_id!r}")
+        finally:
+            session.busy = False
         return session
+
+    def _unmake(self, session: Session, replacing: bool) -> None:
+        """Take back the creation of a session whose record could not be written, and the journal the write may have
+        left (unless it replaced another session's, which is then rewritten as that session)."""
+        if self.sessions.get(session.id) is session:
+            del self.sessions[session.id]
+            self._untally(session.id)
+            if self.journal is not None and not replacing:
+                self.journal.discard(session.id)
 
     def _check_new(self, session_id: str) -> None:
         if session_id in self.sessions:
@@ -263,14 +345,25 @@ class SessionManager:
         return views
 
     async def delete(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> None:
-        """Forget a session, its KV, its saved bundle and its journal (which first records the deletion durably)."""
+        """Forget a session, its KV, its saved bundle and its journal, which first records the deletion durably: if it
+        cannot (turn durability), StorageError and the session stays as it was."""
         session = self._idle(session_id, kind)
-        del self.sessions[session.id]
-        released = self._untally(session.id)
-        self.engine.release_session_kv(session.id)
         lsn = self._next_lsn()
         if self.journal is not None:
-            await self.journal.delete(session.id, lsn)
+            session.busy = True
+            try:
+                outcome = self.journal.delete(session.id, lsn)
+                self._track(session, outcome, _nothing)
+                error = await self._written(session, outcome)
+            finally:
+                session.busy = False
+            if error is not None and self.journal.appending:
+                raise await self._refusal(f"the deletion of session {session_id!r}", error)
+        del self.sessions[session.id]
+        self._changed_at.pop(session.id, None)
+        self._unwritten_spills.discard(session.id)
+        released = self._untally(session.id)
+        self.engine.release_session_kv(session.id)
         async with self._disk_lock(session.id):
             await asyncio.to_thread(self._delete_saved, session.id)
         if self.journal is not None:
@@ -286,24 +379,34 @@ class SessionManager:
                 f"keep_messages is {keep_messages} but the session has {len(session.transcript)} messages",
                 param="keep_messages",
             )
+        transcript, last_used = session.transcript, session.last_used
+
+        def undo() -> None:
+            session.transcript, session.last_used = transcript, last_used
+
         session.transcript = session.transcript[:keep_messages]
         session.touch()
-        self._changed(session, lambda changed: rollback_record(changed, keep_messages))
+        self._changed(session, lambda changed: rollback_record(changed, keep_messages), undo)
         return session
 
-    async def fork(self, session_id: str, child_id: str | None) -> Session:
-        """A new session with the parent's transcript, sharing its KV blocks (copied on write)."""
+    async def fork(self, session_id: str, child_id: str | None, annotations: dict[str, Any] | None = None) -> Session:
+        """A new session with the parent's transcript (and annotations), sharing its KV blocks (copied on write)."""
         parent = self._idle(session_id)
         settings = SessionSettings.from_dict(parent.settings.to_dict())
-        child = await self.create(child_id, settings, [dict(message) for message in parent.transcript])
-        child.busy = parent.busy = True
+        transcript = [dict(message) for message in parent.transcript]
+        parent.busy = True
         try:
-            if not await self.engine.fork_session_kv(parent.id, child.id):
-                data = await self._kv_outside_pool(parent)
-                if data is not None:
-                    self._hold_spilled(child, data)
+            child = await self.create(child_id, settings, transcript, annotations=annotations)
+            child.busy = True
+            try:
+                if not await self.engine.fork_session_kv(parent.id, child.id):
+                    data = await self._kv_outside_pool(parent)
+                    if data is not None:
+                        self._hold_spilled(child, data)
+            finally:
+                child.busy = False
         finally:
-            child.busy = parent.busy = False
+            parent.busy = False
         return child
 
     # --- turns --------------------------------------------------------------------------------------
@@ -328,16 +431,24 @@ class SessionManager:
         """Commit a completed turn (its messages and KV) into session or, with messages None, drop it; never awaits.
 
         A turn may read one session's KV and commit into another (a branch); session None commits nothing. The
-        session stays busy until the turn's journal record is durable (`settled`).
+        session stays busy until the turn's journal record is written (`settled`); if it cannot be, the turn's
+        messages are taken back (its KV stays: the next turn keeps what the transcript still matches, by LCP).
         """
         if session is None:
             self.engine.discard_turn(request_id)
             return
+        last_used = session.last_used
         session.touch()
         if messages is not None:
+            kept = len(session.transcript)
+
+            def undo() -> None:
+                del session.transcript[kept:]
+                session.last_used = last_used
+
             session.transcript.extend(messages)
             session.spilled_kv = None
-            self._changed(session, lambda changed: turn_record(changed, messages))
+            self._changed(session, lambda changed: turn_record(changed, messages), undo)
             self.engine.commit_turn(request_id, session.id)
         else:
             self.engine.discard_turn(request_id)
@@ -358,6 +469,7 @@ class SessionManager:
         if self.sessions.get(session.id) is not session:
             return
         del self.sessions[session.id]
+        self._changed_at.pop(session.id, None)
         self._untally(session.id)  # in the background
         if self.journal is not None and self.journal.appending:
             self.journal.discard(session.id)
@@ -368,18 +480,58 @@ class SessionManager:
         A session no longer the manager's (deleted meanwhile) only changes in memory; never awaits.
         """
         entries = session.annotations.setdefault(name, {})
+        previous = entries.get(key)
         if value is None:
             if entries.pop(key, None) is None:
                 return
         else:
             entries[key] = value
-        if self.sessions.get(session.id) is session:
-            self._changed(session, lambda changed: annotation_record(changed, name, key, value))
 
-    async def settled(self, session: Session) -> None:
-        """Wait until the session's changes so far are durable (at once unless turns are journalled)."""
-        if self.journal is not None:
-            await self.journal.settled(session.id)
+        def undo() -> None:
+            if previous is None:
+                entries.pop(key, None)
+            else:
+                entries[key] = previous
+
+        if self.sessions.get(session.id) is session:
+            self._changed(session, lambda changed: annotation_record(changed, name, key, value), undo)
+
+    def settled(self, session: Session, what: str | None = None) -> Awaitable[None]:
+        """Wait until the session's changes made so far are durable (at once unless turns are journalled).
+
+        If the last of them could not be written, it and every change made after the last durable one were taken back
+        (the session is as it was before them): StorageError, saying that `what` (default: the session's changes)
+        could not be saved. The changes waited on are those made before the call, not when it is awaited.
+        """
+        entries = self._unconfirmed.get(session.id)
+        return self._confirmed(session, entries[-1].outcome if entries else None, what)
+
+    async def _confirmed(self, session: Session, outcome: asyncio.Future[Outcome] | None, what: str | None) -> None:
+        error = await self._written(session, outcome)
+        if error is not None:
+            raise await self._refusal(what or f"the changes of session {session.id!r}", error)
+
+    async def _written(self, session: Session, outcome: asyncio.Future[Outcome] | None) -> Outcome:
+        """The outcome of a write of session's changes, once they are settled (kept, or taken back)."""
+        if outcome is None:
+            return None
+        error = await asyncio.shield(outcome)
+        self._confirm(session.id)
+        return error
+
+    async def stored(self, what: str, call: Callable[..., T], *args: Any) -> T:
+        """call(*args) in a worker thread; an OSError that is a fault of the state store is StorageError saying that
+        `what` could not be saved."""
+        try:
+            return await asyncio.to_thread(call, *args)
+        except OSError as exc:
+            space = await asyncio.to_thread(self.store.space)
+            if cause_of(exc, space) is StorageCondition.OK:
+                raise
+            raise self.health.refusal(what, exc, space) from exc
+
+    async def _refusal(self, what: str, error: OSError) -> StorageError:
+        return self.health.refusal(what, error, await asyncio.to_thread(self.store.space))
 
     # --- snapshots ----------------------------------------------------------------------------------
 
@@ -398,9 +550,8 @@ class SessionManager:
             room = None if quota is None else quota - await asyncio.to_thread(self.snapshots.usage, owner)
             if room is not None and self.journal is not None:  # the key's session journals count as well
                 room -= await self._journal_bytes(owner)
-            return await asyncio.to_thread(
-                self.snapshots.create, content, session.manifest_fields(), metadata, owner, room
-            )
+            fields, what = session.manifest_fields(), f"the snapshot of session {session_id!r}"
+            return await self.stored(what, self.snapshots.create, content, fields, metadata, owner, room)
 
     async def load_snapshot(self, snapshot_id: str, session_id: str | None, overwrite: bool) -> Session:
         """A session made from a snapshot, its KV placed in the pool (or held spilled if the pool is full)."""
@@ -415,8 +566,11 @@ class SessionManager:
                 raise AlreadyExistsError(
                     f"session {target!r} already exists; pass overwrite=true to replace it", param="session_id"
                 )
-            await self.delete(target)
-        session = await self.create(target, SessionSettings.from_dict(manifest.get("session", {})), content.transcript)
+        settings = SessionSettings.from_dict(manifest.get("session", {}))
+        session = await self.create(target, settings, content.transcript, replacing=existing)
+        if existing is not None:  # its KV and spills go; its saved bundle is superseded by the new session's record
+            self._unwritten_spills.discard(target)
+            self.engine.release_session_kv(target)
         await self._place(session, content.kv)
         return session
 
@@ -484,14 +638,22 @@ class SessionManager:
         task.add_done_callback(self._writes.discard)
 
     async def _write_spilled(self, session: Session) -> None:
-        """Write a session's spilled KV to its saved bundle, then let go of the copy in memory."""
+        """Write a session's spilled KV to its saved bundle, then let go of the copy in memory; if it cannot be
+        written, the copy stays (the session loses nothing) and the write is tried again once the store takes writes.
+        """
         try:
             data = session.spilled_kv
             written = data is not None and await self._write_session(session, data)
             if written and session.spilled_kv is data:
                 session.spilled_kv = None
+            self._unwritten_spills.discard(session.id)
         except (OSError, SessionError) as exc:
-            log.error("could not write spilled session %s, keeping it in memory: %s", session.id, exc)
+            if isinstance(exc, OSError):
+                self.health.failed(exc, await asyncio.to_thread(self.store.space))
+            if self.sessions.get(session.id) is session:
+                self._unwritten_spills.add(session.id)
+            log.error("could not write spilled session %s, keeping its KV in memory until it can be: %s",
+                      session.id, exc)  # fmt: skip
 
     async def _save(self, session: Session) -> bool:
         """Write a session for the next run if its saved bundle is not current; True if written."""
@@ -529,17 +691,128 @@ class SessionManager:
                 self.journal.compact(session.id)
             return True
 
-    def _changed(self, session: Session, record: Callable[[Session], dict[str, Any]]) -> None:
-        """A change of session: a new lsn, its saved bundle stale, and a journal record when turns are durable."""
+    def _changed(
+        self, session: Session, record: Callable[[Session], dict[str, Any]] | None, undo: Callable[[], None]
+    ) -> None:
+        """A change of session, made in memory: a new lsn, its saved bundle stale, and, when turns are durable, its
+        journal record (None: the whole session's), which undo takes back if it cannot be written."""
         session.lsn = self._next_lsn()
         session.disk_stale = True
+        self._changed_at[session.id] = time.monotonic()
         journal = self.journal
         if journal is None or not journal.appending:
             return
-        if record is session_record or journal.needs_rewrite(session.id):
-            journal.rewrite(session.id, session_record(session))
-        else:
-            journal.append(session.id, record(session))
+        whole = partial(session_record, session)
+        self._track(session, journal.record(session.id, None if record is None else record(session), whole), undo)
+
+    def _track(self, session: Session, outcome: asyncio.Future[Outcome], undo: Callable[[], None]) -> None:
+        """Keep a change's undo until its write's outcome is known (then `_confirm`)."""
+        entries = self._unconfirmed.setdefault(session.id, [])
+        if not entries or entries[-1].outcome is not outcome:
+            outcome.add_done_callback(lambda _: self._confirm(session.id))
+        entries.append(_Unconfirmed(outcome, undo, session))
+
+    def _confirm(self, session_id: str) -> None:
+        """Settle the session's changes whose writes are done, in order: a durable one is kept; at the first that
+        failed, it and every later change (whose writes fail with it) are taken back, latest first, and the journal
+        reopened (its next write states the session whole). Runs on the event loop; idempotent."""
+        entries = self._unconfirmed.get(session_id, [])
+        while entries and entries[0].outcome.done():
+            error = entries[0].outcome.result()
+            if error is None:
+                entries.pop(0)
+                continue
+            session = entries[0].session
+            self.health.failed(error)
+            for entry in reversed(entries):
+                entry.undo()
+            entries.clear()
+            session.disk_stale = True
+            if self.journal is not None:
+                self.journal.reopen(session_id)
+            for listener in self.reverted:
+                listener(session)
+        if not entries:
+            self._unconfirmed.pop(session_id, None)
+
+    # --- the state store's condition ------------------------------------------------------------------
+
+    async def _watch_storage(self, period: float) -> None:
+        """Look at the store every period: report its condition, remake it if it vanished, pay what it is owed."""
+        while True:
+            await asyncio.sleep(period)
+            try:
+                await self.check_storage()
+            except Exception:  # keep watching: a bug here must not stop the healing
+                log.exception("checking the state store failed")
+
+    async def check_storage(self) -> None:
+        """Probe the store; remake it if it vanished; once it takes writes, rewrite the journals failed writes broke
+        and write the spills that could not be written. /health then reports what is still owed, if anything."""
+        space = await asyncio.to_thread(self.store.space)
+        if space.condition is StorageCondition.MISSING:
+            await self._remake_store()
+            space = await asyncio.to_thread(self.store.space)
+        if self.owed() and self._worth_trying(space):
+            await self._pay_owed()
+            if self.owed():  # still failing: wait for more room before the next try
+                self._failed_with_free = space.free_bytes or 0
+        self.health.observe(space, len(self.owed()))
+
+    def _worth_trying(self, space: StoreSpace) -> bool:
+        """Whether to try the owed writes now: the store looks fine, or it is full but has more room than when they
+        last failed (so that a store that stays full is not written to, and logged about, every second)."""
+        if space.condition is StorageCondition.OK:
+            return True
+        return space.condition is StorageCondition.FULL and (space.free_bytes or 0) > self._failed_with_free
+
+    def storage_report(self) -> dict[str, object]:
+        """The state store's condition for /health, as last seen (no I/O)."""
+        return self.health.report(len(self.owed()))
+
+    def owed(self) -> set[str]:
+        """The sessions held here whose journal must be rewritten, or whose spilled KV could not be written."""
+        broken = self.journal.broken() if self.journal is not None and self.journal.appending else set()
+        return {sid for sid in broken | self._unwritten_spills if sid in self.sessions}
+
+    async def _pay_owed(self) -> None:
+        """Rewrite each broken journal of an idle session as the whole session, and write the unwritten spills."""
+        journal = self.journal
+        for session_id in self.owed():
+            session = self.sessions.get(session_id)
+            if session is None or session.busy:
+                continue
+            if session_id in self._unwritten_spills:
+                await self._write_spilled(session)
+            if journal is not None and journal.needs_rewrite(session_id) and session_id not in self._unconfirmed:
+                self._changed(session, None, _nothing)  # a new lsn: the record supersedes any saved bundle
+                entries = self._unconfirmed.get(session_id)
+                await self._written(session, entries[-1].outcome if entries else None)
+        if not self.owed():
+            log.info("%s takes writes again: every session's journal and spill is written", self.health.space.location)
+
+    async def _remake_store(self) -> None:
+        """The state store vanished (its directory deleted): make it again and journal every session anew. What it
+        held is gone: saved KV (each session's next turn recomputes it) and snapshots."""
+        try:
+            for area in (Area.SESSIONS, Area.JOURNAL, Area.SNAPSHOTS):
+                await asyncio.to_thread(self.store.prepare, area, False)
+        except OSError as exc:
+            if not self._remake_failed:
+                log.error("%s vanished and cannot be made again (%s); tried again every %.0f s",
+                          self.health.space.location, exc, self.storage_check_s)  # fmt: skip
+            self._remake_failed = True
+            return
+        self._remake_failed = False
+        log.error("%s vanished: made it again; every session is journalled anew, their saved KV and every snapshot "
+                  "are lost", self.health.space.location)  # fmt: skip
+        for session in self.sessions.values():
+            session.on_disk = False
+            session.disk_stale = True
+            if self.journal is not None and self.journal.appending:
+                self.journal.mark_broken(session.id)
+        if self.journal is not None:
+            self.journal.sizes.clear()
 
     def _next_lsn(self) -> int:
         self._last_lsn += 1
@@ -556,6 +829,10 @@ class SessionManager:
 
     def _disk_lock(self, session_id: str) -> asyncio.Lock:
         return self._disk_locks.setdefault(session_id, asyncio.Lock())
+
+
+def _nothing() -> None:
+    """The undo of a write that changes nothing in memory."""
 
 
 def _limit_error(limit: int) -> SessionLimitError:

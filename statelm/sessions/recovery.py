@@ -19,7 +19,7 @@ from typing import Any
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import SessionError, SnapshotCorruptError, check_id
 from statelm.sessions.journal import decode_journal
-from statelm.sessions.journal_records import record_lsn, replay, supersedes
+from statelm.sessions.journal_records import flatten, record_lsn, replay, supersedes
 from statelm.sessions.session import Session
 from statelm.sessions.snapshot_format import read_manifest, read_transcript
 from statelm.sessions.state_store import Area, StateStore
@@ -135,7 +135,7 @@ def _journal_records(store: StateStore, session_id: str) -> list[dict[str, Any]]
         log.warning("journal of session %s: dropped a torn last record (%d bytes at byte %d), left by a crash "
                     "mid-append", session_id, contents.torn_bytes, contents.valid_bytes)  # fmt: skip
         store.truncate_log(session_id, contents.valid_bytes)
-    return contents.records
+    return flatten(contents.records)
 
 
 def _read_saved(store: StateStore, session_id: str, fingerprint: ModelFingerprint) -> Session:

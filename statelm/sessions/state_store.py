@@ -23,7 +23,10 @@ The crash safety of the journal and of recovery rests on what every implementati
 - a write (bundle, file, append, log replace, truncate, removal) is durable when the call returns;
 - read-your-writes: anything a call has written, any later call in any process sharing the store reads;
 - listings never show a bundle half written, nor the temporaries of writes under way;
-- a missing bundle, file or log is reported as FileNotFoundError, other failures as OSError.
+- a missing bundle, file or log is reported as FileNotFoundError, other failures as OSError, with the error number
+  that says why (ENOSPC, EROFS, EIO…: statelm.sessions.storage tells the causes apart);
+- a write that fails leaves nothing half done that a listing or a read could see (a torn append excepted, which the
+  journal's framing tells apart), and no temporary behind.
 
 Deleting a bundle need not be atomic: a crash may leave part of one, which readers report as damaged (a session's
 journal records its deletion durably first, so recovery finishes it). Several processes may share a store, each
@@ -35,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Protocol
+
+from statelm.sessions.storage import StoreSpace
 
 
 class Area(StrEnum):
@@ -111,6 +116,10 @@ class StateStore(Protocol):
 
     def log_names(self) -> list[str]:
         """The names of the logs, sorted."""
+        ...
+
+    def space(self) -> StoreSpace:
+        """Where the store is, its condition (missing, read-only, full…) and its room, as its file system says now."""
         ...
 
     def private(self) -> StateStore:

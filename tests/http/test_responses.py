@@ -91,7 +91,11 @@ def chain_of(server: InProcessServer, response_id: str) -> Session:
         ({"max_reasoning_tokens": 8}, "max_reasoning_tokens", "reasoning block"),
         ({"text": {"verbosity": "low"}}, "text.verbosity", "medium"),
         ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema", "required"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}}, "text.format", ""),
+        (
+            {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "nonsense"}}}},
+            "text.format.schema",
+            "not a valid JSON Schema",
+        ),
         (
             {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
             "input.0.content.0",

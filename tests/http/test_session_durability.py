@@ -19,6 +19,7 @@ from statelm.config import SessionDurability
 from statelm.server.auth import key_digest, owner_of
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.journal import decode_journal
+from statelm.sessions.journal_records import flatten
 from statelm.sessions.session import SessionKind
 from tests.http.conftest import InProcessServer, serve_configs, serve_in_process, tiny_args
 from tests.http.test_responses import chain_of, chains, create, stream_events
@@ -32,8 +33,8 @@ def session_with_a_turn(http: httpx.Client, session_id: str) -> None:
 
 
 def journal_records(path: Path) -> list[dict]:
-    """The records of a journal file."""
-    return decode_journal(path.read_bytes()).records
+    """The records of a journal file, with those a batch holds in its place."""
+    return flatten(decode_journal(path.read_bytes()).records)
 
 
 def journal_metrics(http: httpx.Client) -> dict[str, float]:
@@ -187,6 +188,9 @@ def test_deleting_a_response_is_journalled_before_it_is_answered(
         chain = chain_of(server, first["id"])
         journal = state / "journal" / f"{chain.id}.journal"
         kept = len(chain.transcript)
+        assert [record["type"] for record in decode_journal(journal.read_bytes()).records] == [
+            "session", "batch", "batch", "batch"
+        ]  # fmt: skip  # each turn with the response it stored, written as one
         assert [record["type"] for record in journal_records(journal)] == [
             "session", "turn", "annotation", "turn", "annotation", "turn", "annotation"
         ]  # fmt: skip

@@ -49,7 +49,9 @@ def test_a_wrong_or_doubled_constraint_is_a_400_naming_the_field(api: httpx.Clie
         "type": "json_schema",
         "json_schema": {"name": "x", "schema": {"type": "object", "minProperties": "a"}},
     }
-    assert error_of(api, {**base, "response_format": bad_schema})["param"] == "response_format"
+    assert error_of(api, {**base, "response_format": bad_schema})["param"] == "response_format.json_schema.schema"
+    dangling = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "#/$defs/absent"}}}
+    assert error_of(api, {**base, "response_format": dangling})["param"] == "response_format"  # when compiled
     assert error_of(api, {**base, "structured_outputs": {"regex": "(unclosed"}})["param"] == "structured_outputs"
     assert error_of(api, {**base, "grammar": "root ::= undefined_rule"})["param"] == "grammar"
     both = {**base, "response_format": {"type": "json_object"}, "guided_regex": "a+"}

@@ -2,7 +2,7 @@
 
 On an AVX-512 or AMX machine this shows what an AVX2-only CPU (and one without AVX) computes; on an AVX2
 machine the AVX2 run is the suite itself, and only the scalar class runs here. Tests marked `invariance`
-run in a child pytest with ATEN_CPU_CAPABILITY (torch's kernels and statelm's build target) and
+run in a child pytest with ATEN_CPU_CAPABILITY (torch's kernels and the class of statelm's library it loads) and
 ONEDNN_MAX_CPU_ISA set: all of them under the AVX2 cap; under the scalar cap, the kernel-level ones in
 tests/unit (the engine-level ones would take minutes of scalar arithmetic).
 """

@@ -17,6 +17,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
+from statelm.gguf_vocab import bytes_to_unicode
 from statelm.models.gguf import (
     GGUFError,
     hf_tensor_name,
@@ -24,7 +25,7 @@ from statelm.models.gguf import (
     load_gguf,
     unpermute_qk,
 )
-from statelm.tokenizer import IncrementalDetokenizer, _bytes_to_unicode
+from statelm.tokenizer import IncrementalDetokenizer
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_TEMPLATE = (
@@ -142,7 +143,7 @@ _LLAMA_SIZES = {
 
 
 def _byte_vocab_fields(writer: gguf.GGUFWriter) -> None:
-    tokens = [*_bytes_to_unicode().values(), "<|endoftext|>", "<|im_end|>", "Ġt"]
+    tokens = [*bytes_to_unicode().values(), "<|endoftext|>", "<|im_end|>", "Ġt"]
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     writer.add_token_list(tokens)

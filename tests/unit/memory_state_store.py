@@ -12,6 +12,7 @@ import threading
 from collections.abc import Mapping
 
 from statelm.sessions.state_store import Area
+from statelm.sessions.storage import StorageCondition, StoreSpace
 
 
 class MemoryStore:
@@ -112,6 +113,10 @@ class MemoryStore:
         """The log names, sorted."""
         with self._lock:
             return sorted(self.logs)
+
+    def space(self) -> StoreSpace:
+        """Always there and writable; its room is the process's memory, which it cannot tell."""
+        return StoreSpace("the state store in memory", StorageCondition.OK)
 
     def private(self) -> MemoryStore:
         """Another, empty store."""

@@ -23,9 +23,11 @@ BELOW_ENGINE = (
     "statelm.attention",
     "statelm.kernels",
     "statelm.tokenizer",
+    "statelm.gguf_vocab",
     "statelm.config",
     "statelm.cpu",
     "statelm.paths",
+    "statelm.process_lock",
 )
 WIRE_PROTOCOLS = ("statelm.api.openai", "statelm.api.responses", "statelm.api.anthropic")  # over the conversation core
 OUTSIDE = ("statelm", "statelm.__main__", "statelm.webui")  # the package, `python -m statelm`, the web UI's files

@@ -1,4 +1,5 @@
-"""The model cache round-trips metadata and tensors, reuses valid entries and drops stale or damaged ones."""
+"""The model cache round-trips metadata and tensors, keys them by content, reuses valid entries, drops stale or
+damaged ones, and keeps to its size cap by evicting the least recently used."""
 
 from __future__ import annotations
 
@@ -54,6 +55,11 @@ def sample_tensors() -> dict[str, torch.Tensor]:
 def entry_dir(cache: ModelCache, source: Path, variant: str = VARIANT) -> Path:
     """The directory of an entry."""
     return cache.root / cache.key(source, variant)
+
+
+def entry_names(cache: ModelCache) -> list[str]:
+    """The names in the cache's directory, but for what it remembers of source files."""
+    return sorted(path.name for path in cache.root.iterdir() if path.name != ".sources")
 
 
 def assert_same(model: CachedModel | None, metadata: dict, tensors: dict[str, torch.Tensor]) -> None:
@@ -114,13 +120,31 @@ def test_tensors_are_memory_mapped_copy_on_write(cache: ModelCache, source: Path
     assert reloaded is not None and torch.equal(reloaded.tensors["w"], torch.zeros(4))
 
 
-def test_changed_size_is_a_miss_and_replaced(cache: ModelCache, source: Path) -> None:
+def test_changed_size_is_a_miss_and_gets_its_own_entry(cache: ModelCache, source: Path) -> None:
     cache.store(source, VARIANT, {"v": 1}, {"w": torch.zeros(2)})
+    old_key = cache.key(source, VARIANT)
     source.write_bytes(source.read_bytes() + b"more")
     assert cache.load(source, VARIANT) is None
     cache.store(source, VARIANT, {"v": 2}, {"w": torch.ones(2)})
     assert_same(cache.load(source, VARIANT), {"v": 2}, {"w": torch.ones(2)})
-    assert [path.name for path in cache.root.iterdir()] == [cache.key(source, VARIANT)]
+    assert entry_names(cache) == sorted([old_key, cache.key(source, VARIANT)])  # the old one ages out by LRU
+
+
+def test_same_content_elsewhere_or_touched_is_a_hit_hashed_once(
+    cache: ModelCache, source: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache.store(source, VARIANT, {"v": 1}, {"w": torch.zeros(2)})
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(source.read_bytes())
+    assert_same(cache.load(copy, VARIANT), {"v": 1}, {"w": torch.zeros(2)})  # another checkout's copy shares it
+    os.utime(source, ns=(source.stat().st_atime_ns, source.stat().st_mtime_ns + 1_000_000_000))
+    assert_same(cache.load(source, VARIANT), {"v": 1}, {"w": torch.zeros(2)})
+    hashed: list[str] = []
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: hashed.append(self.name) or real_open(self, *a, **k))
+    assert cache.load(source, VARIANT) is not None and cache.load(copy, VARIANT) is not None
+    assert "model.gguf" not in hashed and "renamed.gguf" not in hashed  # unchanged files: remembered, not reread
 
 
 def test_same_size_new_mtime_is_a_miss(cache: ModelCache, source: Path) -> None:
@@ -185,7 +209,7 @@ def test_damaged_entry_is_dropped_and_rebuilt(
         assert cache.load(source, VARIANT) is None
     warnings = [record for record in caplog.records if record.levelno == logging.WARNING]
     assert len(warnings) == 1 and "damaged" in warnings[0].getMessage()
-    assert list(cache.root.iterdir()) == []
+    assert entry_names(cache) == []
     caplog.clear()
     cache.store(source, VARIANT, {"v": [1, 2]}, tensors)
     assert_same(cache.load(source, VARIANT), {"v": [1, 2]}, tensors)
@@ -196,16 +220,14 @@ def test_store_leaves_no_temporaries_and_may_repeat(cache: ModelCache, source: P
     cache.store(source, VARIANT, {"v": 1}, {"w": torch.zeros(2)})
     cache.store(source, VARIANT, {"v": 1}, {"w": torch.zeros(2)})
     cache.store(source, "other", {"v": 3}, {"w": torch.zeros(3)})
-    assert sorted(path.name for path in cache.root.iterdir()) == sorted(
-        [cache.key(source, VARIANT), cache.key(source, "other")]
-    )
+    assert entry_names(cache) == sorted([cache.key(source, VARIANT), cache.key(source, "other")])
     assert_same(cache.load(source, VARIANT), {"v": 1}, {"w": torch.zeros(2)})
 
 
 def test_failed_store_leaves_nothing(cache: ModelCache, source: Path) -> None:
     with pytest.raises(TypeError):
         cache.store(source, VARIANT, {"bad": object()}, {"w": torch.zeros(2)})
-    assert list(cache.root.iterdir()) == []
+    assert entry_names(cache) == []
 
 
 def test_concurrent_writers_and_readers(cache: ModelCache, source: Path, caplog: pytest.LogCaptureFixture) -> None:
@@ -236,24 +258,50 @@ def test_concurrent_writers_and_readers(cache: ModelCache, source: Path, caplog:
             thread.join()
     assert not errors
     assert not caplog.records
-    assert [path.name for path in cache.root.iterdir()] == [cache.key(source, VARIANT)]
+    assert entry_names(cache) == [cache.key(source, VARIANT)]
     assert_same(cache.load(source, VARIANT), {"v": 1}, tensors)
 
 
-def test_prune_keeps_recently_used(cache: ModelCache, source: Path) -> None:
-    for index in range(3):
-        cache.store(source, f"v{index}", {}, {"w": torch.zeros(1)})
+def test_past_its_cap_the_least_recently_used_go_first(tmp_path: Path, source: Path) -> None:
+    cache = ModelCache(tmp_path / "cache", max_bytes=10_000)
+    tensor = torch.zeros(900)  # 3.6 kB an entry: two fit, three do not
+    for index in range(2):
+        cache.store(source, f"v{index}", {}, {"w": tensor})
         os.utime(entry_dir(cache, source, f"v{index}"), (1_000_000 + index, 1_000_000 + index))
+    assert cache.load(source, "v0") is not None  # used now: v1 is the least recently used
+    cache.store(source, "v2", {}, {"w": tensor})
+    assert [entry.variant for entry in cache.entries()] == ["v2", "v0"]
+    assert sum(entry.size for entry in cache.entries()) <= 10_000
     leftover = cache.root / ".tmp-interrupted"
     leftover.mkdir()
     os.utime(leftover, (1_000_000, 1_000_000))
     in_progress = cache.root / ".tmp-in-progress"
     in_progress.mkdir()
-    assert cache.load(source, "v0") is not None
-    cache.prune(keep=2)
-    assert sorted(path.name for path in cache.root.iterdir()) == sorted(
-        [cache.key(source, "v0"), cache.key(source, "v2"), in_progress.name]
-    )
+    cache.prune()
+    assert entry_names(cache) == sorted([in_progress.name, cache.key(source, "v0"), cache.key(source, "v2")])
+
+
+def test_an_entry_larger_than_the_cap_is_not_kept(
+    tmp_path: Path, source: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = ModelCache(tmp_path / "cache", max_bytes=1000)
+    cache.store(source, "small", {}, {"w": torch.zeros(10)})
+    with caplog.at_level(logging.WARNING, logger="statelm.models.model_cache"):
+        cache.store(source, VARIANT, {}, {"w": torch.zeros(1000)})
+    assert "exceed the model cache's cap" in caplog.text and "--model-cache-size" in caplog.text
+    assert [entry.variant for entry in cache.entries()] == ["small"]  # and nothing was evicted for it
+
+
+def test_entries_list_and_remove(cache: ModelCache, source: Path) -> None:
+    assert cache.entries() == [] and cache.remove("0" * 32) is False
+    cache.store(source, "a", {}, {"w": torch.zeros(4)})
+    cache.store(source, "b", {}, {"w": torch.zeros(8)})
+    entries = {entry.variant: entry for entry in cache.entries()}
+    assert set(entries) == {"a", "b"} and entries["a"].source == str(source.resolve())
+    assert entries["a"].size > 16 and entries["b"].size - entries["a"].size == 16
+    assert cache.remove(entries["a"].key) and [entry.variant for entry in cache.entries()] == ["b"]
+    assert cache.remove("..") is False and cache.remove(".sources") is False
+    assert cache.clear() == 1 and cache.entries() == [] and list(cache.root.iterdir()) == []
 
 
 def test_cache_dir_environment_variable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, source: Path) -> None:

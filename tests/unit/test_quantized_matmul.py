@@ -14,10 +14,12 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.cpu import cpu_flags
+from statelm.kernels.build import LIBRARY_DIR, KernelBuildError, cpu_variant, load_kernels
 from statelm.kernels.quant import PackedWeight, pack_gguf
 from statelm.kernels.quant import quantize as quantize_float
-from tests.models.test_cpu_classes import CLASS_ORDER, ONEDNN_ISA, native_class
+from statelm.kernels.variants import select_variant
+from tests.models.test_cpu_classes import ONEDNN_ISA
 from tests.models.test_gguf import _random_k_blocks
 from tests.unit.kernel_threads import kernel_threads
 
@@ -118,11 +120,12 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, thread
             assert torch.equal(weight.matmul(x[:count], int8), alone[:count]), count
 
 
-CLASS_BUILD_CHILD = """
+CLASS_LIBRARY_CHILD = """
 import sys, torch
-from statelm.kernels.build import load_kernels
+from statelm.kernels.build import load_kernels, loaded_library
 from statelm.kernels.quant import PackedWeight
 load_kernels()
+print("library:", loaded_library())
 data = torch.load(sys.argv[1])
 outputs = {}
 for name, (kind, shape, state) in data["weights"].items():
@@ -133,10 +136,12 @@ torch.save(outputs, sys.argv[2])
 """
 
 
-@pytest.mark.parametrize("capability", ["avx2", "default"])
-def test_every_cpu_class_build_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
-    if CLASS_ORDER[capability] >= CLASS_ORDER.get(native_class(), 0):
-        pytest.skip(f"this machine computes at {native_class()}: no wider build to compare with")
+@pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])
+def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
+    """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits."""
+    capped, own = select_variant(cpu_flags(), capability), cpu_variant()
+    if capped is None or own is None or capped == own:
+        pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
     weights = {qtype.name: pack_gguf(qtype, gguf_tensor(qtype, 77, 96, seed=8), (77, 96)) for qtype in EXACT_TYPES}
     x = torch.randn(37, 96, generator=torch.Generator().manual_seed(9))  # every tile kind, widened blocks too
     inputs = {
@@ -144,13 +149,18 @@ def test_every_cpu_class_build_gives_the_same_bits(capability: str, tmp_path: Pa
         "weights": {name: (w.kind, (w.out_features, w.in_features), w.state()) for name, w in weights.items()},
     }
     torch.save(inputs, tmp_path / "in.pt")
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[capability]}
-    command = [sys.executable, "-c", CLASS_BUILD_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
-    subprocess.run(command, env=env, check=True, timeout=600)
-    capped = torch.load(tmp_path / "out.pt")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
+    if capability in ONEDNN_ISA:
+        env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[capability]
+    command = [sys.executable, "-c", CLASS_LIBRARY_CHILD, str(tmp_path / "in.pt"), str(tmp_path / "out.pt")]
+    child = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert child.returncode == 0, child.stderr[-4000:]
+    library = LIBRARY_DIR / f"{capped.library_stem}"
+    assert f"library: {library}" in child.stdout, f"not the built {capped.name} library (run `make kernels`)\n{child}"
+    outputs = torch.load(tmp_path / "out.pt")
     for name, weight in weights.items():
         for int8 in (False, True):
-            assert torch.equal(weight.matmul(x, int8_activations=int8), capped[f"{name}-{int8}"]), (name, int8)
+            assert torch.equal(weight.matmul(x, int8_activations=int8), outputs[f"{name}-{int8}"]), (name, int8)
 
 
 def test_rows_select_concat_embed_and_round_trip_their_state() -> None:

@@ -218,34 +218,6 @@ def test_store_writes_in_order_compacts_deletes_and_counts(state_store: StateSto
     asyncio.run(scenario())
 
 
-def test_a_failed_write_breaks_the_journal_until_a_rewrite(
-    state_store: StateStore, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    state_store.prepare(Area.JOURNAL, exclusive=True)
-
-    def full(name: str, data: bytes) -> int:
-        raise OSError(28, "No space left on device")
-
-    async def scenario() -> None:
-        journal = SessionJournal(state_store, appending=True)
-        monkeypatch.setattr(state_store, "replace_log", full)
-        session = new_session("a")
-        journal.rewrite("a", session_record(session))
-        session.lsn = 2
-        journal.append("a", turn_record(session, [USER]))  # skipped: the journal is broken
-        await journal.settled("a")
-        assert journal.needs_rewrite("a") and journal.counters.failures == 2
-        monkeypatch.undo()
-        journal.rewrite("a", session_record(session))
-        await journal.close()
-        assert not journal.needs_rewrite("a")
-        assert read_journal(state_store, "a") == [session_record(session)]
-
-    with caplog.at_level(logging.ERROR):
-        asyncio.run(scenario())
-    assert "not durable until rewritten" in caplog.text
-
-
 def test_a_session_created_again_is_recovered_from_its_journal_without_the_old_bundle(state_store: StateStore) -> None:
     old = new_session("reborn", lsn=2)
     save(state_store, old)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 
+from statelm.api.json_schemas import JSONSchema, check_parameters_schema
 from statelm.api.protocol import MAX_TAG_LENGTH, FunctionName, JSONObject, TypedModel
 
 MIN_THINKING_BUDGET = 1024  # Anthropic's least `thinking.budget_tokens`
@@ -110,6 +111,11 @@ class Tool(TypedModel):
     input_schema: JSONObject
     cache_control: CacheControl | None = None
 
+    @field_validator("input_schema")
+    @classmethod
+    def _input_schema(cls, schema: JSONObject, info: ValidationInfo) -> JSONObject | None:
+        return check_parameters_schema(schema, info.data.get("name"))
+
 
 class ToolChoiceAuto(TypedModel):
     """`tool_choice` auto: the model decides."""
@@ -162,7 +168,7 @@ class JSONOutputFormat(TypedModel):
     """`output_config.format`: the reply is JSON valid under `schema`."""
 
     type: Literal["json_schema"]
-    json_schema: JSONObject = Field(alias="schema")
+    json_schema: JSONSchema = Field(alias="schema")
 
 
 class OutputConfig(TypedModel):

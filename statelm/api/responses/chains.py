@@ -11,6 +11,7 @@ manager's tally, if it has one, so that the retention holds across a cluster's r
 from __future__ import annotations
 
 import itertools
+import math
 from collections import OrderedDict
 from collections.abc import Awaitable, Iterable
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from typing import Any
 
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.ownership import Principal
-from statelm.sessions.session import Session
+from statelm.sessions.session import Session, SessionKind
 
 ANNOTATION = "responses"  # the session annotation that holds a chain's records, by response id
 
@@ -62,7 +63,10 @@ class ResponseChains:
         self.retention = retention
         self.manager = manager  # None: a server without sessions, which stores no response
         self._sessions: dict[str, Session] = {}
-        self._by_owner: dict[str, OrderedDict[str, float]] = {}  # owner → response id → created_at
+        self._by_owner: dict[str, OrderedDict[str, float]] = {}  # owner → response id → created_at, in that order
+        self._latest = -math.inf  # the latest time seen (a time before it: the clock was set back)
+        if manager is not None:
+            manager.reverted.append(self.resync)
 
     def resume(self, sessions: Iterable[Session]) -> None:
         """Index the records of chain sessions resumed from disk."""
@@ -78,13 +82,11 @@ class ResponseChains:
         session = self._sessions.get(response_id)
         if session is None or not principal.may_access(session.owner):
             return None
-        record = records(session)[response_id]
+        self._clock(now)
         max_age = self.retention.max_age
-        return (
-            None
-            if max_age is not None and record["created_at"] < now - max_age
-            else StoredResponse(response_id, session, record)
-        )
+        if max_age is not None and self._by_owner[session.owner][response_id] < now - max_age:
+            return None
+        return StoredResponse(response_id, session, records(session)[response_id])
 
     def put(self, session: Session, response_id: str, record: dict[str, Any]) -> None:
         """Store a response in its chain session, dropping the key's oldest past the retention's count."""
@@ -105,6 +107,24 @@ class ResponseChains:
         tally = self.manager.tally if self.manager is not None else None
         return tally.forget_responses([response_id]) if tally is not None else None
 
+    def resync(self, session: Session) -> None:
+        """Index a chain's records again after its changes were taken back (they could not be saved): a response
+        stored in it is forgotten, one dropped from it is back."""
+        held = records(session) if session.kind is SessionKind.RESPONSES else {}
+        gone = [rid for rid, indexed in self._sessions.items() if indexed is session and rid not in held]
+        for response_id in gone:
+            del self._sessions[response_id]
+            self._by_owner[session.owner].pop(response_id, None)
+        back = [rid for rid in held if self._sessions.get(rid) is not session]
+        for response_id in back:
+            self._index(response_id, session, held[response_id]["created_at"])
+        owned = self._by_owner.get(session.owner)
+        if back and owned is not None:  # in creation order again
+            self._by_owner[session.owner] = OrderedDict(sorted(owned.items(), key=lambda entry: entry[1]))
+        tally = self.manager.tally if self.manager is not None else None
+        if gone and tally is not None:
+            tally.forget_responses(gone)
+
     def recount(self) -> None:
         """Count every stored response held here with the session manager's tally again (after it lost its count)."""
         tally = self.manager.tally if self.manager is not None else None
@@ -115,6 +135,7 @@ class ResponseChains:
         """Ids of every key's responses older than the retention's age."""
         if self.retention.max_age is None:
             return []
+        self._clock(now)
         oldest = now - self.retention.max_age
         return [
             response_id
@@ -128,7 +149,20 @@ class ResponseChains:
             raise RuntimeError("responses are stored only on a server with sessions")
         self.manager.annotate(session, ANNOTATION, response_id, record)
 
+    def _clock(self, now: float) -> None:
+        """Note the time; if the clock was set back, a response stored 'after' now counts as stored now, so that it
+        is kept for the retention's age from now: neither dropped early nor kept until the clock catches up."""
+        if now >= self._latest:
+            self._latest = now
+            return
+        for owned in self._by_owner.values():
+            for response_id, created_at in owned.items():
+                if created_at > now:
+                    owned[response_id] = now
+        self._latest = now
+
     def _index(self, response_id: str, session: Session, created_at: float) -> OrderedDict[str, float]:
+        self._clock(created_at)
         self._sessions[response_id] = session
         owned = self._by_owner.setdefault(session.owner, OrderedDict())
         owned[response_id] = created_at

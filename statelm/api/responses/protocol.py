@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Discriminator, Field, Tag, ValidationInfo, field_validator
 
+from statelm.api.json_schemas import JSONSchema, check_parameters_schema
 from statelm.api.protocol import (
     MAX_TOP_LOGPROBS,
     FunctionName,
@@ -165,6 +166,11 @@ class FunctionTool(TypedModel):
     parameters: JSONObject | None = None
     strict: bool | None = None
 
+    @field_validator("parameters")
+    @classmethod
+    def _parameters_schema(cls, schema: JSONObject | None, info: ValidationInfo) -> JSONObject | None:
+        return check_parameters_schema(schema, info.data.get("name"))
+
 
 class FunctionToolChoice(TypedModel):
     """`tool_choice` naming the one function the model must call."""
@@ -190,7 +196,7 @@ class TextFormatJSONSchema(TypedModel):
 
     type: Literal["json_schema"]
     name: FunctionName
-    schema_: JSONObject = Field(alias="schema")
+    schema_: JSONSchema = Field(alias="schema")
     description: str | None = None
     strict: bool | None = None
 

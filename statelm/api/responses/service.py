@@ -18,6 +18,7 @@ in the step its turn commits, and both are durable before the response's last ev
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +49,7 @@ from statelm.engine.client import EngineError
 from statelm.sessions.errors import SessionLimitError
 from statelm.sessions.ownership import LOCAL, acting_as, current_principal
 from statelm.sessions.session import Session, SessionKind, SessionSettings
+from statelm.sessions.storage import StorageError
 
 CHAIN = SessionKind.RESPONSES
 
@@ -111,7 +113,7 @@ class ResponsesService:
             async for generated in generation:
                 for event in run.add(generated):
                     yield event
-        except EngineError as exc:
+        except (EngineError, StorageError) as exc:  # StorageError: the response could not be stored, nor its turn
             for event in run.builder.failed(str(exc)):
                 yield event
 
@@ -120,13 +122,23 @@ class ResponsesService:
         return ResponseObject.model_validate(self._stored(response_id).record["response"])
 
     async def delete(self, response_id: str) -> DeletedResponse:
-        """Forget a stored response and free what only it held."""
+        """Forget a stored response and free what only it held, answered once durable: the chain deleted if it held
+        nothing else, else the record dropped and the chain cut back (StorageError if that cannot be saved: nothing
+        changes)."""
         stored = self._stored(response_id)
-        forgotten = self.chains.drop(response_id)
-        await self._tidy(stored.session)
+        session, manager = stored.session, self.conversations.manager()
+        durable = None
+        if set(records(session)) == {response_id} and not session.busy:
+            await manager.delete(session.id, CHAIN)  # the chain goes whole, or nothing does
+            forgotten = self.chains.drop(response_id)
+        else:
+            forgotten = self.chains.drop(response_id)
+            self._cut_back(session)
+            durable = manager.settled(session, f"the deletion of response {response_id!r}")
         if forgotten is not None:
             await forgotten  # out of the key's count on every server
-        await self.conversations.manager().settled(stored.session)  # answered once durable
+        if durable is not None:
+            await durable
         return DeletedResponse(id=response_id)
 
     async def drop_stored(self, response_ids: list[str]) -> None:
@@ -168,12 +180,19 @@ class ResponsesService:
         manager = self.conversations.manager()
         if session.busy or manager.sessions.get(session.id) is not session:  # busy, or deleted meanwhile
             return
-        kept = last_count(session)
         with acting_as(LOCAL):  # the retention acts for every key
             if not records(session):
-                await manager.delete(session.id, CHAIN)
-            elif len(session.transcript) > kept:
-                manager.rollback(session.id, kept, CHAIN)
+                with contextlib.suppress(StorageError):  # kept for now (whole): the next sweep tries again
+                    await manager.delete(session.id, CHAIN)
+            else:
+                self._cut_back(session)
+
+    def _cut_back(self, session: Session) -> None:
+        """Cut an idle chain back to its latest record (the KV follows at its next turn)."""
+        kept = last_count(session)
+        if not session.busy and len(session.transcript) > kept:
+            with acting_as(LOCAL):
+                self.conversations.manager().rollback(session.id, kept, CHAIN)
 
     async def _start(self, request: ResponsesRequest) -> tuple[ResponseRun, AsyncIterator[ChoiceEvent]]:
         """Validate, render and admit the request; the response's run and its generation, not yet started."""

@@ -25,6 +25,7 @@ from statelm.api.protocol import (
     StoredChatCompletion,
 )
 from statelm.api.serving import ServingContext, effective_defaults
+from statelm.api.sessions import session_api_error
 from statelm.api.tokenize import (
     DetokenizeRequest,
     DetokenizeResponse,
@@ -34,6 +35,7 @@ from statelm.api.tokenize import (
     tokenize,
 )
 from statelm.engine.client import EngineError
+from statelm.sessions.errors import SessionError
 from statelm.sessions.ownership import current_principal
 
 router = APIRouter()  # OpenAI's routes live under /v1, the token tools at the root, as in vLLM
@@ -154,10 +156,13 @@ async def cancel_on_disconnect(request: Request, work: Awaitable[T]) -> T:
 
 
 async def _sse(chunks: AsyncIterator[BaseModel]) -> AsyncIterator[dict[str, str]]:
-    """Server-sent events of a stream, an error event if it fails midway, and the closing [DONE]."""
+    """Server-sent events of a stream, an error event if it fails midway (a session turn that could not be saved
+    among them: its last chunk, with the finish reason, is then never sent), and the closing [DONE]."""
     try:
         async for chunk in chunks:
             yield {"data": chunk.model_dump_json()}
     except EngineError as exc:
         yield {"data": json.dumps(APIError(str(exc), status=500, type="server_error").to_dict())}
+    except SessionError as exc:
+        yield {"data": json.dumps(session_api_error(exc).to_dict())}
     yield {"data": "[DONE]"}
