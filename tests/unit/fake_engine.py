@@ -1,6 +1,7 @@
 """An EngineClient without a model, for testing the API and sessions layers against the engine seam alone.
 
-Each request's reply is the fake's `reply` token ids (cut at `max_tokens`), one per output; the request is recorded.
+Each request's reply is the fake's `reply` token ids (cut at `max_tokens`), one per output; the request is recorded,
+and so is its abort when the caller leaves the generation before it ends.
 A session's KV is kept as SessionKVData whose K and V hold the token ids, so where KV goes can be read back. A session
 turn starts from its session's KV (or the spilled KV it is given), its longest common prefix with the prompt counted
 as cached, and parks the KV of its prompt and reply when it ends (or is stopped by `commit_turn` or `discard_turn`,
@@ -72,27 +73,32 @@ class FakeEngine:
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """The reply's tokens, one output each; a session turn parks its KV at the end."""
         self.requests.append(request)
-        await asyncio.sleep(0)
-        if self.fail_with is not None:
-            raise EngineError(self.fail_with)
-        prompt = request.prompt_ids
-        cached = 0
-        if request.session_id is not None:
-            if request.session_id not in self.resident and request.restore is not None:
-                self.resident[request.session_id] = request.restore
-            held = self.resident.get(request.session_id)
-            cached = min(common_prefix_length(held.tokens, prompt), len(prompt) - 1) if held is not None else 0
-        tokens = self.reply[: request.params.max_tokens]
-        self._stats = replace(self._stats, running=1)
-        computed = self.running[request.request_id] = list(prompt)
+        ended = False  # its last output was yielded, or the engine dropped it
         try:
+            await asyncio.sleep(0)  # queued until the engine's next step
+            if self.fail_with is not None:
+                ended = True
+                raise EngineError(self.fail_with)
+            prompt = request.prompt_ids
+            cached = 0
+            if request.session_id is not None:
+                if request.session_id not in self.resident and request.restore is not None:
+                    self.resident[request.session_id] = request.restore
+                held = self.resident.get(request.session_id)
+                cached = min(common_prefix_length(held.tokens, prompt), len(prompt) - 1) if held is not None else 0
+            tokens = self.reply[: request.params.max_tokens]
+            end = FinishReason.LENGTH if len(tokens) < len(self.reply) else FinishReason.STOP
+            self._stats = replace(self._stats, running=1)
+            computed = self.running[request.request_id] = list(prompt)
             for position, token in enumerate(tokens):
                 computed.append(token)
-                last = position == len(tokens) - 1
-                reason = (FinishReason.LENGTH if len(tokens) < len(self.reply) else FinishReason.STOP) if last else None
-                yield RequestOutput(request.request_id, [token], last, reason, len(prompt), cached, stats=self._stats)
+                ended = position == len(tokens) - 1
+                reason = end if ended else None
+                yield RequestOutput(request.request_id, [token], ended, reason, len(prompt), cached, stats=self._stats)
                 await asyncio.sleep(0)
         finally:
+            if not ended:  # left early (a client gone, a stop string): aborted, as AsyncEngine does
+                self.aborted.append((request.request_id, None))
             self._stats = replace(self._stats, running=0)
             if request.session_id is not None:
                 self._park(request.request_id)

@@ -1,4 +1,5 @@
-"""The API layer against a fake engine: what it asks of the EngineClient, and what it makes of the outputs."""
+"""The API layer against a fake engine: what chat and responses ask of the EngineClient, and what they make of its
+outputs (no model: the fake's replies are token ids of the tiny models' tokenizer)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from statelm.api.conversation import ConversationService
 from statelm.api.errors import APIError
 from statelm.api.openai.chat import ChatService
 from statelm.api.protocol import ChatCompletionRequest
+from statelm.api.responses.protocol import ResponsesRequest
+from statelm.api.responses.service import ResponsesService
 from statelm.api.serving import ServedModel, ServingContext
 from statelm.config import SessionDurability
 from statelm.engine.client import EngineError, EngineStats
@@ -38,6 +41,11 @@ def tokenizer(tmp_path_factory: pytest.TempPathFactory) -> Tokenizer:
 
 def serve(tokenizer: Tokenizer, engine: FakeEngine, work: Callable[[ChatService], Awaitable[T]]) -> T:
     """Run work on a chat service (with sessions) over engine."""
+    return converse(tokenizer, engine, lambda conversations: work(ChatService(conversations)))
+
+
+def converse(tokenizer: Tokenizer, engine: FakeEngine, work: Callable[[ConversationService], Awaitable[T]]) -> T:
+    """Run work on the conversation core (with sessions) over engine, as chat, responses and messages share it."""
 
     async def run() -> T:
         manager = SessionManager(engine, "tiny", FINGERPRINT, MemoryStore(), SessionDurability.OFF)
@@ -45,7 +53,7 @@ def serve(tokenizer: Tokenizer, engine: FakeEngine, work: Callable[[ChatService]
         model = ServedModel(name="tiny", aliases=frozenset(), max_model_len=engine.info.max_model_len, created=0)
         try:
             context = ServingContext(engine, tokenizer, model, ServingMetrics(engine))
-            return await work(ChatService(ConversationService(context, manager)))
+            return await work(ConversationService(context, manager))
         finally:
             await manager.close()
 
@@ -131,3 +139,65 @@ def test_metrics_read_the_engines_stats(tokenizer: Tokenizer) -> None:
         "statelm_prefix_cache_hit_rate 0.4",
     ):
         assert line in text
+
+
+def test_a_stream_is_a_role_chunk_the_replys_text_and_a_finish_chunk(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(reply=tokenizer.encode(REPLY, add_special_tokens=False))
+
+    async def work(chat: ChatService) -> list[tuple[str | None, str | None]]:
+        chunks = await chat.stream(request("Capital of France?", stream=True))
+        return [(chunk.choices[0].delta.content, chunk.choices[0].finish_reason) async for chunk in chunks]
+
+    chunks = serve(tokenizer, engine, work)
+    assert chunks[0] == ("", None) and chunks[-1] == (None, "stop")
+    assert "".join(content or "" for content, _ in chunks) == REPLY
+    assert engine.aborted == []
+
+
+def test_a_session_turn_whose_stream_is_cancelled_aborts_the_request_and_leaves_the_session_as_it_was(
+    tokenizer: Tokenizer,
+) -> None:
+    engine = FakeEngine(reply=tokenizer.encode(REPLY, add_special_tokens=False))
+
+    async def work(chat: ChatService) -> None:
+        session = await chat.conversations.manager().create("s", SessionSettings())
+        chunks = await chat.stream(request("Capital of France?", session_id="s", stream=True))
+        started = asyncio.Event()
+
+        async def read() -> None:  # the server's response task, cancelled when the client goes away
+            async for _ in chunks:
+                started.set()
+
+        reader = asyncio.create_task(read())
+        await started.wait()
+        reader.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await chat.conversations.manager().settled(session)
+        assert session.transcript == [] and not session.busy
+
+    serve(tokenizer, engine, work)
+    (sent,) = engine.requests
+    assert engine.aborted == [(sent.request_id, None)]
+    assert engine.committed == [] and engine.discarded == [sent.request_id]
+
+
+def test_a_response_continued_by_previous_response_id_starts_from_its_chains_kv(tokenizer: Tokenizer) -> None:
+    engine = FakeEngine(reply=tokenizer.encode(REPLY, add_special_tokens=False))
+
+    async def work(conversations: ConversationService) -> list[str]:
+        responses = ResponsesService(conversations)
+        await responses.start()
+        first = await responses.create(ResponsesRequest(model="tiny", input="Capital of France?"))
+        second = await responses.create(
+            ResponsesRequest(model="tiny", input="And of Germany?", previous_response_id=first.id)
+        )
+        assert second.usage is not None and first.usage is not None
+        assert second.usage.input_tokens_details.cached_tokens >= first.usage.input_tokens
+        return [first.output_text, second.output_text]
+
+    assert converse(tokenizer, engine, work) == [REPLY, REPLY]
+    first, second = engine.requests
+    assert first.session_id is not None and second.session_id == first.session_id  # the chain's session
+    assert second.prompt_ids[: len(first.prompt_ids)] == first.prompt_ids
+    assert [session for _, session in engine.committed] == [first.session_id] * 2

@@ -14,7 +14,9 @@ from statelm.sessions.errors import SessionBusyError
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import SessionSettings, SessionState
 from statelm.sessions.state_store import StateStore
+from statelm.sessions.storage import StorageError
 from tests.unit.fake_engine import FINGERPRINT, FakeEngine, token_kv
+from tests.unit.faulty_state_store import LOG_WRITES, Fault, FaultyStore
 
 USER = {"role": "user", "content": "Hi"}
 REPLY = {"role": "assistant", "content": "Hello"}
@@ -146,3 +148,40 @@ def test_sessions_stop_taking_spilled_kv_when_the_manager_closes(state_store: St
     engine = FakeEngine(reply=[7])
     with_manager(state_store, engine, lambda manager: asyncio.sleep(0), durability="off")
     assert engine._spill is None
+
+
+def test_a_turn_whose_record_cannot_be_written_is_taken_back_and_its_kv_stays_the_sessions(
+    state_store: StateStore,
+) -> None:
+    engine, store = FakeEngine(reply=[7, 8]), FaultyStore(state_store)
+
+    async def work(manager: SessionManager) -> None:
+        session = await manager.create("s", SessionSettings())
+        manager.begin_turn("s")
+        engine.parked["turn-1"] = token_kv([1, 2, 7, 8])
+        store.inject(Fault(LOG_WRITES))
+        manager.end_turn(session, "turn-1", [USER, REPLY])
+        with pytest.raises(StorageError):
+            await manager.settled(session)
+        assert session.transcript == [] and not session.busy
+
+    with_manager(store, engine, work)
+    # the engine was told to commit at once; the next turn keeps of that KV what the transcript still matches
+    assert engine.committed == [("turn-1", "s")] and engine.resident["s"].tokens == [1, 2, 7, 8]
+
+
+def test_a_deletion_that_cannot_be_recorded_keeps_the_session_and_its_kv(state_store: StateStore) -> None:
+    engine, store = FakeEngine(reply=[7]), FaultyStore(state_store)
+
+    async def work(manager: SessionManager) -> None:
+        await manager.create("s", SessionSettings())
+        engine.resident["s"] = token_kv([1, 2])
+        store.inject(Fault(LOG_WRITES))
+        with pytest.raises(StorageError, match="deletion of session 's'"):
+            await manager.delete("s")
+        assert "s" in manager.sessions and "s" in engine.resident and not manager.sessions["s"].busy
+        store.clear()
+        await manager.delete("s")
+        assert "s" not in manager.sessions and "s" not in engine.resident
+
+    with_manager(store, engine, work)
