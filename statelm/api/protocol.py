@@ -577,7 +577,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "statelm"
     max_model_len: int
-    sampling_defaults: SamplerSettings  # what a request that leaves a sampling field out gets
+    sampling_defaults: SamplerSettings | None = None  # what a request that leaves a sampling field out gets
+    kind: Literal["generation", "embedding", "reranker"] = "generation"  # embedding models and rerankers don't generate
 
 
 class ModelList(BaseModel):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -13,6 +14,7 @@ from typing import TypeVar
 from statelm.engine.engine import Engine, StepOutput
 from statelm.engine.sequence import FinishReason, SamplingParams
 from statelm.engine.session_kv import SessionKVData
+from statelm.models.pooling import PooledRows
 
 T = TypeVar("T")
 DEGRADED_AFTER_FAILED_STEPS = 3
@@ -51,20 +53,43 @@ class AsyncEngine:
         restore: SessionKVData | None = None,
     ) -> AsyncIterator[StepOutput]:
         """Yield the step outputs of the request's choices until all have finished; leaving early aborts it."""
+
+        def add() -> None:
+            self.engine.add_request(request_id, prompt_ids, params, session_id, restore)
+
+        async for output in self._outputs(request_id, add, len(prompt_ids), params.n):
+            yield output
+
+    async def embed(self, request_id: str, prompt_ids: list[int], pooled: PooledRows) -> StepOutput:
+        """Run a prompt and pool its hidden states; the output holds the vector in `embedding`."""
+
+        def add() -> None:
+            self.engine.add_embedding(request_id, prompt_ids, pooled)
+
+        async with contextlib.aclosing(self._outputs(request_id, add, len(prompt_ids), 1)) as outputs:
+            async for output in outputs:
+                return output
+        raise EngineError("the embedding ended without a result")
+
+    async def _outputs(
+        self, request_id: str, add: Callable[[], None], num_prompt_tokens: int, choices: int
+    ) -> AsyncIterator[StepOutput]:
+        """Queue a request (`add`, run on the engine thread) and yield its outputs until its choices have finished;
+        leaving early aborts it."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
 
-        def add() -> None:
+        def start() -> None:
             try:
-                self.engine.add_request(request_id, prompt_ids, params, session_id, restore)
+                add()
             except Exception as exc:  # the request fails alone; the engine goes on
                 log.exception("cannot start request %s", request_id)
                 error = f"cannot start the request: {exc}"
-                self._publish([StepOutput(request_id, [], True, FinishReason.ABORT, len(prompt_ids), 0, error=error)])
+                self._publish([StepOutput(request_id, [], True, FinishReason.ABORT, num_prompt_tokens, 0, error=error)])
 
-        self._commands.put(add)
+        self._commands.put(start)
         self._unfinished += 1
-        unfinished = params.n
+        unfinished = choices
         try:
             while unfinished:
                 output = await subscriber.outputs.get()
