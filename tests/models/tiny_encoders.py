@@ -49,12 +49,22 @@ def vocabulary() -> list[str]:
 
 
 def write_wordpiece_tokenizer(path: Path) -> None:
-    """A lowercasing BERT tokenizer (tokenizer.json and its configs) of the test vocabulary."""
-    from transformers import BertTokenizerFast
+    """A lowercasing BERT WordPiece tokenizer of the test vocabulary: tokenizer.json, its config and vocab.txt."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
+    tokens = vocabulary()
+    backend = Tokenizer(models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
+    backend.normalizer = normalizers.BertNormalizer(lowercase=True)
+    backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    sep, cls = ("[SEP]", tokens.index("[SEP]")), ("[CLS]", tokens.index("[CLS]"))
+    backend.post_processor = processors.BertProcessing(sep, cls)
+    backend.decoder = decoders.WordPiece()
     path.mkdir(parents=True, exist_ok=True)
-    (path / "vocab.txt").write_text("\n".join(vocabulary()) + "\n")
-    BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True).save_pretrained(path)
+    backend.save(str(path / "tokenizer.json"))
+    (path / "vocab.txt").write_text("\n".join(tokens) + "\n")
+    specials = {"unk_token": "[UNK]", "sep_token": "[SEP]", "pad_token": "[PAD]", "cls_token": "[CLS]"}
+    config = {"tokenizer_class": "BertTokenizer", "do_lower_case": True, "mask_token": "[MASK]", **specials}
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 def make_tiny_bert_dir(path: Path, *, cross_encoder: bool = False, seed: int = 0, **config: Any) -> Path:
@@ -115,7 +125,7 @@ def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1) -> Path:
     writer.add_tokenizer_model("bert")
     writer.add_token_list([_llama_cpp_piece(token) for token in tokens])
     writer.add_token_types([3 if token in SPECIALS else 1 for token in tokens])
-    for name, setter in (("[CLS]", writer.add_cls_token_id), ("[SEP]", writer.add_sep_token_id),
+    for name, setter in (("[CLS]", writer.add_bos_token_id), ("[SEP]", writer.add_sep_token_id),
                          ("[UNK]", writer.add_unk_token_id), ("[PAD]", writer.add_pad_token_id),
                          ("[MASK]", writer.add_mask_token_id)):  # fmt: skip
         setter(tokens.index(name))
