@@ -59,6 +59,10 @@ def write_wordpiece_tokenizer(path: Path) -> None:
     sep, cls = ("[SEP]", tokens.index("[SEP]")), ("[CLS]", tokens.index("[CLS]"))
     backend.post_processor = processors.BertProcessing(sep, cls)
     backend.decoder = decoders.WordPiece()
+    # as sentence-transformers folders ship it: padded to and truncated at a fixed length (statelm must undo both)
+    length = SHAPE["max_position_embeddings"]
+    backend.enable_padding(pad_id=tokens.index("[PAD]"), pad_token="[PAD]", length=length)
+    backend.enable_truncation(max_length=length)
     path.mkdir(parents=True, exist_ok=True)
     backend.save(str(path / "tokenizer.json"))
     (path / "vocab.txt").write_text("\n".join(tokens) + "\n")
