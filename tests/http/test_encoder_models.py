@@ -164,3 +164,20 @@ def test_a_reranker_makes_no_embeddings_and_an_unknown_model_is_404(client: http
 def test_the_openai_sdk_embeds_with_an_encoder(app: InProcessServer, client: httpx.Client) -> None:
     result = app.openai().embeddings.create(model="tiny-bert", input=TEXTS)
     assert torch.allclose(torch.tensor([item.embedding for item in result.data]), embed(client, "tiny-bert", TEXTS))
+
+
+def test_hybrid_retrieval_fuses_the_bm25_and_embedding_rankings(client: httpx.Client) -> None:
+    from statelm.cli.retrieval import HybridIndex, reciprocal_rank_fusion
+
+    def embed_texts(texts: list[str]) -> list[list[float]]:
+        return embed(client, "tiny-bert", texts).tolist()
+
+    documents = {f"doc{i}.md": text for i, text in enumerate(TEXTS)}
+    index = HybridIndex(documents, embed_texts)
+    query = "the capital city"
+    lexical = [i for i, _ in index.lexical(query, 10)]
+    semantic = index.semantic(query, 10)
+    assert lexical and sorted(semantic) == list(range(len(TEXTS)))
+    expected = [index.passages[i].source for i, _ in reciprocal_rank_fusion([lexical, semantic])]
+    assert [passage.source for passage, _ in index.search(query, k=10)] == expected
+    assert len(index.search("the of a", k=2)) == 2  # no word BM25 counts: the embeddings still rank every passage
