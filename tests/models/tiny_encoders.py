@@ -34,6 +34,7 @@ GGUF_LAYER_NAMES = {  # Hugging Face's names of a layer's tensors, as llama.cpp'
     "output.dense": "ffn_down",
     "output.LayerNorm": "layer_output_norm",
 }
+F32_TENSORS = ("position_embd.weight", "token_types.weight")  # llama.cpp adds them to float32 rows: kept float32
 GGUF_NAMES = {
     "embeddings.word_embeddings": "token_embd",
     "embeddings.position_embeddings": "position_embd",
@@ -42,17 +43,18 @@ GGUF_NAMES = {
 }
 
 
-def vocabulary() -> list[str]:
-    """The WordPiece vocabulary: specials, words, single characters (first and continuation) and suffixes."""
+def vocabulary(size: int = 0) -> list[str]:
+    """The WordPiece vocabulary: specials, words, single characters (first and continuation) and suffixes, then
+    `[unusedN]` entries up to size (BERT's own filler)."""
     letters = [chr(c) for c in range(ord("a"), ord("z") + 1)] + [str(d) for d in range(10)]
-    return list(dict.fromkeys([*SPECIALS, *WORDS, *letters, *(f"##{c}" for c in letters), *PIECES]))
+    tokens = list(dict.fromkeys([*SPECIALS, *WORDS, *letters, *(f"##{c}" for c in letters), *PIECES]))
+    return tokens + [f"[unused{i}]" for i in range(size - len(tokens))]
 
 
-def write_wordpiece_tokenizer(path: Path) -> None:
-    """A lowercasing BERT WordPiece tokenizer of the test vocabulary: tokenizer.json, its config and vocab.txt."""
+def write_wordpiece_tokenizer(path: Path, tokens: list[str]) -> None:
+    """A lowercasing BERT WordPiece tokenizer of tokens: tokenizer.json, its config and vocab.txt."""
     from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-    tokens = vocabulary()
     backend = Tokenizer(models.WordPiece({token: i for i, token in enumerate(tokens)}, unk_token="[UNK]"))
     backend.normalizer = normalizers.BertNormalizer(lowercase=True)
     backend.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
@@ -60,7 +62,7 @@ def write_wordpiece_tokenizer(path: Path) -> None:
     backend.post_processor = processors.BertProcessing(sep, cls)
     backend.decoder = decoders.WordPiece()
     # as sentence-transformers folders ship it: padded to and truncated at a fixed length (statelm must undo both)
-    length = SHAPE["max_position_embeddings"]
+    length = 64
     backend.enable_padding(pad_id=tokens.index("[PAD]"), pad_token="[PAD]", length=length)
     backend.enable_truncation(max_length=length)
     path.mkdir(parents=True, exist_ok=True)
@@ -71,11 +73,16 @@ def write_wordpiece_tokenizer(path: Path) -> None:
     (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def make_tiny_bert_dir(path: Path, *, cross_encoder: bool = False, seed: int = 0, **config: Any) -> Path:
-    """A seeded random BertModel (or a one-label BertForSequenceClassification) with its tokenizer."""
+def make_tiny_bert_dir(
+    path: Path, *, cross_encoder: bool = False, seed: int = 0, shape: dict[str, int] | None = None, **config: Any
+) -> Path:
+    """A seeded random BertModel (or a one-label BertForSequenceClassification) with its tokenizer; shape (and
+    `vocab_size`) default to the tiny test model's."""
     import transformers
 
-    bert_config = transformers.BertConfig(vocab_size=len(vocabulary()), **SHAPE, **config)
+    shape = {**SHAPE, **(shape or {})}
+    tokens = vocabulary(shape.pop("vocab_size", 0))
+    bert_config = transformers.BertConfig(vocab_size=len(tokens), **shape, **config)
     torch.manual_seed(seed)
     if cross_encoder:
         bert_config.num_labels = 1
@@ -84,7 +91,7 @@ def make_tiny_bert_dir(path: Path, *, cross_encoder: bool = False, seed: int = 0
         model = transformers.BertModel(bert_config, add_pooling_layer=False)
     _randomize_norms(model, seed)
     model.save_pretrained(path, safe_serialization=True)
-    write_wordpiece_tokenizer(path)
+    write_wordpiece_tokenizer(path, tokens)
     return path
 
 
@@ -109,8 +116,9 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 
-def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1) -> Path:
-    """The BertModel of model_dir as a float32 GGUF file with a `bert` WordPiece vocabulary, in llama.cpp's layout."""
+def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1, float16: bool = False) -> Path:
+    """The BertModel of model_dir as a float32 (or float16: its matrices) GGUF file with a `bert` WordPiece
+    vocabulary, in llama.cpp's layout."""
     import gguf
     from safetensors.torch import load_file
 
@@ -124,8 +132,9 @@ def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1) -> Path:
     writer.add_head_count(config["num_attention_heads"])
     writer.add_layer_norm_eps(config["layer_norm_eps"])
     writer.add_causal_attention(False)
+    writer.add_token_type_count(config["type_vocab_size"])
     writer.add_pooling_type(gguf.PoolingType(pooling_type))
-    tokens = vocabulary()
+    tokens = (model_dir / "vocab.txt").read_text().splitlines()
     writer.add_tokenizer_model("bert")
     writer.add_token_list([_llama_cpp_piece(token) for token in tokens])
     writer.add_token_types([3 if token in SPECIALS else 1 for token in tokens])
@@ -135,7 +144,9 @@ def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1) -> Path:
         setter(tokens.index(name))
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         if not name.endswith("position_ids"):
-            writer.add_tensor(gguf_name(name), tensor.float().numpy())
+            array, target = tensor.float().numpy(), gguf_name(name)
+            half = float16 and array.ndim == 2 and target not in F32_TENSORS
+            writer.add_tensor(target, array.astype("float16") if half else array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
