@@ -206,3 +206,21 @@ def test_rerank_orders_documents_by_cosine_similarity(client: httpx.Client) -> N
 )
 def test_malformed_rerank_and_score_bodies_get_400(client: httpx.Client, path: str, body: dict[str, Any]) -> None:
     assert_error(client.post(path, json={"model": SERVED_NAME, **body}), 400)
+
+
+def test_langchain_openai_embeddings_embed_documents_and_queries(
+    mean_server: InProcessServer, client: httpx.Client
+) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    embeddings = OpenAIEmbeddings(
+        model=SERVED_NAME,
+        base_url=f"{mean_server.url}/v1",
+        api_key=KEY,
+        max_retries=0,
+        http_client=mean_server.http(KEY),
+        check_embedding_ctx_length=False,  # else it tokenizes with tiktoken (OpenAI's vocabulary) and sends ids
+    )
+    expected = vectors(embed(client, TEXTS))
+    assert np.allclose(embeddings.embed_documents(TEXTS), expected, atol=1e-7)
+    assert np.allclose(embeddings.embed_query(TEXTS[1]), expected[1], atol=1e-7)
