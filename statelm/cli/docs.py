@@ -20,7 +20,7 @@ from statelm.cli.common import ApiKeyOption, UrlOption, connect, console, fail, 
 from statelm.cli.extract import ExtractError, display_name, expand, extract_text
 from statelm.cli.render import add_row, ago, details, listing
 from statelm.cli.repl import Command, Repl, UsageError
-from statelm.cli.retrieval import HybridIndex, PassageIndex
+from statelm.cli.retrieval import EmbeddingFailed, HybridIndex, PassageIndex
 from statelm.cli.turns import Reply, print_reasoning, run_turn, set_fields
 from statelm.cli.workspace import Workspace
 from statelm.paths import default_state_dir
@@ -71,8 +71,16 @@ class DocsSession:
             if model is None:
                 self._index = PassageIndex(self.ws.texts())
             else:
-                self._index = HybridIndex(self.ws.texts(), lambda texts: self.client.embed(model, texts))
+                self._index = HybridIndex(self.ws.texts(), functools.partial(self._embed, model))
         return self._index
+
+    def _embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        """The server's embeddings of texts; a refusal is reported once and retrieval goes on with BM25 alone."""
+        try:
+            return self.client.embed(model, texts)
+        except ClientError as exc:
+            self.console.print(Text(f"embeddings failed ({exc}); retrieval goes on with BM25 alone", style="yellow"))
+            raise EmbeddingFailed(str(exc)) from None
 
     @functools.cached_property
     def embedding_model(self) -> str | None:
@@ -81,8 +89,10 @@ class DocsSession:
 
     def retrieval(self) -> str:
         """How excerpts are found, in words."""
-        model = self.embedding_model
-        return "BM25" if model is None else f"BM25 + embeddings of {model}, fused by reciprocal rank"
+        model, index = self.embedding_model, self._index
+        if model is None or (isinstance(index, HybridIndex) and index.failure is not None):
+            return "BM25"
+        return f"BM25 + embeddings of {model}, fused by reciprocal rank"
 
     # -- the server session ---------------------------------------------------------------------------------
 

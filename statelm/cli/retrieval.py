@@ -100,20 +100,31 @@ def reciprocal_rank_fusion(rankings: list[list[int]], k: int = RRF_K) -> list[tu
 Embedder = Callable[[list[str]], list[list[float]]]  # unit vectors of texts, one per text (a server's embeddings)
 
 
+class EmbeddingFailed(Exception):
+    """The embedding model could not embed a text (the server refused it, or could not be reached)."""
+
+
 class HybridIndex(PassageIndex):
-    """BM25 and an embedding model over the same passages, their rankings fused by reciprocal rank."""
+    """BM25 and an embedding model over the same passages, their rankings fused by reciprocal rank; BM25 alone
+    from the first time the embeddings fail (`failure` says why)."""
 
     def __init__(self, documents: dict[str, str], embed: Embedder) -> None:
         super().__init__(documents)
         self.embed = embed
+        self.failure: str | None = None
         self._vectors: Any = None  # numpy [passages, dimensions], embedded on the first search
 
     def search(self, query: str, k: int = 10) -> list[tuple[Passage, float]]:
         """The passages ranked best by BM25 and by cosine similarity together, with their fused scores."""
-        if not self.passages:
-            return []
+        if not self.passages or self.failure is not None:
+            return super().search(query, k)
         lexical = [i for i, _ in self.lexical(query, CANDIDATES)]
-        fused = reciprocal_rank_fusion([lexical, self.semantic(query, CANDIDATES)])
+        try:
+            semantic = self.semantic(query, CANDIDATES)
+        except EmbeddingFailed as exc:
+            self.failure = str(exc)
+            return super().search(query, k)
+        fused = reciprocal_rank_fusion([lexical, semantic])
         return [(self.passages[i], score) for i, score in fused[:k]]
 
     def semantic(self, query: str, k: int) -> list[int]:

@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from statelm.cli.extract import ExtractError, expand, extract_text
-from statelm.cli.retrieval import MAX_PASSAGE_CHARS, PassageIndex, reciprocal_rank_fusion, split_passages
+from statelm.cli.retrieval import (
+    MAX_PASSAGE_CHARS,
+    EmbeddingFailed,
+    HybridIndex,
+    PassageIndex,
+    reciprocal_rank_fusion,
+    split_passages,
+)
 from statelm.cli.turns import ThinkSplitter
 
 
@@ -92,3 +99,13 @@ def test_reciprocal_rank_fusion_rewards_agreement_between_rankings() -> None:
     assert [item for item, _ in fused] == [1, 3, 4, 2]
     assert fused[0][1] == pytest.approx(1 / 62 + 1 / 61)
     assert reciprocal_rank_fusion([]) == []
+
+
+def test_hybrid_retrieval_goes_on_with_bm25_when_the_embeddings_fail() -> None:
+    def refuse(texts: list[str]) -> list[list[float]]:
+        raise EmbeddingFailed("context_length_exceeded")
+
+    documents = {"pets.md": "The office cat is named Biscuit.", "travel.txt": "The train to Lyon leaves at 9:15."}
+    index = HybridIndex(documents, refuse)
+    assert index.search("Lyon train", k=2) == PassageIndex(documents).search("Lyon train", k=2)
+    assert index.failure == "context_length_exceeded"

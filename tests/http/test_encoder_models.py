@@ -181,3 +181,4 @@ def test_hybrid_retrieval_fuses_the_bm25_and_embedding_rankings(client: httpx.Cl
     expected = [index.passages[i].source for i, _ in reciprocal_rank_fusion([lexical, semantic])]
     assert [passage.source for passage, _ in index.search(query, k=10)] == expected
     assert len(index.search("the of a", k=2)) == 2  # no word BM25 counts: the embeddings still rank every passage
+
