@@ -54,7 +54,7 @@ def parse_sampling_defaults(text: str) -> dict[str, Any]:
     """Sampling defaults from a JSON object, checked as request fields are."""
     from pydantic import ValidationError
 
-    from statelm.api.protocol import SamplerSettings
+    from statelm.sampler_settings import SamplerSettings
 
     try:
         return SamplerSettings.model_validate_json(text).model_dump(exclude_none=True)
@@ -116,6 +116,19 @@ def setting(
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+class Pooling(enum.StrEnum):
+    """How a sequence's final hidden states become one embedding vector."""
+
+    MEAN = "mean"  # the average of every token's state
+    LAST = "last"  # the last token's state (decoder embedders: Qwen3-Embedding, e5-mistral)
+    CLS = "cls"  # the first token's state (BERT's [CLS]: BGE)
+
+    @property
+    def needs_every_row(self) -> bool:
+        """True when every token's state counts, so no prompt token may be served by the prefix cache."""
+        return self is not Pooling.LAST
 
 
 @dataclass
@@ -181,6 +194,18 @@ class EngineConfig:
         factory=dict,
         help='Sampling defaults over the model\'s own, as JSON: \'{"temperature": 0.7, "top_k": 40}\'.',
         parse=parse_sampling_defaults,
+    )
+    pooling: Pooling = setting(
+        Pooling.LAST,
+        help="How /v1/embeddings pools the served model's final hidden states: last (token) | mean | cls (first"
+        " token); the vector is normalised.",
+    )
+    embedding_models: list[str] = setting(
+        factory=list,
+        help="An encoder model to serve beside --model at /v1/embeddings, /v1/rerank and /v1/score, routed by the"
+        " request's `model` (repeatable): a BERT embedder (BGE, E5, all-MiniLM) or cross-encoder (reranker), as a"
+        " folder, .gguf file or hub id.",
+        flag="--embedding-model",
     )
 
 

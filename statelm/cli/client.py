@@ -91,6 +91,16 @@ class StatelmClient:
             self._model = self.request("GET", "/v1/models")["data"][0]
         return self._model
 
+    def embedding_model(self) -> str | None:
+        """The name of an embedding model the server serves beside the chat model (`--embedding-model`), or None."""
+        cards = self.request("GET", "/v1/models")["data"]
+        return next((card["id"] for card in cards if card.get("kind") == "embedding"), None)
+
+    def embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        """The embeddings of texts, in order."""
+        data = self.request("POST", "/v1/embeddings", {"model": model, "input": texts})["data"]
+        return [item["embedding"] for item in sorted(data, key=lambda item: item["index"])]
+
     # -- sessions -------------------------------------------------------------------------------------------
 
     def create_session(self, session_id: str | None = None, system: str | None = None) -> dict[str, Any]:

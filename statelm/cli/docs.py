@@ -1,7 +1,9 @@
-"""`statelm docs NAME`: questions about documents held in a session's context, with BM25 excerpts beyond it."""
+"""`statelm docs NAME`: questions about documents held in a session's context, with excerpts beyond it found by
+BM25, or by BM25 and embeddings together when the server serves an embedding model."""
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 import time
@@ -18,7 +20,7 @@ from statelm.cli.common import ApiKeyOption, UrlOption, connect, console, fail, 
 from statelm.cli.extract import ExtractError, display_name, expand, extract_text
 from statelm.cli.render import add_row, ago, details, listing
 from statelm.cli.repl import Command, Repl, UsageError
-from statelm.cli.retrieval import PassageIndex
+from statelm.cli.retrieval import EmbeddingFailed, HybridIndex, PassageIndex
 from statelm.cli.turns import Reply, print_reasoning, run_turn, set_fields
 from statelm.cli.workspace import Workspace
 from statelm.paths import default_state_dir
@@ -62,10 +64,35 @@ class DocsSession:
         return max(0, self.capacity - ANSWER_RESERVE)
 
     def index(self) -> PassageIndex:
-        """The BM25 index over every document's passages, built on first use."""
+        """The index over every document's passages, built on first use: hybrid when the server has an embedding
+        model, BM25 alone otherwise."""
         if self._index is None:
-            self._index = PassageIndex(self.ws.texts())
+            model = self.embedding_model
+            if model is None:
+                self._index = PassageIndex(self.ws.texts())
+            else:
+                self._index = HybridIndex(self.ws.texts(), functools.partial(self._embed, model))
         return self._index
+
+    def _embed(self, model: str, texts: list[str]) -> list[list[float]]:
+        """The server's embeddings of texts; a refusal is reported once and retrieval goes on with BM25 alone."""
+        try:
+            return self.client.embed(model, texts)
+        except ClientError as exc:
+            self.console.print(Text(f"embeddings failed ({exc}); retrieval goes on with BM25 alone", style="yellow"))
+            raise EmbeddingFailed(str(exc)) from None
+
+    @functools.cached_property
+    def embedding_model(self) -> str | None:
+        """The server's embedding model that retrieval uses with BM25, or None."""
+        return self.client.embedding_model()
+
+    def retrieval(self) -> str:
+        """How excerpts are found, in words."""
+        model, index = self.embedding_model, self._index
+        if model is None or (isinstance(index, HybridIndex) and index.failure is not None):
+            return "BM25"
+        return f"BM25 + embeddings of {model}, fused by reciprocal rank"
 
     # -- the server session ---------------------------------------------------------------------------------
 
@@ -317,6 +344,7 @@ class DocsSession:
                     "context": f"{session['num_tokens']:,} of {self.capacity:,} tokens",
                     "documents": f"{len(self.ws.documents) - outside} in context, {outside} by excerpts",
                     "snapshot": self.ws.snapshot_id,
+                    "retrieval": self.retrieval(),
                 }
             )
         )

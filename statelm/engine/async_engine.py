@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -21,6 +22,7 @@ from statelm.engine.client import (
     SpillHandler,
 )
 from statelm.engine.engine import Engine
+from statelm.models.pooling import PooledRows
 
 T = TypeVar("T")
 DEGRADED_AFTER_FAILED_STEPS = 3
@@ -57,24 +59,46 @@ class AsyncEngine:
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[RequestOutput]:
         """Yield the outputs of the request's choices until all have finished; leaving early aborts it."""
-        request_id = request.request_id
+
+        def add() -> None:
+            self.engine.add_request(
+                request.request_id, request.prompt_ids, request.params, request.session_id, request.restore
+            )
+
+        async for output in self._outputs(request.request_id, add, len(request.prompt_ids), request.params.n):
+            yield output
+
+    async def embed(self, request_id: str, prompt_ids: list[int], pooled: PooledRows) -> RequestOutput:
+        """Run a prompt and pool its hidden states; the output holds the vector in `embedding`."""
+
+        def add() -> None:
+            self.engine.add_embedding(request_id, prompt_ids, pooled)
+
+        async with contextlib.aclosing(self._outputs(request_id, add, len(prompt_ids), 1)) as outputs:
+            async for output in outputs:
+                return output
+        raise EngineError("the embedding ended without a result")
+
+    async def _outputs(
+        self, request_id: str, add: Callable[[], None], num_prompt_tokens: int, choices: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Queue a request (`add`, run on the engine thread) and yield its outputs until its choices have finished;
+        leaving early aborts it."""
         subscriber = _Subscriber(asyncio.get_running_loop(), asyncio.Queue())
         self._subscribers[request_id] = subscriber
 
-        def add() -> None:
+        def start() -> None:
             try:
-                self.engine.add_request(
-                    request_id, request.prompt_ids, request.params, request.session_id, request.restore
-                )
+                add()
             except Exception as exc:  # the request fails alone; the engine goes on
                 log.exception("cannot start request %s", request_id)
                 error = f"cannot start the request: {exc}"
-                prompt_tokens = len(request.prompt_ids)
-                self._publish([RequestOutput(request_id, [], True, FinishReason.ABORT, prompt_tokens, 0, error=error)])
+                failed = RequestOutput(request_id, [], True, FinishReason.ABORT, num_prompt_tokens, 0, error=error)
+                self._publish([failed])
 
-        self._commands.put(add)
+        self._commands.put(start)
         self._unfinished += 1
-        unfinished = request.params.n
+        unfinished = choices
         try:
             while unfinished:
                 output = await subscriber.outputs.get()

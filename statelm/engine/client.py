@@ -1,10 +1,11 @@
 """The engine's seam: the typed protocol the API and sessions layers drive the engine through, and its values.
 
 `EngineClient` is everything a layer above `engine/` may ask of the engine: add a request (a session turn when it
-names a session) and abort it; commit or discard a session turn; export, load, fork and release a session's KV;
-the engine's fixed facts (`EngineInfo`) and its state (`EngineStats`, also carried on every output). `AsyncEngine`
-(async_engine.py) implements it in process, on the engine's own thread; an implementation in another process
-would carry the same dataclasses. Cache pins travel with a request (`SamplingParams.cache_pins`).
+names a session) and abort it; embed a prompt (its hidden states pooled); commit or discard a session turn; export,
+load, fork and release a session's KV; the engine's fixed facts (`EngineInfo`) and its state (`EngineStats`, also
+carried on every output). `AsyncEngine` (async_engine.py) implements it in process, on the engine's own thread; an
+implementation in another process would carry the same dataclasses. Cache pins travel with a request
+(`SamplingParams.cache_pins`).
 
 Above `engine/`, this module is the only one imported (tests/unit/test_import_graph.py checks it); it defines the
 protocol and the values new to it, and names the values the protocol carries that are defined where the engine
@@ -17,6 +18,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from statelm.engine.cache_pins import CachePinCounters, CachePinRequest
 from statelm.engine.grammar import CompiledGrammar, GrammarBackend, GrammarError, tool_call_schema
 from statelm.engine.guidance import ReasoningBudget
@@ -25,6 +28,7 @@ from statelm.engine.repetition import RepetitionConfig
 from statelm.engine.sampler import TokenLogprob
 from statelm.engine.sequence import FinishReason, SamplingParams
 from statelm.engine.session_kv import SessionKVData, SessionKVError, SpillHandler, common_prefix_length
+from statelm.models.pooling import PooledRows
 
 __all__ = [
     "LOGIT_BIAS_LIMIT",
@@ -121,6 +125,7 @@ class RequestOutput:
     ended_by_token: bool = False  # the last new token ended the choice and is not output text (EOS, stop token)
     repetition_detected: bool = False  # the choice ended because its output fell into a loop
     stats: EngineStats | None = None  # the engine's state after the step that produced it
+    embedding: torch.Tensor | None = None  # an embedding request's pooled vector, with its finish
 
 
 class EngineClient(Protocol):
@@ -136,6 +141,11 @@ class EngineClient(Protocol):
 
         Raises EngineError when the engine drops the request.
         """
+        ...
+
+    async def embed(self, request_id: str, prompt_ids: list[int], pooled: PooledRows) -> RequestOutput:
+        """Run a prompt that samples nothing, its hidden states pooled as `pooled` says; the output's `embedding`
+        holds the vector. Raises EngineError when the engine drops the request."""
         ...
 
     def abort(self, request_id: str, index: int | None = None) -> None:

@@ -18,6 +18,7 @@ from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
 from statelm.engine.scheduler import ScheduledChunk, Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore
+from statelm.models.pooling import PooledRows
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +85,13 @@ class Engine:
         first.forks = forks
         first.pending_cache_pins = sorted(params.cache_pins, key=lambda pin: pin.num_tokens)
         self.scheduler.add(first)
+
+    def add_embedding(self, request_id: str, prompt_ids: list[int], pooled: PooledRows) -> None:
+        """Queue a prompt whose hidden states are pooled into one vector; it samples nothing, and its KV is freed
+        when it ends (its full blocks stay in the prefix cache)."""
+        params = SamplingParams(max_tokens=1)
+        seq = Sequence(request_id, list(prompt_ids), params, self.eos_token_ids, self.max_model_len, pooled=pooled)
+        self.scheduler.add(seq)
 
     def _seeded_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Choice `index`'s own generator when the request has a seed (and samples); unseeded rows use the engine's."""
@@ -170,11 +178,22 @@ class Engine:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
                 self.sessions.finish_refresh(seq)
+        embedded = [self._embedded(chunk.seq) for chunk in chunks if chunk.seq.pooled is not None]
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
         logits = result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits
         sampled = sample(logits[:, : self.vocab_size], seqs, self.generator)
-        return self._record(seqs, sampled, time.perf_counter())
+        return [output for output in embedded if output is not None] + self._record(seqs, sampled, time.perf_counter())
+
+    def _embedded(self, seq: Sequence) -> RequestOutput | None:
+        """An embedding's output once its whole prompt has run (its vector pooled), else None."""
+        if seq.num_uncomputed_tokens or seq.pooled is None:
+            return None
+        seq.finish(FinishReason.STOP)
+        self.scheduler.finish(seq)
+        output = self._output(seq, [], None, time.perf_counter())
+        output.embedding = seq.pooled.result()
+        return output
 
     def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[RequestOutput]:
         """Append sampled tokens and start the forks of first samples; a row that failed fails its request."""

@@ -79,7 +79,7 @@ class ModelRunner:
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
-            if end == seq.num_tokens and not seq.prefill_only:
+            if end == seq.num_tokens and seq.samples:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_seqs.append(seq)
         position_tensor = torch.tensor(positions, dtype=torch.int64)
@@ -102,6 +102,9 @@ class ModelRunner:
             meta,
             prompt_rows,
         )
+        for chunk, start in zip(chunks, query_start, strict=False):
+            if chunk.seq.pooled is not None:
+                chunk.seq.pooled.add(hidden[start : start + chunk.num_tokens], chunk.seq.num_computed_tokens)
         rows = torch.tensor(sample_rows, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[rows.to(self.device)], prompt_rows[rows])
         return ForwardResult(sampling_seqs, logits)

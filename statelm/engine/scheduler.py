@@ -99,7 +99,10 @@ class Scheduler:
         self._retire(seq)
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
-        """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens."""
+        """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens (an embedding
+        that pools every token's state starts from nothing)."""
+        if seq.pooled is not None and seq.pooled.pooling.needs_every_row:
+            return
         cached = self.kv.start_from_cache(seq.block_table, seq.tokens)
         session_length = self.sessions.reusable_length(seq) if self.sessions is not None else 0
         if session_length > cached:

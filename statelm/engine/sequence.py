@@ -13,6 +13,7 @@ from statelm.engine.grammar import CompiledGrammar
 from statelm.engine.guidance import GuideStop, OutputGuide, ReasoningBudget
 from statelm.engine.kv_manager import BlockTable
 from statelm.engine.repetition import RepetitionConfig
+from statelm.models.pooling import PooledRows
 
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); negative seeds wrap around
 GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in vLLM): logits / temperature would overflow
@@ -82,6 +83,7 @@ class Sequence:
     max_total_tokens: int
     session_id: str | None = None  # a session turn starts from, and parks its KV for, this session
     prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a session refresh)
+    pooled: PooledRows | None = None  # an embedding: its prompt's hidden states are pooled; it ends without sampling
     index: int = 0  # which of the request's n choices this is
     forks: list[Sequence] = field(default_factory=list)  # the other choices, started from this one's prompt KV
     block_table: BlockTable = field(default_factory=BlockTable)  # its KV blocks, which the KVManager changes
@@ -100,6 +102,11 @@ class Sequence:
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
         self.guide = None if self.prefill_only else OutputGuide.for_params(self.params)
+
+    @property
+    def samples(self) -> bool:
+        """True for a sequence that samples tokens (not a session refresh, not an embedding)."""
+        return not self.prefill_only and self.pooled is None
 
     @property
     def num_output_tokens(self) -> int:

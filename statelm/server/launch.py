@@ -27,6 +27,7 @@ from statelm.models.loader import ModelLoadError
 from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
+from statelm.server.embedding_models import embedding_service
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.manager import SessionLimits, SessionManager
 from statelm.sessions.tally import KeyTally
@@ -152,6 +153,10 @@ def build_app(
     metrics = ServingMetrics(built.engine)
     limits = generation_limits(server_config, built.engine.info.max_model_len)
     chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits, tally)
+    try:
+        embeddings = embedding_service(built, chat.context.model, engine_config, metrics, limits)
+    except (ModelLoadError, ValueError) as exc:
+        raise LaunchError(str(exc)) from None
     guards = Guards(
         keys=keys,
         public_metrics=not server_config.metrics_require_key,
@@ -169,6 +174,7 @@ def build_app(
         guards,
         server_config.sse_keepalive,
         allowed_origins=server_config.allowed_origins,
+        embedding_service=embeddings,
     )
     app.state.model_name = built.loaded.name
     return app, guards.drain

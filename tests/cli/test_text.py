@@ -7,7 +7,14 @@ from pathlib import Path
 import pytest
 
 from statelm.cli.extract import ExtractError, expand, extract_text
-from statelm.cli.retrieval import MAX_PASSAGE_CHARS, PassageIndex, split_passages
+from statelm.cli.retrieval import (
+    MAX_PASSAGE_CHARS,
+    EmbeddingFailed,
+    HybridIndex,
+    PassageIndex,
+    reciprocal_rank_fusion,
+    split_passages,
+)
 from statelm.cli.turns import ThinkSplitter
 
 
@@ -85,3 +92,20 @@ def test_think_splitter_handles_tags_cut_across_chunks() -> None:
     answer = "".join(a for a, _ in pieces)
     reasoning = "".join(r for _, r in pieces)
     assert (answer, reasoning) == ("It is 4.<b> <", "plan: add 2+2")
+
+
+def test_reciprocal_rank_fusion_rewards_agreement_between_rankings() -> None:
+    fused = reciprocal_rank_fusion([[3, 1, 2], [1, 4]], k=60)
+    assert [item for item, _ in fused] == [1, 3, 4, 2]
+    assert fused[0][1] == pytest.approx(1 / 62 + 1 / 61)
+    assert reciprocal_rank_fusion([]) == []
+
+
+def test_hybrid_retrieval_goes_on_with_bm25_when_the_embeddings_fail() -> None:
+    def refuse(texts: list[str]) -> list[list[float]]:
+        raise EmbeddingFailed("context_length_exceeded")
+
+    documents = {"pets.md": "The office cat is named Biscuit.", "travel.txt": "The train to Lyon leaves at 9:15."}
+    index = HybridIndex(documents, refuse)
+    assert index.search("Lyon train", k=2) == PassageIndex(documents).search("Lyon train", k=2)
+    assert index.failure == "context_length_exceeded"

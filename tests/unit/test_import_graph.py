@@ -9,7 +9,11 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[2] / "statelm"
 ENGINE = "statelm.engine"
 ENGINE_CLIENT = "statelm.engine.client"  # the one engine module the layers above may import
-ENGINE_FACTORY = {"statelm.server.launch": "statelm.engine.builder"}  # who builds the in-process engine, and how
+# who builds the engines (the in-process generation engine, an encoder model's batching thread), and with what
+ENGINE_FACTORY = {
+    "statelm.server.launch": {"statelm.engine.builder"},
+    "statelm.server.embedding_models": {"statelm.engine.builder", "statelm.engine.encoder"},
+}
 ABOVE_ENGINE = (
     "statelm.api",
     "statelm.sessions",
@@ -28,6 +32,7 @@ BELOW_ENGINE = (
     "statelm.cpu",
     "statelm.paths",
     "statelm.process_lock",
+    "statelm.sampler_settings",
 )
 WIRE_PROTOCOLS = ("statelm.api.openai", "statelm.api.responses", "statelm.api.anthropic")  # over the conversation core
 OUTSIDE = ("statelm", "statelm.__main__", "statelm.webui")  # the package, `python -m statelm`, the web UI's files
@@ -75,7 +80,7 @@ def test_above_the_engine_only_the_engine_client_is_imported() -> None:
         module: sorted(
             imported
             for imported in imports
-            if inside(imported, ENGINE) and imported not in (ENGINE_CLIENT, ENGINE_FACTORY.get(module))
+            if inside(imported, ENGINE) and imported != ENGINE_CLIENT and imported not in ENGINE_FACTORY.get(module, ())
         )
         for module, imports in import_graph().items()
         if any(inside(module, layer) for layer in ABOVE_ENGINE)

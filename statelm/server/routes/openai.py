@@ -54,7 +54,7 @@ def serving_context(request: Request) -> ServingContext:
 
 @router.get("/v1/models", tags=["openai"])
 async def list_models(request: Request) -> ModelList:
-    """The one model this server serves."""
+    """The model this server generates with, then the models it only embeds or reranks with."""
     context = serving_context(request)
     model = context.model
     card = ModelCard(
@@ -63,7 +63,17 @@ async def list_models(request: Request) -> ModelList:
         max_model_len=model.max_model_len,
         sampling_defaults=effective_defaults(context.defaults),
     )
-    return ModelList(data=[card])
+    encoders = [
+        ModelCard(
+            id=encoder.served.name,
+            created=encoder.served.created,
+            max_model_len=encoder.served.max_model_len,
+            kind="reranker" if encoder.cross_encoder else "embedding",
+        )
+        for encoder in request.app.state.embeddings.models.models
+        if encoder.served.name != model.name
+    ]
+    return ModelList(data=[card, *encoders])
 
 
 @router.post("/v1/chat/completions", response_model=None, tags=["openai"])

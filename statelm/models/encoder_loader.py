@@ -1,0 +1,99 @@
+"""Loads an encoder model (a BERT embedder or cross-encoder) from a Hugging Face folder or a GGUF file."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from gguf import GGUFReader
+
+from statelm.config import Pooling
+from statelm.models.bert import GGUF_ARCHITECTURE, BertConfig, BertEncoder, gguf_to_hf_name
+from statelm.models.config import ModelConfigError
+from statelm.models.gguf import _dequantize, _field_value
+from statelm.models.loader import ModelLoadError, _read_safetensors, _safetensors_files, resolve_source
+from statelm.tokenizer import Tokenizer, TokenizerError
+
+# llama.cpp's `<arch>.pooling_type` values
+GGUF_POOLING = {1: Pooling.MEAN, 2: Pooling.CLS, 3: Pooling.LAST}
+SENTENCE_TRANSFORMERS_POOLING = {"pooling_mode_mean_tokens": Pooling.MEAN, "pooling_mode_cls_token": Pooling.CLS,
+                                 "pooling_mode_lasttoken": Pooling.LAST}  # fmt: skip
+
+
+@dataclass
+class LoadedEncoder:
+    """An encoder ready to run, with how its inputs are tokenized and its outputs pooled."""
+
+    name: str
+    model: BertEncoder
+    tokenizer: Tokenizer
+    pooling: Pooling  # of an embedding model's states (a cross-encoder classifies its first token's)
+    post_processed: bool  # the tokenizer's own post-processor adds [CLS] … [SEP] (Hugging Face's tokenizer.json)
+    matryoshka: bool = False  # trained so that a prefix of its vector, renormalised, is an embedding
+
+    @property
+    def cross_encoder(self) -> bool:
+        """True for a reranker: it scores (query, document) pairs."""
+        return self.model.config.num_labels > 0
+
+
+def load_encoder(spec: str, dtype: torch.dtype = torch.float32) -> LoadedEncoder:
+    """The encoder at spec (a folder, a .gguf file or a hub id), its weights in dtype."""
+    source = resolve_source(spec)
+    try:
+        if source.is_gguf:
+            return _load_gguf(source.path, source.name, dtype)
+        return _load_hf(source.path, source.name, dtype)
+    except (ModelConfigError, TokenizerError, KeyError, ValueError) as exc:
+        raise ModelLoadError(f"{spec}: cannot load it as an encoder model ({exc})") from None
+
+
+def _load_hf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
+    config = json.loads((path / "config.json").read_text())
+    model = BertEncoder(BertConfig.from_hf(config), dtype)
+    model.load_weights(_read_safetensors(_safetensors_files(path), dtype))
+    matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
+    tokenizer = Tokenizer.from_hf_dir(path)
+    # sentence-transformers folders ship tokenizer.json padding to and truncating at a fixed length: an input is
+    # its own tokens (and one too long is refused, not cut)
+    tokenizer.backend.no_padding()
+    tokenizer.backend.no_truncation()
+    return LoadedEncoder(name, model.eval(), tokenizer, _sentence_pooling(path), True, matryoshka)
+
+
+def _sentence_pooling(path: Path) -> Pooling:
+    """The pooling a sentence-transformers folder declares (1_Pooling/config.json), else mean."""
+    for module in _read_json(path / "modules.json") or []:
+        if module.get("type", "").endswith("Pooling"):
+            settings = _read_json(path / module.get("path", "") / "config.json") or {}
+            for key, pooling in SENTENCE_TRANSFORMERS_POOLING.items():
+                if settings.get(key):
+                    return pooling
+    return Pooling.MEAN
+
+
+def _read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
+    reader = GGUFReader(path)
+    fields = {key: _field_value(field) for key, field in reader.fields.items()}
+    architecture = fields.get("general.architecture")
+    if architecture != GGUF_ARCHITECTURE:
+        raise ModelConfigError(f"architecture {architecture!r} is not an encoder statelm runs (bert)")
+    tensors = {tensor.name: tensor for tensor in reader.tensors}
+    _, vocab = (int(d) for d in tensors["token_embd.weight"].shape.tolist())  # GGUF order: (hidden, vocab)
+    types = int(tensors["token_types.weight"].shape.tolist()[1]) if "token_types.weight" in tensors else 1
+    model = BertEncoder(BertConfig.from_gguf(fields, vocab, types), dtype)
+    model.load_weights(
+        (gguf_to_hf_name(tensor.name), torch.from_numpy(_dequantize(tensor)).to(dtype)) for tensor in tensors.values()
+    )
+    pooling = GGUF_POOLING.get(int(fields.get(f"{GGUF_ARCHITECTURE}.pooling_type", 1)))
+    if pooling is None:
+        kind = fields.get(f"{GGUF_ARCHITECTURE}.pooling_type")
+        raise ModelConfigError(f"pooling type {kind} is not mean, cls or last")
+    return LoadedEncoder(name, model.eval(), Tokenizer.from_gguf_fields(fields), pooling, False)

@@ -1,0 +1,63 @@
+"""The models a server embeds and scores with: the served decoder (pooled) and any encoder models it loads."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from statelm.api.embeddings.decoder import DecoderPooling
+from statelm.api.embeddings.encoder import EncoderModelRunner
+from statelm.api.embeddings.models import EmbeddingModel, EmbeddingModels
+from statelm.api.embeddings.service import EmbeddingService
+from statelm.api.limits import GenerationLimits
+from statelm.api.serving import ServedModel
+from statelm.config import EngineConfig
+from statelm.engine.builder import BuiltEngine
+from statelm.engine.encoder import EncoderEngine
+from statelm.metrics import ServingMetrics
+from statelm.models.encoder_loader import load_encoder
+
+log = logging.getLogger(__name__)
+
+
+def embedding_service(
+    built: BuiltEngine,
+    served: ServedModel,
+    engine_config: EngineConfig,
+    metrics: ServingMetrics,
+    limits: GenerationLimits,
+) -> EmbeddingService:
+    """Embeddings of the served decoder model, pooled as --pooling says, and of every --embedding-model."""
+    decoder = EmbeddingModel(
+        served=served,
+        tokenizer=built.loaded.tokenizer,
+        runner=DecoderPooling(built.engine, engine_config.pooling),
+        dimensions=built.loaded.config.hidden_size,
+    )
+    encoders = [encoder_model(spec, engine_config.max_queue) for spec in engine_config.embedding_models]
+    names = [model.served.name for model in (decoder, *encoders)]
+    if len(set(names)) < len(names):
+        raise ValueError(f"two served models have the same name: {', '.join(names)}")
+    return EmbeddingService(EmbeddingModels([decoder, *encoders]), metrics, limits)
+
+
+def encoder_model(spec: str, max_queue: int) -> EmbeddingModel:
+    """An encoder model loaded from spec, running on its own thread."""
+    log.info("loading the encoder model %s", spec)
+    loaded = load_encoder(spec)
+    config = loaded.model.config
+    served = ServedModel(
+        name=loaded.name,
+        aliases=frozenset({spec} - {loaded.name}),
+        max_model_len=config.max_position_embeddings,
+        created=int(time.time()),
+    )
+    return EmbeddingModel(
+        served=served,
+        tokenizer=loaded.tokenizer,
+        runner=EncoderModelRunner(EncoderEngine(loaded.model, loaded.pooling, max_queue)),
+        dimensions=config.num_labels or config.hidden_size,
+        matryoshka=loaded.matryoshka,
+        cross_encoder=loaded.cross_encoder,
+        post_processed=loaded.post_processed,
+    )

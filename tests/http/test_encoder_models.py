@@ -1,0 +1,184 @@
+"""Encoder models served beside the decoder (`--embedding-model`): a BERT embedder from a Hugging Face folder and
+from a GGUF file, and a BERT cross-encoder, each compared with transformers on the same weights; routing by `model`
+and /v1/models."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.http.conftest import SERVED_NAME, InProcessServer, serve_in_process, tiny_args
+from tests.models.tiny_encoders import make_tiny_bert_dir, write_bert_gguf, write_sentence_transformers_pooling
+
+TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France!", "a cat sat", "Weather?"]
+QUERY = "which city is the capital of france?"
+
+
+@dataclass
+class Encoders:
+    """The tiny encoders' folders and files."""
+
+    bert: Path  # mean pooling, Matryoshka
+    cls_bert: Path  # CLS pooling, declared by sentence-transformers' files
+    gguf: Path  # bert's weights, mean pooling
+    reranker: Path
+
+
+@pytest.fixture(scope="module")
+def encoders(tmp_path_factory: pytest.TempPathFactory) -> Encoders:
+    """Tiny random encoders."""
+    root = tmp_path_factory.mktemp("encoders")
+    bert = make_tiny_bert_dir(root / "tiny-bert", matryoshka_dimensions=[16, 32])
+    cls_bert = make_tiny_bert_dir(root / "tiny-bert-cls", seed=1)
+    write_sentence_transformers_pooling(cls_bert, "cls")
+    gguf = write_bert_gguf(bert, root / "tiny-bert-f32.gguf")
+    return Encoders(bert, cls_bert, gguf, make_tiny_bert_dir(root / "tiny-reranker", cross_encoder=True, seed=2))
+
+
+@pytest.fixture(scope="module")
+def app(tiny_model: Path, encoders: Encoders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
+    """The tiny decoder and the four encoders in one app."""
+    extra = [arg for path in vars(encoders).values() for arg in ("--embedding-model", str(path))]
+    with serve_in_process(tiny_args(tiny_model, tmp_path_factory.mktemp("encoders") / "state", *extra)) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def client(app: InProcessServer) -> Iterator[httpx.Client]:
+    """Raw HTTP to the app."""
+    with app.http() as http:
+        yield http
+
+
+def hf_embeddings(folder: Path, texts: list[str], pooling: str) -> torch.Tensor:
+    """transformers' pooled, normalised embeddings of texts, with the folder's own tokenizer."""
+    from transformers import AutoModel, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModel.from_pretrained(folder, dtype=torch.float32).eval()
+    batch = tokenizer(texts, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        hidden = model(**batch).last_hidden_state
+    if pooling == "cls":
+        vectors = hidden[:, 0]
+    else:
+        mask = batch["attention_mask"].unsqueeze(-1).float()
+        vectors = (hidden * mask).sum(dim=1) / mask.sum(dim=1)
+    return F.normalize(vectors, dim=-1)
+
+
+def hf_relevance(folder: Path, query: str, documents: list[str]) -> list[float]:
+    """transformers' cross-encoder scores (sigmoid of the one logit) of (query, document) pairs."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
+    batch = tokenizer([query] * len(documents), documents, padding=True, return_tensors="pt")
+    with torch.no_grad():
+        return torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+
+
+def embed(client: httpx.Client, model: str, input: Any, **extra: Any) -> torch.Tensor:
+    """The vectors /v1/embeddings answers, [inputs, dimensions]."""
+    response = client.post("/v1/embeddings", json={"model": model, "input": input, **extra})
+    assert response.status_code == 200, response.text
+    return torch.tensor([item["embedding"] for item in response.json()["data"]])
+
+
+def assert_close(ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Every row's cosine similarity is at least 0.9999."""
+    assert F.cosine_similarity(ours, theirs.float(), dim=-1).min() >= 0.9999
+
+
+def test_models_lists_the_decoder_then_the_encoders(client: httpx.Client) -> None:
+    cards = client.get("/v1/models").json()["data"]
+    kinds = {card["id"]: card["kind"] for card in cards}
+    assert cards[0]["id"] == SERVED_NAME and cards[0]["sampling_defaults"] is not None
+    expected = {"tiny-bert": "embedding", "tiny-bert-cls": "embedding", "tiny-bert-f32": "embedding"}
+    assert kinds == {SERVED_NAME: "generation", **expected, "tiny-reranker": "reranker"}
+    assert all(card["max_model_len"] == 64 for card in cards[1:])
+
+
+def test_bert_from_a_folder_matches_transformers(client: httpx.Client, encoders: Encoders) -> None:
+    assert_close(embed(client, "tiny-bert", TEXTS), hf_embeddings(encoders.bert, TEXTS, "mean"))
+
+
+def test_sentence_transformers_cls_pooling_matches_transformers(client: httpx.Client, encoders: Encoders) -> None:
+    assert_close(embed(client, "tiny-bert-cls", TEXTS), hf_embeddings(encoders.cls_bert, TEXTS, "cls"))
+
+
+def test_bert_from_gguf_matches_transformers_on_the_same_weights(client: httpx.Client, encoders: Encoders) -> None:
+    ours = embed(client, "tiny-bert-f32", TEXTS)
+    assert_close(ours, hf_embeddings(encoders.bert, TEXTS, "mean"))
+    assert_close(ours, embed(client, "tiny-bert", TEXTS))  # the WordPiece vocabulary tokenizes as the folder's
+
+
+def test_a_vector_does_not_depend_on_its_batch(client: httpx.Client) -> None:
+    batch = embed(client, "tiny-bert", TEXTS)
+    for i, text in enumerate(TEXTS):
+        assert torch.equal(embed(client, "tiny-bert", text)[0], batch[i])
+
+
+def test_a_matryoshka_model_shortens_and_renormalises(client: httpx.Client) -> None:
+    whole = embed(client, "tiny-bert", TEXTS[0])[0]
+    short = embed(client, "tiny-bert", TEXTS[0], dimensions=16)[0]
+    assert short.shape == (16,)
+    assert torch.allclose(short, F.normalize(whole[:16], dim=0), atol=1e-6)
+    response = client.post("/v1/embeddings", json={"model": "tiny-bert-cls", "input": "x", "dimensions": 16})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "dimensions"
+
+
+def test_an_input_longer_than_the_encoder_s_context_is_refused(client: httpx.Client) -> None:
+    response = client.post("/v1/embeddings", json={"model": "tiny-bert", "input": "the dog " * 40})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
+
+
+def test_the_reranker_matches_transformers_and_orders_the_documents(client: httpx.Client, encoders: Encoders) -> None:
+    body = {"model": "tiny-reranker", "query": QUERY, "documents": TEXTS, "top_n": 3}
+    response = client.post("/v1/rerank", json=body)
+    assert response.status_code == 200, response.text
+    results = response.json()["results"]
+    expected = hf_relevance(encoders.reranker, QUERY, TEXTS)
+    assert [result["index"] for result in results] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])[:3]
+    for result in results:
+        assert result["relevance_score"] == pytest.approx(expected[result["index"]], abs=1e-5)
+        assert result["document"] == {"text": TEXTS[result["index"]]}
+    scored = client.post("/v1/score", json={"model": "tiny-reranker", "text_1": QUERY, "text_2": TEXTS})
+    assert [item["score"] for item in scored.json()["data"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_reranker_makes_no_embeddings_and_an_unknown_model_is_404(client: httpx.Client) -> None:
+    response = client.post("/v1/embeddings", json={"model": "tiny-reranker", "input": "x"})
+    assert response.status_code == 400 and response.json()["error"]["code"] == "model_not_supported"
+    response = client.post("/v1/rerank", json={"model": "nope", "query": "q", "documents": ["d"]})
+    assert response.status_code == 404 and response.json()["error"]["code"] == "model_not_found"
+
+
+def test_the_openai_sdk_embeds_with_an_encoder(app: InProcessServer, client: httpx.Client) -> None:
+    result = app.openai().embeddings.create(model="tiny-bert", input=TEXTS)
+    assert torch.allclose(torch.tensor([item.embedding for item in result.data]), embed(client, "tiny-bert", TEXTS))
+
+
+def test_hybrid_retrieval_fuses_the_bm25_and_embedding_rankings(client: httpx.Client) -> None:
+    from statelm.cli.retrieval import HybridIndex, reciprocal_rank_fusion
+
+    def embed_texts(texts: list[str]) -> list[list[float]]:
+        return embed(client, "tiny-bert", texts).tolist()
+
+    documents = {f"doc{i}.md": text for i, text in enumerate(TEXTS)}
+    index = HybridIndex(documents, embed_texts)
+    query = "the capital city"
+    lexical = [i for i, _ in index.lexical(query, 10)]
+    semantic = index.semantic(query, 10)
+    assert lexical and sorted(semantic) == list(range(len(TEXTS)))
+    expected = [index.passages[i].source for i, _ in reciprocal_rank_fusion([lexical, semantic])]
+    assert [passage.source for passage, _ in index.search(query, k=10)] == expected
+    assert len(index.search("the of a", k=2)) == 2  # no word BM25 counts: the embeddings still rank every passage
+
