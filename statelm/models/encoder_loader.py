@@ -57,10 +57,6 @@ def _load_hf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
     model.load_weights(_read_safetensors(_safetensors_files(path), dtype))
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     tokenizer = Tokenizer.from_hf_dir(path)
-    # sentence-transformers folders ship tokenizer.json padding to and truncating at a fixed length: an input is
-    # its own tokens (and one too long is refused, not cut)
-    tokenizer.backend.no_padding()
-    tokenizer.backend.no_truncation()
     return LoadedEncoder(name, model.eval(), tokenizer, _sentence_pooling(path), True, matryoshka)
 
 
