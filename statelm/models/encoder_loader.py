@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -49,6 +51,25 @@ def load_encoder(spec: str, dtype: torch.dtype = torch.float32) -> LoadedEncoder
         return _load_hf(source.path, source.name, dtype)
     except (ModelConfigError, TokenizerError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{spec}: cannot load it as an encoder model ({exc})") from None
+
+
+def encoder_weight_bytes(spec: str, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the weights of the encoder at spec take once loaded in dtype, read from the files' headers alone."""
+    source = resolve_source(spec)
+    if source.is_gguf:
+        elements = sum(int(tensor.n_elements) for tensor in GGUFReader(source.path).tensors)
+    else:
+        headers = [_safetensors_header(file) for file in _safetensors_files(source.path)]
+        elements = sum(math.prod(entry["shape"]) for header in headers for entry in header.values() if "shape" in entry)
+    return elements * dtype.itemsize
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header: each tensor's dtype, shape and offsets (and `__metadata__`), read without
+    mapping the file."""
+    with file.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length))
 
 
 def _load_hf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:

@@ -15,7 +15,8 @@ from statelm.config import EngineConfig
 from statelm.engine.builder import BuiltEngine
 from statelm.engine.encoder import EncoderEngine
 from statelm.metrics import ServingMetrics
-from statelm.models.encoder_loader import load_encoder
+from statelm.models.encoder_loader import encoder_weight_bytes, load_encoder
+from statelm.server.memory_budget import check_memory, kv_cache_bytes, module_bytes
 
 log = logging.getLogger(__name__)
 
@@ -26,19 +27,33 @@ def embedding_service(
     engine_config: EngineConfig,
     metrics: ServingMetrics,
     limits: GenerationLimits,
+    host_memory: int,
 ) -> EmbeddingService:
-    """Embeddings of the served decoder model, pooled as --pooling says, and of every --embedding-model."""
+    """Embeddings of the served decoder model, pooled as --pooling says, and of every --embedding-model; the
+    encoders' weights, with the decoder's weights and KV pool where they are in host memory too, must fit in
+    host_memory (what the server may use)."""
     decoder = EmbeddingModel(
         served=served,
         tokenizer=built.loaded.tokenizer,
         runner=DecoderPooling(built.engine, engine_config.pooling),
         dimensions=built.loaded.config.hidden_size,
     )
+    check_host_memory(built, engine_config.embedding_models, host_memory)
     encoders = [encoder_model(spec, engine_config.max_queue) for spec in engine_config.embedding_models]
     names = [model.served.name for model in (decoder, *encoders)]
     if len(set(names)) < len(names):
         raise ValueError(f"two served models have the same name: {', '.join(names)}")
     return EmbeddingService(EmbeddingModels([decoder, *encoders]), metrics, limits)
+
+
+def check_host_memory(built: BuiltEngine, encoder_specs: list[str], host_memory: int) -> None:
+    """Raise MemoryBudgetError unless the encoders' weights, and the decoder's weights and KV pool when it runs on
+    the CPU, fit in host_memory (a GPU's memory is taken, and so checked, when the decoder loads)."""
+    needs = [(f"{spec}'s weights", encoder_weight_bytes(spec)) for spec in encoder_specs]
+    if built.loaded.device.type == "cpu":
+        kv_pool = kv_cache_bytes(built.engine.engine.runner.kv_cache)
+        needs = [("the chat model's weights", module_bytes(built.loaded.model)), ("its KV pool", kv_pool), *needs]
+    check_memory(host_memory, needs)
 
 
 def encoder_model(spec: str, max_queue: int) -> EmbeddingModel:
