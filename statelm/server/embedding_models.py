@@ -16,7 +16,7 @@ from statelm.engine.builder import BuiltEngine
 from statelm.engine.encoder import EncoderEngine
 from statelm.metrics import ServingMetrics
 from statelm.models.encoder_loader import encoder_weight_bytes, load_encoder
-from statelm.server.memory_budget import check_memory, kv_cache_bytes, module_bytes
+from statelm.server.memory_budget import check_memory, module_bytes
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +51,8 @@ def check_host_memory(built: BuiltEngine, encoder_specs: list[str], host_memory:
     the CPU, fit in host_memory (a GPU's memory is taken, and so checked, when the decoder loads)."""
     needs = [(f"{spec}'s weights", encoder_weight_bytes(spec)) for spec in encoder_specs]
     if built.loaded.device.type == "cpu":
-        kv_pool = kv_cache_bytes(built.engine.engine.runner.kv_cache)
+        cache = built.engine.engine.runner.kv_cache  # the whole pool: on the CPU its pages are taken when written
+        kv_pool = sum(tensor.nbytes for tensor in (*cache.k, *cache.v))
         needs = [("the chat model's weights", module_bytes(built.loaded.model)), ("its KV pool", kv_pool), *needs]
     check_memory(host_memory, needs)
 

@@ -8,7 +8,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from statelm.engine.kv_cache import KVCache
 from statelm.kernels.quant import PackedWeight
 
 CGROUP = Path("/sys/fs/cgroup")
@@ -84,11 +83,6 @@ def module_bytes(module: nn.Module) -> int:
             storage = tensor.untyped_storage()
             storages[storage.data_ptr()] = storage.nbytes()
     return sum(storages.values())
-
-
-def kv_cache_bytes(cache: KVCache) -> int:
-    """Bytes a KV pool takes once its blocks are written (on the CPU its pages are taken on first touch)."""
-    return sum(tensor.nbytes for tensor in (*cache.k, *cache.v))
 
 
 def check_memory(available: int, needs: list[tuple[str, int]]) -> None:
