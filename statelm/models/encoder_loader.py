@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import struct
@@ -35,6 +36,7 @@ class LoadedEncoder:
     pooling: Pooling  # of an embedding model's states (a cross-encoder classifies its first token's)
     post_processed: bool  # the tokenizer's own post-processor adds [CLS] … [SEP] (Hugging Face's tokenizer.json)
     matryoshka: bool = False  # trained so that a prefix of its vector, renormalised, is an embedding
+    fingerprint: str = ""  # sha256 of what decides its outputs: weights (their bytes), config, tokenizer, pooling
 
     @property
     def cross_encoder(self) -> bool:
@@ -47,10 +49,27 @@ def load_encoder(spec: str, dtype: torch.dtype = torch.float32) -> LoadedEncoder
     source = resolve_source(spec)
     try:
         if source.is_gguf:
-            return _load_gguf(source.path, source.name, dtype)
-        return _load_hf(source.path, source.name, dtype)
+            loaded = _load_gguf(source.path, source.name, dtype)
+            files = [source.path]
+        else:
+            loaded = _load_hf(source.path, source.name, dtype)
+            files = [source.path / "config.json", *_safetensors_files(source.path)]
     except (ModelConfigError, TokenizerError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{spec}: cannot load it as an encoder model ({exc})") from None
+    loaded.fingerprint = _fingerprint(loaded, files, dtype)
+    return loaded
+
+
+def _fingerprint(loaded: LoadedEncoder, files: list[Path], dtype: torch.dtype) -> str:
+    """sha256 of the weight and config files' bytes, the tokenizer, the pooling and the dtype: an encoder is small
+    enough to hash whole, and two fine-tunes of one architecture differ only in their bytes."""
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    settings = [loaded.tokenizer.content_hash(), loaded.pooling.value, str(dtype), loaded.matryoshka]
+    digest.update(json.dumps(settings).encode())
+    return digest.hexdigest()
 
 
 def encoder_weight_bytes(spec: str, dtype: torch.dtype = torch.float32) -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -10,7 +11,7 @@ from statelm.api.embeddings.encoder import EncoderModelRunner
 from statelm.api.embeddings.models import EmbeddingModel, EmbeddingModels
 from statelm.api.embeddings.service import EmbeddingService
 from statelm.api.limits import GenerationLimits
-from statelm.api.serving import ServedModel
+from statelm.api.serving import ServedModel, system_fingerprint
 from statelm.config import EngineConfig
 from statelm.engine.builder import BuiltEngine
 from statelm.engine.encoder import EncoderEngine
@@ -32,8 +33,9 @@ def embedding_service(
     """Embeddings of the served decoder model, pooled as --pooling says, and of every --embedding-model; the
     encoders' weights, with the decoder's weights and KV pool where they are in host memory too, must fit in
     host_memory (what the server may use)."""
+    pooled = system_fingerprint(served.system_fingerprint, {"pooling": engine_config.pooling})
     decoder = EmbeddingModel(
-        served=served,
+        served=dataclasses.replace(served, system_fingerprint=pooled),
         tokenizer=built.loaded.tokenizer,
         runner=DecoderPooling(built.engine, engine_config.pooling),
         dimensions=built.loaded.config.hidden_size,
@@ -67,6 +69,7 @@ def encoder_model(spec: str, max_queue: int) -> EmbeddingModel:
         aliases=frozenset({spec} - {loaded.name}),
         max_model_len=config.max_position_embeddings,
         created=int(time.time()),
+        system_fingerprint=system_fingerprint(loaded.fingerprint, {}),
     )
     return EmbeddingModel(
         served=served,

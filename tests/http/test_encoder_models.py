@@ -174,11 +174,22 @@ def test_the_openai_sdk_embeds_with_an_encoder(app: InProcessServer, client: htt
     assert torch.allclose(torch.tensor([item.embedding for item in result.data]), embed(client, "tiny-bert", TEXTS))
 
 
+def test_an_embedding_s_fingerprint_names_the_model_that_made_it(client: httpx.Client, encoders: Encoders) -> None:
+    def fingerprint(model: str) -> str:
+        response = client.post("/v1/embeddings", json={"model": model, "input": "a cat sat"})
+        return response.json()["system_fingerprint"]
+
+    prints = {model: fingerprint(model) for model in ("tiny-bert", "tiny-bert-cls", "tiny-bert-f32", SERVED_NAME)}
+    assert all(value.startswith("fp_") for value in prints.values()) and len(set(prints.values())) == 4
+    assert fingerprint(str(encoders.bert)) == prints["tiny-bert"]  # by its alias: the same model
+
+
 def test_hybrid_retrieval_fuses_the_bm25_and_embedding_rankings(client: httpx.Client) -> None:
+    from statelm.cli.client import Embeddings
     from statelm.cli.retrieval import HybridIndex, reciprocal_rank_fusion
 
-    def embed_texts(texts: list[str]) -> list[list[float]]:
-        return embed(client, "tiny-bert", texts).tolist()
+    def embed_texts(texts: list[str]) -> Embeddings:
+        return Embeddings(embed(client, "tiny-bert", texts).tolist(), "fp_tiny-bert")
 
     documents = {f"doc{i}.md": text for i, text in enumerate(TEXTS)}
     index = HybridIndex(documents, embed_texts)
