@@ -15,12 +15,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.text import Text
 
-from statelm.cli.client import ClientError, StatelmClient
+from statelm.cli.client import ClientError, Embeddings, StatelmClient
 from statelm.cli.common import ApiKeyOption, UrlOption, connect, console, fail, reports_errors
 from statelm.cli.extract import ExtractError, display_name, expand, extract_text
 from statelm.cli.render import add_row, ago, details, listing
 from statelm.cli.repl import Command, Repl, UsageError
-from statelm.cli.retrieval import EmbeddingFailed, HybridIndex, PassageIndex
+from statelm.cli.retrieval import EmbeddingFailed, HybridIndex, PassageIndex, PassageVectors
 from statelm.cli.turns import Reply, print_reasoning, run_turn, set_fields
 from statelm.cli.workspace import Workspace
 from statelm.paths import default_state_dir
@@ -71,10 +71,11 @@ class DocsSession:
             if model is None:
                 self._index = PassageIndex(self.ws.texts())
             else:
-                self._index = HybridIndex(self.ws.texts(), functools.partial(self._embed, model))
+                vectors = PassageVectors(self.ws.vectors_file)
+                self._index = HybridIndex(self.ws.texts(), functools.partial(self._embed, model), vectors)
         return self._index
 
-    def _embed(self, model: str, texts: list[str]) -> list[list[float]]:
+    def _embed(self, model: str, texts: list[str]) -> Embeddings:
         """The server's embeddings of texts; a refusal is reported once and retrieval goes on with BM25 alone."""
         try:
             return self.client.embed(model, texts)
@@ -202,6 +203,21 @@ class DocsSession:
             self.ws.save()
             self._index = None
         self._print_added(rows, used)
+        self.index_passages()
+
+    def index_passages(self) -> None:
+        """Embed the passages that have no kept vector yet, when the server has an embedding model."""
+        if self.embedding_model is None:
+            return
+        index = self.index()
+        if not isinstance(index, HybridIndex):
+            return
+        with self.console.status(f"embedding passages with {self.embedding_model}"):
+            index.prepare()
+        if index.embedded:
+            self.console.print(
+                f"[dim]({index.embedded} passages embedded with {self.embedding_model}, kept with the workspace)[/dim]"
+            )
 
     def _add_one(self, path: Path, source: str, known: set[str], used: int, progress: Progress) -> tuple[str, str]:
         """Ingest one file into the context, or keep it for retrieval when it would overflow; (tokens, where)."""
@@ -245,6 +261,8 @@ class DocsSession:
         if any(not d.resident for d in self.ws.documents):
             self.drop_questions()  # excerpts need the room: with them, every question starts from the documents
         excerpts = self._excerpts(question)
+        if excerpts:
+            self.console.print(f"[dim]({len(excerpts)} excerpts found by {self.retrieval()})[/dim]", highlight=False)
         content = excerpts_message(question, excerpts) if excerpts else question
         body = {
             "session_id": self.ws.session_id,
@@ -388,6 +406,7 @@ def docs(
     settings = {"temperature": temperature, "max_tokens": max_tokens}
     session = DocsSession(connect(url, api_key), workspace, settings, console)
     how = session.attach()
+    session.index_passages()
     if add:
         session.add_paths(add)
     if prompt is not None:

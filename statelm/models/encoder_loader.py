@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,6 +36,7 @@ class LoadedEncoder:
     pooling: Pooling  # of an embedding model's states (a cross-encoder classifies its first token's)
     post_processed: bool  # the tokenizer's own post-processor adds [CLS] … [SEP] (Hugging Face's tokenizer.json)
     matryoshka: bool = False  # trained so that a prefix of its vector, renormalised, is an embedding
+    fingerprint: str = ""  # sha256 of what decides its outputs: weights (their bytes), config, tokenizer, pooling
 
     @property
     def cross_encoder(self) -> bool:
@@ -45,10 +49,46 @@ def load_encoder(spec: str, dtype: torch.dtype = torch.float32) -> LoadedEncoder
     source = resolve_source(spec)
     try:
         if source.is_gguf:
-            return _load_gguf(source.path, source.name, dtype)
-        return _load_hf(source.path, source.name, dtype)
+            loaded = _load_gguf(source.path, source.name, dtype)
+            files = [source.path]
+        else:
+            loaded = _load_hf(source.path, source.name, dtype)
+            files = [source.path / "config.json", *_safetensors_files(source.path)]
     except (ModelConfigError, TokenizerError, KeyError, ValueError) as exc:
         raise ModelLoadError(f"{spec}: cannot load it as an encoder model ({exc})") from None
+    loaded.fingerprint = _fingerprint(loaded, files, dtype)
+    return loaded
+
+
+def _fingerprint(loaded: LoadedEncoder, files: list[Path], dtype: torch.dtype) -> str:
+    """sha256 of the weight and config files' bytes, the tokenizer, the pooling and the dtype: an encoder is small
+    enough to hash whole, and two fine-tunes of one architecture differ only in their bytes."""
+    digest = hashlib.sha256()
+    for file in files:
+        with file.open("rb") as handle:
+            digest.update(hashlib.file_digest(handle, "sha256").digest())
+    settings = [loaded.tokenizer.content_hash(), loaded.pooling.value, str(dtype), loaded.matryoshka]
+    digest.update(json.dumps(settings).encode())
+    return digest.hexdigest()
+
+
+def encoder_weight_bytes(spec: str, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes the weights of the encoder at spec take once loaded in dtype, read from the files' headers alone."""
+    source = resolve_source(spec)
+    if source.is_gguf:
+        elements = sum(int(tensor.n_elements) for tensor in GGUFReader(source.path).tensors)
+    else:
+        headers = [_safetensors_header(file) for file in _safetensors_files(source.path)]
+        elements = sum(math.prod(entry["shape"]) for header in headers for entry in header.values() if "shape" in entry)
+    return elements * dtype.itemsize
+
+
+def _safetensors_header(file: Path) -> dict[str, Any]:
+    """A safetensors file's header: each tensor's dtype, shape and offsets (and `__metadata__`), read without
+    mapping the file."""
+    with file.open("rb") as handle:
+        (length,) = struct.unpack("<Q", handle.read(8))
+        return json.loads(handle.read(length))
 
 
 def _load_hf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
@@ -57,10 +97,6 @@ def _load_hf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
     model.load_weights(_read_safetensors(_safetensors_files(path), dtype))
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     tokenizer = Tokenizer.from_hf_dir(path)
-    # sentence-transformers folders ship tokenizer.json padding to and truncating at a fixed length: an input is
-    # its own tokens (and one too long is refused, not cut)
-    tokenizer.backend.no_padding()
-    tokenizer.backend.no_truncation()
     return LoadedEncoder(name, model.eval(), tokenizer, _sentence_pooling(path), True, matryoshka)
 
 

@@ -28,6 +28,7 @@ from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
 from statelm.server.embedding_models import embedding_service
+from statelm.server.memory_budget import available_host_memory
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.manager import SessionLimits, SessionManager
 from statelm.sessions.tally import KeyTally
@@ -146,6 +147,7 @@ def build_app(
     """Load the model and build the application (and the gate its server drains through), without serving it; with
     tally, the per-key limits count over every server sharing it (a cluster's replicas)."""
     keys = key_ring(server_config)
+    host_memory = available_host_memory()  # before the models take theirs
     try:
         built = build_engine(engine_config)
     except (ModelLoadError, EngineConfigError) as exc:
@@ -154,8 +156,9 @@ def build_app(
     limits = generation_limits(server_config, built.engine.info.max_model_len)
     chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits, tally)
     try:
-        embeddings = embedding_service(built, chat.context.model, engine_config, metrics, limits)
+        embeddings = embedding_service(built, chat.context.model, engine_config, metrics, limits, host_memory)
     except (ModelLoadError, ValueError) as exc:
+        built.engine.shutdown()
         raise LaunchError(str(exc)) from None
     guards = Guards(
         keys=keys,

@@ -141,6 +141,8 @@ def test_the_client_embeds_with_the_served_model_and_finds_no_embedding_model_be
 
     client = StatelmClient(server_url)
     assert client.embedding_model() is None  # `statelm docs` then retrieves with BM25 alone
-    vectors = client.embed(client.model()["id"], ["The capital of France is Paris.", "Cats sleep."])
+    answer = client.embed(client.model()["id"], ["The capital of France is Paris.", "Cats sleep."])
+    vectors = answer.vectors
+    assert answer.fingerprint.startswith("fp_")
     assert len(vectors) == 2 and len(vectors[0]) == 576  # SmolLM2-135M's hidden size, last-token pooled
     assert abs(sum(value * value for value in vectors[0]) - 1) < 1e-4

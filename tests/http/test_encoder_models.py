@@ -4,6 +4,8 @@ and /v1/models."""
 
 from __future__ import annotations
 
+import re
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,8 +16,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.http.conftest import SERVED_NAME, InProcessServer, serve_in_process, tiny_args
-from tests.models.tiny_encoders import make_tiny_bert_dir, write_bert_gguf, write_sentence_transformers_pooling
+from statelm.server.launch import LaunchError
+from tests.http.conftest import SERVED_NAME, InProcessServer, built_app, serve_in_process, tiny_args
+from tests.models.tiny_encoders import (
+    make_tiny_bert_dir,
+    write_bert_gguf,
+    write_sentence_transformers_pooling,
+    write_sparse_safetensors,
+)
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France!", "a cat sat", "Weather?"]
 QUERY = "which city is the capital of france?"
@@ -166,11 +174,22 @@ def test_the_openai_sdk_embeds_with_an_encoder(app: InProcessServer, client: htt
     assert torch.allclose(torch.tensor([item.embedding for item in result.data]), embed(client, "tiny-bert", TEXTS))
 
 
+def test_an_embedding_s_fingerprint_names_the_model_that_made_it(client: httpx.Client, encoders: Encoders) -> None:
+    def fingerprint(model: str) -> str:
+        response = client.post("/v1/embeddings", json={"model": model, "input": "a cat sat"})
+        return response.json()["system_fingerprint"]
+
+    prints = {model: fingerprint(model) for model in ("tiny-bert", "tiny-bert-cls", "tiny-bert-f32", SERVED_NAME)}
+    assert all(value.startswith("fp_") for value in prints.values()) and len(set(prints.values())) == 4
+    assert fingerprint(str(encoders.bert)) == prints["tiny-bert"]  # by its alias: the same model
+
+
 def test_hybrid_retrieval_fuses_the_bm25_and_embedding_rankings(client: httpx.Client) -> None:
+    from statelm.cli.client import Embeddings
     from statelm.cli.retrieval import HybridIndex, reciprocal_rank_fusion
 
-    def embed_texts(texts: list[str]) -> list[list[float]]:
-        return embed(client, "tiny-bert", texts).tolist()
+    def embed_texts(texts: list[str]) -> Embeddings:
+        return Embeddings(embed(client, "tiny-bert", texts).tolist(), "fp_tiny-bert")
 
     documents = {f"doc{i}.md": text for i, text in enumerate(TEXTS)}
     index = HybridIndex(documents, embed_texts)
@@ -182,3 +201,17 @@ def test_hybrid_retrieval_fuses_the_bm25_and_embedding_rankings(client: httpx.Cl
     assert [passage.source for passage, _ in index.search(query, k=10)] == expected
     assert len(index.search("the of a", k=2)) == 2  # no word BM25 counts: the embeddings still rank every passage
 
+
+def test_an_encoder_larger_than_the_memory_left_stops_the_start(
+    tiny_model: Path, encoders: Encoders, tmp_path: Path
+) -> None:
+    huge = shutil.copytree(encoders.bert, tmp_path / "huge-bert")
+    write_sparse_safetensors(huge / "model.safetensors", 2**37)  # 512 GiB of float32, none of it on disk
+    encoder_args = ["--embedding-model", str(encoders.gguf), "--embedding-model", str(huge)]
+    weights = rf"{re.escape(str(encoders.gguf))}'s weights 0\.\d MiB, {re.escape(str(huge))}'s weights 524,288\.0 MiB"
+    expected = rf"not enough memory: the chat model's weights \d.* MiB, its KV pool 64\.0 MiB, {weights} need "
+    with (
+        pytest.raises(LaunchError, match=expected),
+        built_app(tiny_args(tiny_model, tmp_path / "state", *encoder_args)),
+    ):
+        pass

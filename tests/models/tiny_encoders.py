@@ -4,6 +4,7 @@ WordPiece tokenizer), and the embedding model as a GGUF file written with gguf's
 from __future__ import annotations
 
 import json
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -168,3 +169,14 @@ def _llama_cpp_piece(token: str) -> str:
     if token in SPECIALS:
         return token
     return token[2:] if token.startswith("##") else "\u2581" + token
+
+
+def write_sparse_safetensors(path: Path, elements: int) -> Path:
+    """A safetensors file whose one float32 tensor has `elements` elements, sparse on disk: the header says how
+    large the weights are, the file's size agrees, and no byte of them is written."""
+    header = json.dumps({"weight": {"dtype": "F32", "shape": [elements], "data_offsets": [0, 4 * elements]}}).encode()
+    header += b" " * (-len(header) % 8)
+    with path.open("wb") as handle:
+        handle.write(struct.pack("<Q", len(header)) + header)
+        handle.truncate(8 + len(header) + 4 * elements)
+    return path

@@ -64,6 +64,9 @@ class EmbeddingResponse(BaseModel):
     data: list[Embedding]
     model: str
     usage: EmbeddingUsage
+    # the model's weights, tokenizer and pooling, hashed (as chat completions carry it): vectors with the same one
+    # are comparable, so a client may keep them
+    system_fingerprint: str
 
 
 class DocumentObject(TypedModel):

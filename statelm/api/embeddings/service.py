@@ -65,7 +65,8 @@ class EmbeddingService:
         ]
         tokens = sum(map(len, prompts))
         usage = EmbeddingUsage(prompt_tokens=tokens, total_tokens=tokens)
-        return EmbeddingResponse(data=data, model=request.model, usage=usage)
+        fingerprint = model.served.system_fingerprint
+        return EmbeddingResponse(data=data, model=request.model, usage=usage, system_fingerprint=fingerprint)
 
     async def rerank(self, request: RerankRequest) -> RerankResponse:
         """The documents by relevance to the query, the most relevant first, `top_n` of them."""
