@@ -63,6 +63,7 @@ def write_wordpiece_tokenizer(path: Path, tokens: list[str]) -> None:
     sep, cls = ("[SEP]", tokens.index("[SEP]")), ("[CLS]", tokens.index("[CLS]"))
     backend.post_processor = processors.BertProcessing(sep, cls)
     backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(SPECIALS)  # as BERT's own tokenizer.json lists them (llama.cpp's converter reads them)
     # as sentence-transformers folders ship it: padded to and truncated at a fixed length (statelm must undo both)
     length = 64
     backend.enable_padding(pad_id=tokens.index("[PAD]"), pad_token="[PAD]", length=length)
