@@ -198,10 +198,11 @@ def test_nomic_bert_from_a_folder_and_from_gguf_matches_the_published_architectu
     assert_close(embed(client, "tiny-nomic-f32", texts), expected)
 
 
-def test_a_vector_does_not_depend_on_its_batch(client: httpx.Client) -> None:
-    batch = embed(client, "tiny-bert", TEXTS)
+@pytest.mark.parametrize("model", ["tiny-bert", "tiny-nomic"])
+def test_a_vector_does_not_depend_on_its_batch(client: httpx.Client, model: str) -> None:
+    batch = embed(client, model, TEXTS)
     for i, text in enumerate(TEXTS):
-        assert torch.equal(embed(client, "tiny-bert", text)[0], batch[i])
+        assert torch.equal(embed(client, model, text)[0], batch[i])
 
 
 def test_a_matryoshka_model_shortens_and_renormalises(client: httpx.Client) -> None:
