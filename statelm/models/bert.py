@@ -1,4 +1,5 @@
-"""BERT-family encoders (BERT, BGE, E5, all-MiniLM) and BERT cross-encoders (rerankers), over flat batches.
+"""BERT-family encoders (BERT, BGE, E5, all-MiniLM; nomic-bert's rotary, SwiGLU variant) and BERT cross-encoders
+(rerankers), over flat batches.
 
 A batch is the concatenation of its sequences' tokens ([T, hidden]): the linears run in fixed-size row chunks
 (so a row's result does not depend on the rest of the batch) and attention runs per sequence, bidirectional, with
@@ -8,6 +9,7 @@ no padding anywhere.
 from __future__ import annotations
 
 import re
+from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -17,43 +19,102 @@ import torch.nn.functional as F
 from torch import nn
 
 from statelm.models.config import ModelConfigError
-from statelm.models.layers import RowChunking, chunked_linear
+from statelm.models.layers import RotaryEmbedding, RowChunking, apply_rope, chunked_linear
 
 HF_ARCHITECTURES = ("BertModel", "BertForSequenceClassification")
-GGUF_ARCHITECTURE = "bert"
-# llama.cpp's tensor names for BERT, as Hugging Face names them (under an optional `bert.` prefix)
-_GGUF_NAMES = {
-    "token_embd": "embeddings.word_embeddings",
-    "position_embd": "embeddings.position_embeddings",
-    "token_types": "embeddings.token_type_embeddings",
-    "token_embd_norm": "embeddings.LayerNorm",
-}
-_GGUF_LAYER_NAMES = {
-    "attn_q": "attention.self.query",
-    "attn_k": "attention.self.key",
-    "attn_v": "attention.self.value",
-    "attn_output": "attention.output.dense",
-    "attn_output_norm": "attention.output.LayerNorm",
-    "ffn_up": "intermediate.dense",
-    "ffn_down": "output.dense",
-    "layer_output_norm": "output.LayerNorm",
-}
-_GGUF_TENSOR = re.compile(r"^(?:blk\.(\d+)\.)?([a-z_]+)\.(weight|bias)$")
+GGUF_ARCHITECTURES = ("bert", "nomic-bert")  # llama.cpp's names; nomic-bert's positions are rotary
+ROTARY_GGUF_ARCHITECTURE = "nomic-bert"
+DEFAULT_ROPE_THETA = 10000.0  # llama.cpp's when a GGUF file gives no rope.freq_base
+
+
+@dataclass(frozen=True)
+class TensorNames:
+    """How one checkpoint format names BertEncoder's parameters: outside the layers (`top`) and within layer N
+    (`layer`, after a prefix that layer_pattern matches with N as its group). A name maps to a module and, for the
+    query, key or value of a fused QKV, which third of it."""
+
+    layer_pattern: str
+    top: Mapping[str, str]
+    layer: Mapping[str, str | tuple[str, int]]
+    strip_prefix: str = ""  # a model class's prefix some checkpoints carry (`bert.`)
+
+    def target(self, name: str) -> tuple[str, int | None] | None:
+        """(BertEncoder's parameter name, the third of a fused QKV or None) for a checkpoint tensor's name; None
+        for a buffer of positions, which holds no weights."""
+        name = name.removeprefix(self.strip_prefix)
+        if name.endswith("position_ids"):
+            return None
+        base, _, kind = name.rpartition(".")
+        match = re.match(self.layer_pattern, base)
+        entry = self.layer.get(base[match.end() :]) if match else self.top.get(base)
+        if entry is None or kind not in ("weight", "bias"):
+            raise ModelConfigError(f"unexpected tensor {name}")
+        module, third = (entry, None) if isinstance(entry, str) else entry
+        prefix = f"layers.{match.group(1)}." if match else ""
+        return f"{prefix}{module}.{kind}", third
+
+
+HF_BERT_NAMES = TensorNames(
+    layer_pattern=r"encoder\.layer\.(\d+)\.",
+    top={
+        "embeddings.word_embeddings": "word_embeddings",
+        "embeddings.position_embeddings": "position_embeddings",
+        "embeddings.token_type_embeddings": "token_type_embeddings",
+        "embeddings.LayerNorm": "embedding_norm",
+        "pooler.dense": "pooler",
+        "classifier": "classifier",
+    },
+    layer={
+        "attention.self.query": ("qkv", 0),
+        "attention.self.key": ("qkv", 1),
+        "attention.self.value": ("qkv", 2),
+        "attention.output.dense": "attn_out",
+        "attention.output.LayerNorm": "attn_norm",
+        "intermediate.dense": "up",
+        "output.dense": "down",
+        "output.LayerNorm": "out_norm",
+    },
+    strip_prefix="bert.",
+)
+GGUF_NAMES = TensorNames(  # llama.cpp's, the same for bert and nomic-bert
+    layer_pattern=r"blk\.(\d+)\.",
+    top={
+        "token_embd": "word_embeddings",
+        "position_embd": "position_embeddings",
+        "token_types": "token_type_embeddings",
+        "token_embd_norm": "embedding_norm",
+    },
+    layer={
+        "attn_qkv": "qkv",
+        "attn_q": ("qkv", 0),
+        "attn_k": ("qkv", 1),
+        "attn_v": ("qkv", 2),
+        "attn_output": "attn_out",
+        "attn_output_norm": "attn_norm",
+        "ffn_up": "up",
+        "ffn_gate": "gate",
+        "ffn_down": "down",
+        "layer_output_norm": "out_norm",
+    },
+)
 
 
 @dataclass(frozen=True)
 class BertConfig:
-    """The shape of a BERT encoder; num_labels > 0 for a cross-encoder's classification head."""
+    """The shape of a BERT-family encoder; num_labels > 0 for a cross-encoder's classification head."""
 
     vocab_size: int
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int
     intermediate_size: int
-    max_position_embeddings: int
-    type_vocab_size: int = 2
+    max_position_embeddings: int  # the context: the learned position table's rows, or as far as rotary goes
+    type_vocab_size: int = 2  # 0: no segment embeddings
     layer_norm_eps: float = 1e-12
     num_labels: int = 0
+    rope_theta: float | None = None  # rotary positions (nomic-bert) instead of a learned position table
+    gated_mlp: bool = False  # a SwiGLU feed-forward, silu(gate(x)) * up(x), instead of gelu(up(x))
+    linear_bias: bool = True
 
     @classmethod
     def from_hf(cls, config: Mapping[str, Any]) -> BertConfig:
@@ -77,15 +138,21 @@ class BertConfig:
         )
 
     @classmethod
-    def from_gguf(cls, fields: Mapping[str, Any], vocab_size: int, type_vocab_size: int) -> BertConfig:
-        """From a GGUF file's `bert.*` metadata."""
+    def from_gguf(
+        cls, fields: Mapping[str, Any], tensor_names: set[str], vocab_size: int, type_vocab_size: int
+    ) -> BertConfig:
+        """From a GGUF file's `<architecture>.*` metadata (bert or nomic-bert) and which tensors it holds."""
+        architecture = fields.get("general.architecture")
+        if architecture not in GGUF_ARCHITECTURES:
+            raise ModelConfigError(f"architecture {architecture!r} is not an encoder statelm runs (bert, nomic-bert)")
 
         def key(name: str) -> Any:
-            value = fields.get(f"{GGUF_ARCHITECTURE}.{name}")
+            value = fields.get(f"{architecture}.{name}")
             if value is None:
-                raise ModelConfigError(f"the GGUF file has no {GGUF_ARCHITECTURE}.{name}")
+                raise ModelConfigError(f"the GGUF file has no {architecture}.{name}")
             return value
 
+        rotary = architecture == ROTARY_GGUF_ARCHITECTURE
         return cls(
             vocab_size=vocab_size,
             hidden_size=int(key("embedding_length")),
@@ -95,41 +162,39 @@ class BertConfig:
             max_position_embeddings=int(key("context_length")),
             type_vocab_size=type_vocab_size,
             layer_norm_eps=float(key("attention.layer_norm_epsilon")),
+            rope_theta=float(fields.get(f"{architecture}.rope.freq_base", DEFAULT_ROPE_THETA)) if rotary else None,
+            gated_mlp="blk.0.ffn_gate.weight" in tensor_names,
+            linear_bias="blk.0.attn_output.bias" in tensor_names,
         )
 
 
-def gguf_to_hf_name(name: str) -> str:
-    """A llama.cpp BERT tensor name as Hugging Face's BertModel names it."""
-    match = _GGUF_TENSOR.match(name)
-    if match is None:
-        raise ModelConfigError(f"unexpected tensor {name} in a BERT GGUF file")
-    layer, base, kind = match.groups()
-    if layer is None and base in _GGUF_NAMES:
-        return f"{_GGUF_NAMES[base]}.{kind}"
-    if layer is not None and base in _GGUF_LAYER_NAMES:
-        return f"encoder.layer.{layer}.{_GGUF_LAYER_NAMES[base]}.{kind}"
-    raise ModelConfigError(f"unexpected tensor {name} in a BERT GGUF file")
-
-
 class BertLayer(nn.Module):
-    """Post-norm transformer block: bidirectional self-attention, then a GELU feed-forward."""
+    """Post-norm transformer block: bidirectional self-attention (rotary where the model says), then a GELU or
+    SwiGLU feed-forward."""
 
     def __init__(self, config: BertConfig, dtype: torch.dtype) -> None:
         super().__init__()
-        hidden, inner = config.hidden_size, config.intermediate_size
+        hidden, inner, bias = config.hidden_size, config.intermediate_size, config.linear_bias
         self.num_heads = config.num_attention_heads
         self.head_dim = hidden // config.num_attention_heads
-        self.qkv = nn.Linear(hidden, 3 * hidden, dtype=dtype)
-        self.attn_out = nn.Linear(hidden, hidden, dtype=dtype)
+        self.qkv = nn.Linear(hidden, 3 * hidden, bias=bias, dtype=dtype)
+        self.attn_out = nn.Linear(hidden, hidden, bias=bias, dtype=dtype)
         self.attn_norm = nn.LayerNorm(hidden, config.layer_norm_eps, dtype=dtype)
-        self.up = nn.Linear(hidden, inner, dtype=dtype)
-        self.down = nn.Linear(inner, hidden, dtype=dtype)
+        self.up = nn.Linear(hidden, inner, bias=bias, dtype=dtype)
+        self.gate = nn.Linear(hidden, inner, bias=bias, dtype=dtype) if config.gated_mlp else None
+        self.down = nn.Linear(inner, hidden, bias=bias, dtype=dtype)
         self.out_norm = nn.LayerNorm(hidden, config.layer_norm_eps, dtype=dtype)
 
-    def forward(self, x: torch.Tensor, seq_lens: list[int], row_chunk: int) -> torch.Tensor:
-        """The block's output for a flat batch [T, hidden] of sequences of seq_lens tokens."""
+    def forward(
+        self, x: torch.Tensor, seq_lens: list[int], row_chunk: int, rope: tuple[torch.Tensor, torch.Tensor] | None
+    ) -> torch.Tensor:
+        """The block's output for a flat batch [T, hidden] of sequences of seq_lens tokens; rope is the tokens'
+        rotary cos and sin ([T, 1, head_dim] each) for a rotary model."""
         qkv = chunked_linear(x, self.qkv.weight, self.qkv.bias, row_chunk)
-        q, k, v = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim).permute(1, 2, 0, 3)  # each [heads, T, d]
+        q, k, v = qkv.view(x.shape[0], 3, self.num_heads, self.head_dim).unbind(1)  # each [T, heads, d]
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # each [heads, T, d]
         attended = torch.cat(
             [
                 F.scaled_dot_product_attention(q[:, s], k[:, s], v[:, s])
@@ -139,7 +204,11 @@ class BertLayer(nn.Module):
         )  # [heads, T, d]
         attended = attended.transpose(0, 1).reshape(x.shape[0], -1)
         x = self.attn_norm(x + chunked_linear(attended, self.attn_out.weight, self.attn_out.bias, row_chunk))
-        inner = F.gelu(chunked_linear(x, self.up.weight, self.up.bias, row_chunk))
+        inner = chunked_linear(x, self.up.weight, self.up.bias, row_chunk)
+        if self.gate is None:
+            inner = F.gelu(inner)
+        else:
+            inner = F.silu(chunked_linear(x, self.gate.weight, self.gate.bias, row_chunk)) * inner
         return self.out_norm(x + chunked_linear(inner, self.down.weight, self.down.bias, row_chunk))
 
 
@@ -151,8 +220,9 @@ def _slices(seq_lens: list[int]) -> Iterable[slice]:
 
 
 class BertEncoder(nn.Module):
-    """A BERT encoder: token, position and segment embeddings, post-norm blocks, and for a cross-encoder the
-    pooler and classifier over the first ([CLS]) token."""
+    """A BERT-family encoder: token and segment embeddings with a learned position table (or rotary positions in
+    the blocks), post-norm blocks, and for a cross-encoder the pooler and classifier over the first ([CLS])
+    token."""
 
     def __init__(self, config: BertConfig, dtype: torch.dtype = torch.float32, device: torch.device | None = None):
         super().__init__()
@@ -160,8 +230,15 @@ class BertEncoder(nn.Module):
         self.row_chunk = RowChunking.batch_invariant(device).prompt
         hidden = config.hidden_size
         self.word_embeddings = nn.Embedding(config.vocab_size, hidden, dtype=dtype)
-        self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden, dtype=dtype)
-        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden, dtype=dtype)
+        self.position_embeddings: nn.Embedding | None = None
+        self.rotary: RotaryEmbedding | None = None
+        if config.rope_theta is None:
+            self.position_embeddings = nn.Embedding(config.max_position_embeddings, hidden, dtype=dtype)
+        else:
+            self.rotary = RotaryEmbedding(hidden // config.num_attention_heads, config.rope_theta, None, dtype)
+        self.token_type_embeddings: nn.Embedding | None = None
+        if config.type_vocab_size:
+            self.token_type_embeddings = nn.Embedding(config.type_vocab_size, hidden, dtype=dtype)
         self.embedding_norm = nn.LayerNorm(hidden, config.layer_norm_eps, dtype=dtype)
         self.layers = nn.ModuleList(BertLayer(config, dtype) for _ in range(config.num_hidden_layers))
         self.pooler: nn.Linear | None = None
@@ -175,10 +252,17 @@ class BertEncoder(nn.Module):
         self, input_ids: torch.Tensor, positions: torch.Tensor, token_types: torch.Tensor, seq_lens: list[int]
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] of a flat batch of T tokens in sequences of seq_lens tokens."""
-        x = self.word_embeddings(input_ids) + self.position_embeddings(positions)
-        x = self.embedding_norm(x + self.token_type_embeddings(token_types))
+        x = self.word_embeddings(input_ids)
+        if self.position_embeddings is not None:
+            x = x + self.position_embeddings(positions)
+        if self.token_type_embeddings is not None:
+            x = x + self.token_type_embeddings(token_types)
+        x = self.embedding_norm(x)
+        rope = None
+        if self.rotary is not None:
+            rope = self.rotary.cos_sin(positions, self.config.max_position_embeddings)
         for layer in self.layers:
-            x = layer(x, seq_lens, self.row_chunk)
+            x = layer(x, seq_lens, self.row_chunk, rope)
         return x
 
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
@@ -187,50 +271,25 @@ class BertEncoder(nn.Module):
         pooled = torch.tanh(chunked_linear(first_rows, self.pooler.weight, self.pooler.bias, self.row_chunk))
         return chunked_linear(pooled, self.classifier.weight, self.classifier.bias, self.row_chunk).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy Hugging Face-named tensors (BertModel's, under an optional `bert.` prefix) into the model."""
-        targets = self._targets()
-        pending = set(targets)
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], names: TensorNames) -> None:
+        """Copy a checkpoint's tensors, named as `names` says, into the model; every parameter must be filled."""
+        parameters = dict(self.named_parameters())
+        filled: dict[str, set[int | None]] = defaultdict(set)
         for name, tensor in weights:
-            name = name.removeprefix("bert.")
-            if name not in targets:
-                if (name.startswith("pooler.") and self.pooler is None) or name.endswith("position_ids"):
-                    continue  # an embedding model's unused pooler; a buffer of positions
-                raise ModelConfigError(f"unexpected tensor {name} for a BERT model")
-            parameter, row = targets[name]
-            rows = parameter.shape[0] // 3 if row is not None else parameter.shape[0]
-            destination = parameter.data if row is None else parameter.data[row * rows : (row + 1) * rows]
+            target = names.target(name)
+            if target is None:
+                continue
+            parameter_name, third = target
+            if parameter_name not in parameters:
+                if parameter_name.startswith("pooler.") and self.pooler is None:
+                    continue  # an embedding model's unused pooler
+                raise ModelConfigError(f"unexpected tensor {name} for this encoder")
+            parameter = parameters[parameter_name].data
+            destination = parameter if third is None else parameter.chunk(3)[third]
             if destination.shape != tensor.shape:
                 raise ModelConfigError(f"{name} has shape {tuple(tensor.shape)}, expected {tuple(destination.shape)}")
             destination.copy_(tensor)
-            pending.discard(name)
-        if pending:
-            raise ModelConfigError(f"BERT weights missing: {', '.join(sorted(pending)[:5])}")
-
-    def _targets(self) -> dict[str, tuple[nn.Parameter, int | None]]:
-        """Hugging Face names → (parameter, which third of a fused QKV or None)."""
-        targets: dict[str, tuple[nn.Parameter, int | None]] = {}
-        modules: dict[str, nn.Module] = {
-            "embeddings.word_embeddings": self.word_embeddings,
-            "embeddings.position_embeddings": self.position_embeddings,
-            "embeddings.token_type_embeddings": self.token_type_embeddings,
-            "embeddings.LayerNorm": self.embedding_norm,
-        }
-        if self.pooler is not None and self.classifier is not None:
-            modules |= {"pooler.dense": self.pooler, "classifier": self.classifier}
-        for i, layer in enumerate(self.layers):
-            prefix = f"encoder.layer.{i}."
-            for third, part in enumerate(("query", "key", "value")):
-                for kind in ("weight", "bias"):
-                    targets[f"{prefix}attention.self.{part}.{kind}"] = (getattr(layer.qkv, kind), third)
-            modules |= {
-                f"{prefix}attention.output.dense": layer.attn_out,
-                f"{prefix}attention.output.LayerNorm": layer.attn_norm,
-                f"{prefix}intermediate.dense": layer.up,
-                f"{prefix}output.dense": layer.down,
-                f"{prefix}output.LayerNorm": layer.out_norm,
-            }
-        for prefix, module in modules.items():
-            for kind, parameter in module.named_parameters(recurse=False):
-                targets[f"{prefix}.{kind}"] = (parameter, None)
-        return targets
+            filled[parameter_name].add(third)
+        missing = [name for name in parameters if None not in filled[name] and len(filled[name]) < 3]
+        if missing:
+            raise ModelConfigError(f"encoder weights missing: {', '.join(sorted(missing)[:5])}")

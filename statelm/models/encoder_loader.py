@@ -1,4 +1,5 @@
-"""Loads an encoder model (a BERT embedder or cross-encoder) from a Hugging Face folder or a GGUF file."""
+"""Loads an encoder model (a BERT or nomic-bert embedder, or a BERT cross-encoder) from a Hugging Face folder or a
+GGUF file."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import torch
 from gguf import GGUFReader
 
 from statelm.config import Pooling
-from statelm.models.bert import GGUF_ARCHITECTURE, BertConfig, BertEncoder, gguf_to_hf_name
+from statelm.models import nomic_bert
+from statelm.models.bert import GGUF_NAMES, HF_BERT_NAMES, BertConfig, BertEncoder
 from statelm.models.config import ModelConfigError
 from statelm.models.gguf import _dequantize, _field_value
 from statelm.models.loader import ModelLoadError, _read_safetensors, _safetensors_files, resolve_source
@@ -93,8 +95,11 @@ def _safetensors_header(file: Path) -> dict[str, Any]:
 
 def _load_hf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
     config = json.loads((path / "config.json").read_text())
-    model = BertEncoder(BertConfig.from_hf(config), dtype)
-    model.load_weights(_read_safetensors(_safetensors_files(path), dtype))
+    if nomic_bert.is_nomic_bert(config):
+        model, names = BertEncoder(nomic_bert.config_from_hf(config), dtype), nomic_bert.HF_NAMES
+    else:
+        model, names = BertEncoder(BertConfig.from_hf(config), dtype), HF_BERT_NAMES
+    model.load_weights(_read_safetensors(_safetensors_files(path), dtype), names)
     matryoshka = bool(config.get("is_matryoshka") or config.get("matryoshka_dimensions"))
     tokenizer = Tokenizer.from_hf_dir(path)
     return LoadedEncoder(name, model.eval(), tokenizer, _sentence_pooling(path), True, matryoshka)
@@ -119,17 +124,15 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
     reader = GGUFReader(path)
     fields = {key: _field_value(field) for key, field in reader.fields.items()}
     architecture = fields.get("general.architecture")
-    if architecture != GGUF_ARCHITECTURE:
-        raise ModelConfigError(f"architecture {architecture!r} is not an encoder statelm runs (bert)")
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     _, vocab = (int(d) for d in tensors["token_embd.weight"].shape.tolist())  # GGUF order: (hidden, vocab)
-    types = int(tensors["token_types.weight"].shape.tolist()[1]) if "token_types.weight" in tensors else 1
-    model = BertEncoder(BertConfig.from_gguf(fields, vocab, types), dtype)
+    types = int(tensors["token_types.weight"].shape.tolist()[1]) if "token_types.weight" in tensors else 0
+    model = BertEncoder(BertConfig.from_gguf(fields, set(tensors), vocab, types), dtype)
     model.load_weights(
-        (gguf_to_hf_name(tensor.name), torch.from_numpy(_dequantize(tensor)).to(dtype)) for tensor in tensors.values()
+        ((tensor.name, torch.from_numpy(_dequantize(tensor)).to(dtype)) for tensor in tensors.values()), GGUF_NAMES
     )
-    pooling = GGUF_POOLING.get(int(fields.get(f"{GGUF_ARCHITECTURE}.pooling_type", 1)))
+    pooling = GGUF_POOLING.get(int(fields.get(f"{architecture}.pooling_type", 1)))
     if pooling is None:
-        kind = fields.get(f"{GGUF_ARCHITECTURE}.pooling_type")
+        kind = fields.get(f"{architecture}.pooling_type")
         raise ModelConfigError(f"pooling type {kind} is not mean, cls or last")
     return LoadedEncoder(name, model.eval(), Tokenizer.from_gguf_fields(fields), pooling, False)

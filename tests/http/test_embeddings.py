@@ -224,3 +224,25 @@ def test_langchain_openai_embeddings_embed_documents_and_queries(
     expected = vectors(embed(client, TEXTS))
     assert np.allclose(embeddings.embed_documents(TEXTS), expected, atol=1e-7)
     assert np.allclose(embeddings.embed_query(TEXTS[1]), expected[1], atol=1e-7)
+
+
+def test_litellm_embeds_through_its_openai_provider(
+    mean_server: InProcessServer, client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # its price list from the package, not the network
+    import litellm
+
+    def litellm_embedding(model: str, input: Any, **extra: Any) -> Any:
+        client = mean_server.openai(KEY)  # LiteLLM's OpenAI provider on the in-process app's transport
+        return litellm.embedding(model=f"openai/{model}", api_base=f"{mean_server.url}/v1", api_key=KEY, input=input,
+                                 client=client, **extra)  # fmt: skip
+
+    expected = vectors(embed(client, TEXTS))
+    tokens = client.post("/v1/embeddings", json={"model": SERVED_NAME, "input": TEXTS}).json()["usage"]
+    for encoding in ({}, {"encoding_format": "float"}):
+        result = litellm_embedding(SERVED_NAME, TEXTS, **encoding)
+        assert [item["index"] for item in result.data] == list(range(len(TEXTS)))
+        assert np.allclose([item["embedding"] for item in result.data], expected, atol=0, rtol=1e-7)
+        assert result.usage.prompt_tokens == tokens["prompt_tokens"] > 0
+    with pytest.raises(litellm.NotFoundError):
+        litellm_embedding("other", "x")

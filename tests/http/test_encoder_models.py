@@ -1,9 +1,12 @@
 """Encoder models served beside the decoder (`--embedding-model`): a BERT embedder from a Hugging Face folder and
-from a GGUF file, and a BERT cross-encoder, each compared with transformers on the same weights; routing by `model`
-and /v1/models."""
+from a GGUF file, and a BERT cross-encoder, each compared with transformers on the same weights; a nomic-bert
+embedder from a folder and a GGUF file, compared with a float64 forward written here from nomic's published
+architecture; routing by `model` and /v1/models."""
 
 from __future__ import annotations
 
+import json
+import math
 import re
 import shutil
 from collections.abc import Iterator
@@ -19,8 +22,11 @@ import torch.nn.functional as F
 from statelm.server.launch import LaunchError
 from tests.http.conftest import SERVED_NAME, InProcessServer, built_app, serve_in_process, tiny_args
 from tests.models.tiny_encoders import (
+    WORDS,
     make_tiny_bert_dir,
+    make_tiny_nomic_dir,
     write_bert_gguf,
+    write_nomic_gguf,
     write_sentence_transformers_pooling,
     write_sparse_safetensors,
 )
@@ -37,6 +43,8 @@ class Encoders:
     cls_bert: Path  # CLS pooling, declared by sentence-transformers' files
     gguf: Path  # bert's weights, mean pooling
     reranker: Path
+    nomic: Path  # nomic-bert, mean pooling
+    nomic_gguf: Path  # its weights
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +55,14 @@ def encoders(tmp_path_factory: pytest.TempPathFactory) -> Encoders:
     cls_bert = make_tiny_bert_dir(root / "tiny-bert-cls", seed=1)
     write_sentence_transformers_pooling(cls_bert, "cls")
     gguf = write_bert_gguf(bert, root / "tiny-bert-f32.gguf")
-    return Encoders(bert, cls_bert, gguf, make_tiny_bert_dir(root / "tiny-reranker", cross_encoder=True, seed=2))
+    reranker = make_tiny_bert_dir(root / "tiny-reranker", cross_encoder=True, seed=2)
+    nomic = make_tiny_nomic_dir(root / "tiny-nomic")
+    return Encoders(bert, cls_bert, gguf, reranker, nomic, write_nomic_gguf(nomic, root / "tiny-nomic-f32.gguf"))
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model: Path, encoders: Encoders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    """The tiny decoder and the four encoders in one app."""
+    """The tiny decoder and the six encoders in one app."""
     extra = [arg for path in vars(encoders).values() for arg in ("--embedding-model", str(path))]
     with serve_in_process(tiny_args(tiny_model, tmp_path_factory.mktemp("encoders") / "state", *extra)) as running:
         yield running
@@ -93,6 +103,56 @@ def hf_relevance(folder: Path, query: str, documents: list[str]) -> list[float]:
         return torch.sigmoid(model(**batch).logits[:, 0]).tolist()
 
 
+def nomic_reference(folder: Path, texts: list[str]) -> torch.Tensor:
+    """nomic-bert's mean-pooled, normalised embeddings of texts in float64, from the folder's weights and tokenizer.
+
+    transformers builds nomic-bert from remote code only (nomic's modeling_hf_nomic_bert.py), which the tests cannot
+    fetch, so this is the published architecture written out here, independently of statelm's: word and segment-0
+    embeddings, then LayerNorm `emb_ln`; per layer, a fused Wqkv split into q, k, v thirds of (heads, head_dim),
+    rotary positions on q and k (GPT-NeoX layout: the first half of each head's dimensions paired with the second,
+    frequencies base^(-2i/head_dim)), softmax(q k^T / sqrt(head_dim)) v, out_proj, residual and LayerNorm `norm1`;
+    then fc2(silu(fc12(x)) * fc11(x)), residual and LayerNorm `norm2`.
+    """
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    config = json.loads((folder / "config.json").read_text())
+    weights = {name: tensor.double() for name, tensor in load_file(folder / "model.safetensors").items()}
+    hidden, heads, eps = config["n_embd"], config["n_head"], config["layer_norm_epsilon"]
+    head_dim = hidden // heads
+    inv_freq = config["rotary_emb_base"] ** (-torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+
+    def norm(x: torch.Tensor, name: str) -> torch.Tensor:
+        return F.layer_norm(x, (hidden,), weights[f"{name}.weight"], weights[f"{name}.bias"], eps)
+
+    def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [n, heads, head_dim]
+        first, second = x[..., : head_dim // 2], x[..., head_dim // 2 :]
+        return x * cos + torch.cat([-second, first], dim=-1) * sin
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    vectors = []
+    for text in texts:
+        encoded = tokenizer(text, truncation=False, padding=False)  # its tokenizer.json pads and truncates
+        ids = torch.tensor([i for i, m in zip(encoded["input_ids"], encoded["attention_mask"], strict=True) if m])
+        n = len(ids)
+        angles = torch.outer(torch.arange(n, dtype=torch.float64), inv_freq)
+        cos, sin = (torch.cat([f(angles), f(angles)], dim=-1)[:, None, :] for f in (torch.cos, torch.sin))
+        x = weights["embeddings.word_embeddings.weight"][ids] + weights["embeddings.token_type_embeddings.weight"][0]
+        x = norm(x, "emb_ln")
+        for layer in range(config["n_layer"]):
+            w = {name.split(f"encoder.layers.{layer}.")[1]: t for name, t in weights.items()
+                 if name.startswith(f"encoder.layers.{layer}.")}  # fmt: skip
+            q, k, v = (x @ w["attn.Wqkv.weight"].T).view(n, 3, heads, head_dim).unbind(1)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            probs = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(head_dim), dim=-1)
+            attended = torch.einsum("hqk,khd->qhd", probs, v).reshape(n, hidden)
+            x = norm(x + attended @ w["attn.out_proj.weight"].T, f"encoder.layers.{layer}.norm1")
+            gated = F.silu(x @ w["mlp.fc12.weight"].T) * (x @ w["mlp.fc11.weight"].T)
+            x = norm(x + gated @ w["mlp.fc2.weight"].T, f"encoder.layers.{layer}.norm2")
+        vectors.append(F.normalize(x.mean(dim=0), dim=0))
+    return torch.stack(vectors)
+
+
 def embed(client: httpx.Client, model: str, input: Any, **extra: Any) -> torch.Tensor:
     """The vectors /v1/embeddings answers, [inputs, dimensions]."""
     response = client.post("/v1/embeddings", json={"model": model, "input": input, **extra})
@@ -109,9 +169,10 @@ def test_models_lists_the_decoder_then_the_encoders(client: httpx.Client) -> Non
     cards = client.get("/v1/models").json()["data"]
     kinds = {card["id"]: card["kind"] for card in cards}
     assert cards[0]["id"] == SERVED_NAME and cards[0]["sampling_defaults"] is not None
-    expected = {"tiny-bert": "embedding", "tiny-bert-cls": "embedding", "tiny-bert-f32": "embedding"}
-    assert kinds == {SERVED_NAME: "generation", **expected, "tiny-reranker": "reranker"}
-    assert all(card["max_model_len"] == 64 for card in cards[1:])
+    embedders = ["tiny-bert", "tiny-bert-cls", "tiny-bert-f32", "tiny-nomic", "tiny-nomic-f32"]
+    assert kinds == {SERVED_NAME: "generation", **dict.fromkeys(embedders, "embedding"), "tiny-reranker": "reranker"}
+    lengths = {card["id"]: card["max_model_len"] for card in cards[1:]}
+    assert lengths == {name: 2048 if "nomic" in name else 64 for name in kinds if name != SERVED_NAME}
 
 
 def test_bert_from_a_folder_matches_transformers(client: httpx.Client, encoders: Encoders) -> None:
@@ -128,10 +189,20 @@ def test_bert_from_gguf_matches_transformers_on_the_same_weights(client: httpx.C
     assert_close(ours, embed(client, "tiny-bert", TEXTS))  # the WordPiece vocabulary tokenizes as the folder's
 
 
-def test_a_vector_does_not_depend_on_its_batch(client: httpx.Client) -> None:
-    batch = embed(client, "tiny-bert", TEXTS)
+def test_nomic_bert_from_a_folder_and_from_gguf_matches_the_published_architecture(
+    client: httpx.Client, encoders: Encoders
+) -> None:
+    texts = [*TEXTS, " ".join(WORDS * 8)]  # the last is 274 tokens: rotary positions far past BERT's 64
+    expected = nomic_reference(encoders.nomic, texts)
+    assert_close(embed(client, "tiny-nomic", texts), expected)
+    assert_close(embed(client, "tiny-nomic-f32", texts), expected)
+
+
+@pytest.mark.parametrize("model", ["tiny-bert", "tiny-nomic"])
+def test_a_vector_does_not_depend_on_its_batch(client: httpx.Client, model: str) -> None:
+    batch = embed(client, model, TEXTS)
     for i, text in enumerate(TEXTS):
-        assert torch.equal(embed(client, "tiny-bert", text)[0], batch[i])
+        assert torch.equal(embed(client, model, text)[0], batch[i])
 
 
 def test_a_matryoshka_model_shortens_and_renormalises(client: httpx.Client) -> None:

@@ -1,5 +1,6 @@
-"""Tiny random BERT encoders for the tests: an embedding model and a cross-encoder as Hugging Face folders (with a
-WordPiece tokenizer), and the embedding model as a GGUF file written with gguf's writer, as llama.cpp lays it out."""
+"""Tiny random encoders for the tests: BERT embedding models and a cross-encoder as Hugging Face folders (with a
+WordPiece tokenizer), a nomic-bert embedding model as nomic's published checkpoints lay it out, and the embedding
+models as GGUF files written with gguf's writer, as llama.cpp's converter lays them out."""
 
 from __future__ import annotations
 
@@ -62,6 +63,7 @@ def write_wordpiece_tokenizer(path: Path, tokens: list[str]) -> None:
     sep, cls = ("[SEP]", tokens.index("[SEP]")), ("[CLS]", tokens.index("[CLS]"))
     backend.post_processor = processors.BertProcessing(sep, cls)
     backend.decoder = decoders.WordPiece()
+    backend.add_special_tokens(SPECIALS)  # as BERT's own tokenizer.json lists them (llama.cpp's converter reads them)
     # as sentence-transformers folders ship it: padded to and truncated at a fixed length (statelm must undo both)
     length = 64
     backend.enable_padding(pad_id=tokens.index("[PAD]"), pad_token="[PAD]", length=length)
@@ -96,6 +98,102 @@ def make_tiny_bert_dir(
     return path
 
 
+NOMIC_CONFIG = {  # nomic-embed-text v1.5's config.json (nomic's remote-code NomicBertConfig), at the tiny shape
+    "architectures": ["NomicBertModel"],
+    "model_type": "nomic_bert",
+    "activation_function": "swiglu",
+    "n_embd": SHAPE["hidden_size"],
+    "n_layer": SHAPE["num_hidden_layers"],
+    "n_head": SHAPE["num_attention_heads"],
+    "n_inner": SHAPE["intermediate_size"],
+    "n_positions": 8192,
+    "max_trained_positions": 2048,
+    "rotary_emb_base": 1000,
+    "rotary_emb_fraction": 1.0,
+    "rotary_emb_interleaved": False,
+    "rotary_emb_scale_base": None,
+    "rotary_scaling_factor": None,
+    "prenorm": False,
+    "parallel_block": False,
+    "causal": False,
+    "qkv_proj_bias": False,
+    "mlp_fc1_bias": False,
+    "mlp_fc2_bias": False,
+    "use_rms_norm": False,
+    "type_vocab_size": 2,
+    "layer_norm_epsilon": 1e-12,
+    "pad_vocab_size_multiple": 64,
+}
+NOMIC_GGUF_NAMES = {  # nomic's tensor names, as llama.cpp's converter writes them
+    "embeddings.word_embeddings": "token_embd",
+    "embeddings.token_type_embeddings": "token_types",
+    "emb_ln": "token_embd_norm",
+    "attn.Wqkv": "attn_qkv",
+    "attn.out_proj": "attn_output",
+    "norm1": "attn_output_norm",
+    "mlp.fc11": "ffn_up",
+    "mlp.fc12": "ffn_gate",
+    "mlp.fc2": "ffn_down",
+    "norm2": "layer_output_norm",
+}
+
+
+def make_tiny_nomic_dir(path: Path, seed: int = 3) -> Path:
+    """A seeded random nomic-bert embedder as nomic publishes nomic-embed-text: its config.json and tensor names,
+    the word embeddings padded to a multiple of 64 rows, a WordPiece tokenizer and mean pooling."""
+    from safetensors.torch import save_file
+
+    tokens = vocabulary()
+    config = {**NOMIC_CONFIG, "vocab_size": -(-len(tokens) // 64) * 64}
+    hidden, inner = config["n_embd"], config["n_inner"]
+    generator = torch.Generator().manual_seed(seed)
+
+    def normal(*shape: int, scale: float) -> torch.Tensor:
+        return scale * torch.randn(shape, generator=generator)
+
+    tensors = {
+        "embeddings.word_embeddings.weight": normal(config["vocab_size"], hidden, scale=1.0),
+        "embeddings.token_type_embeddings.weight": normal(2, hidden, scale=0.5),
+        "emb_ln.weight": 1 + normal(hidden, scale=0.1),
+        "emb_ln.bias": normal(hidden, scale=0.1),
+    }
+    for i in range(config["n_layer"]):
+        for name, rows, columns in (("attn.Wqkv", 3 * hidden, hidden), ("attn.out_proj", hidden, hidden),
+                                    ("mlp.fc11", inner, hidden), ("mlp.fc12", inner, hidden),
+                                    ("mlp.fc2", hidden, inner)):  # fmt: skip
+            tensors[f"encoder.layers.{i}.{name}.weight"] = normal(rows, columns, scale=columns**-0.5)
+        for norm in ("norm1", "norm2"):
+            tensors[f"encoder.layers.{i}.{norm}.weight"] = 1 + normal(hidden, scale=0.1)
+            tensors[f"encoder.layers.{i}.{norm}.bias"] = normal(hidden, scale=0.1)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, path / "model.safetensors")
+    (path / "config.json").write_text(json.dumps(config))
+    write_wordpiece_tokenizer(path, tokens)
+    write_sentence_transformers_pooling(path, "mean")
+    return path
+
+
+def write_nomic_gguf(model_dir: Path, path: Path) -> Path:
+    """The nomic-bert model of model_dir as a float32 `nomic-bert` GGUF file, as llama.cpp's converter writes it
+    (its context the trained 2048 positions, its rope base from rotary_emb_base)."""
+    from safetensors.torch import load_file
+
+    config = json.loads((model_dir / "config.json").read_text())
+    shape = {"max_position_embeddings": config["max_trained_positions"], "hidden_size": config["n_embd"],
+             "intermediate_size": config["n_inner"], "num_hidden_layers": config["n_layer"],
+             "num_attention_heads": config["n_head"], "layer_norm_eps": config["layer_norm_epsilon"]}  # fmt: skip
+    tensors = {}
+    for name, tensor in load_file(model_dir / "model.safetensors").items():
+        base, kind = name.rsplit(".", 1)
+        if base.startswith("encoder.layers."):
+            _, _, layer, rest = base.split(".", 3)
+            tensors[f"blk.{layer}.{NOMIC_GGUF_NAMES[rest]}.{kind}"] = tensor.numpy()
+        else:
+            tensors[f"{NOMIC_GGUF_NAMES[base]}.{kind}"] = tensor.numpy()
+    extra = {"add_rope_freq_base": float(config["rotary_emb_base"])}
+    return _write_encoder_gguf(path, "nomic-bert", shape, config["type_vocab_size"], 1, model_dir, tensors, extra)
+
+
 def write_sentence_transformers_pooling(path: Path, mode: str) -> None:
     """The sentence-transformers files that declare a folder's pooling (`cls`, `mean` or `lasttoken`)."""
     modules = [
@@ -120,34 +218,58 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
 def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1, float16: bool = False) -> Path:
     """The BertModel of model_dir as a float32 (or float16: its matrices) GGUF file with a `bert` WordPiece
     vocabulary, in llama.cpp's layout."""
-    import gguf
     from safetensors.torch import load_file
 
     config = json.loads((model_dir / "config.json").read_text())
-    writer = gguf.GGUFWriter(str(path), "bert")
-    writer.add_name(path.stem)
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(config["hidden_size"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_head_count(config["num_attention_heads"])
-    writer.add_layer_norm_eps(config["layer_norm_eps"])
-    writer.add_causal_attention(False)
-    writer.add_token_type_count(config["type_vocab_size"])
-    writer.add_pooling_type(gguf.PoolingType(pooling_type))
-    tokens = (model_dir / "vocab.txt").read_text().splitlines()
-    writer.add_tokenizer_model("bert")
-    writer.add_token_list([_llama_cpp_piece(token) for token in tokens])
-    writer.add_token_types([3 if token in SPECIALS else 1 for token in tokens])
-    for name, setter in (("[CLS]", writer.add_bos_token_id), ("[SEP]", writer.add_sep_token_id),
-                         ("[UNK]", writer.add_unk_token_id), ("[PAD]", writer.add_pad_token_id),
-                         ("[MASK]", writer.add_mask_token_id)):  # fmt: skip
-        setter(tokens.index(name))
+    shape = {key: config[key] for key in ("max_position_embeddings", "hidden_size", "intermediate_size",
+                                          "num_hidden_layers", "num_attention_heads", "layer_norm_eps")}  # fmt: skip
+    tensors = {}
     for name, tensor in load_file(model_dir / "model.safetensors").items():
         if not name.endswith("position_ids"):
             array, target = tensor.float().numpy(), gguf_name(name)
             half = float16 and array.ndim == 2 and target not in F32_TENSORS
-            writer.add_tensor(target, array.astype("float16") if half else array)
+            tensors[target] = array.astype("float16") if half else array
+    return _write_encoder_gguf(path, "bert", shape, config["type_vocab_size"], pooling_type, model_dir, tensors)
+
+
+def _write_encoder_gguf(
+    path: Path,
+    architecture: str,
+    shape: dict[str, Any],
+    type_vocab_size: int,
+    pooling_type: int,
+    model_dir: Path,
+    tensors: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
+    """A GGUF encoder of architecture: its shape (BertConfig's keys), model_dir's WordPiece vocabulary padded to
+    the word embeddings' rows with `[PADn]` entries (as llama.cpp's converter pads it), and tensors by GGUF name."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    writer.add_name(path.stem)
+    writer.add_context_length(shape["max_position_embeddings"])
+    writer.add_embedding_length(shape["hidden_size"])
+    writer.add_feed_forward_length(shape["intermediate_size"])
+    writer.add_block_count(shape["num_hidden_layers"])
+    writer.add_head_count(shape["num_attention_heads"])
+    writer.add_layer_norm_eps(shape["layer_norm_eps"])
+    writer.add_causal_attention(False)
+    writer.add_token_type_count(type_vocab_size)
+    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    for key, value in (extra or {}).items():
+        getattr(writer, key)(value)
+    tokens = (model_dir / "vocab.txt").read_text().splitlines()
+    padding = [f"[PAD{i}]" for i in range(len(tokens), tensors["token_embd.weight"].shape[0])]
+    writer.add_tokenizer_model("bert")
+    writer.add_token_list([_llama_cpp_piece(token) for token in tokens] + ["\u2581" + pad for pad in padding])
+    writer.add_token_types([3 if token in SPECIALS else 1 for token in tokens] + [5] * len(padding))  # 5: unused
+    for name, setter in (("[CLS]", writer.add_bos_token_id), ("[SEP]", writer.add_sep_token_id),
+                         ("[UNK]", writer.add_unk_token_id), ("[PAD]", writer.add_pad_token_id),
+                         ("[MASK]", writer.add_mask_token_id)):  # fmt: skip
+        setter(tokens.index(name))
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
