@@ -203,8 +203,8 @@ class EngineConfig:
     embedding_models: list[str] = setting(
         factory=list,
         help="An encoder model to serve beside --model at /v1/embeddings, /v1/rerank and /v1/score, routed by the"
-        " request's `model` (repeatable): a BERT or nomic-bert embedder (BGE, E5, all-MiniLM, nomic-embed-text) or cross-encoder (reranker), as a"
-        " folder, .gguf file or hub id.",
+        " request's `model` (repeatable): a BERT or nomic-bert embedder (BGE, E5, all-MiniLM, nomic-embed-text)"
+        " or cross-encoder (reranker), as a folder, .gguf file or hub id.",
         flag="--embedding-model",
     )
 
