@@ -83,6 +83,8 @@ GGUF_NAMES = TensorNames(  # llama.cpp's, the same for bert and nomic-bert
         "position_embd": "position_embeddings",
         "token_types": "token_type_embeddings",
         "token_embd_norm": "embedding_norm",
+        "cls": "pooler",  # a cross-encoder's head: BERT's pooler, which llama.cpp's converter leaves out
+        "cls.output": "classifier",
     },
     layer={
         "attn_qkv": "qkv",
@@ -112,6 +114,7 @@ class BertConfig:
     type_vocab_size: int = 2  # 0: no segment embeddings
     layer_norm_eps: float = 1e-12
     num_labels: int = 0
+    pooler: bool = True  # a cross-encoder's dense and tanh over [CLS] before its classifier
     rope_theta: float | None = None  # rotary positions (nomic-bert) instead of a learned position table
     gated_mlp: bool = False  # a SwiGLU feed-forward, silu(gate(x)) * up(x), instead of gelu(up(x))
     linear_bias: bool = True
@@ -141,7 +144,9 @@ class BertConfig:
     def from_gguf(
         cls, fields: Mapping[str, Any], tensor_names: set[str], vocab_size: int, type_vocab_size: int
     ) -> BertConfig:
-        """From a GGUF file's `<architecture>.*` metadata (bert or nomic-bert) and which tensors it holds."""
+        """From a GGUF file's `<architecture>.*` metadata (bert or nomic-bert) and which tensors it holds; a bert
+        file with a classifier (`cls.output`) is a cross-encoder with as many labels as
+        `<architecture>.classifier.output_labels` names (one when it names none, as llama.cpp reads it)."""
         architecture = fields.get("general.architecture")
         if architecture not in GGUF_ARCHITECTURES:
             raise ModelConfigError(f"architecture {architecture!r} is not an encoder statelm runs (bert, nomic-bert)")
@@ -153,6 +158,9 @@ class BertConfig:
             return value
 
         rotary = architecture == ROTARY_GGUF_ARCHITECTURE
+        labels = 0
+        if not rotary and "cls.output.weight" in tensor_names:
+            labels = len(fields.get(f"{architecture}.classifier.output_labels") or [None])
         return cls(
             vocab_size=vocab_size,
             hidden_size=int(key("embedding_length")),
@@ -162,6 +170,8 @@ class BertConfig:
             max_position_embeddings=int(key("context_length")),
             type_vocab_size=type_vocab_size,
             layer_norm_eps=float(key("attention.layer_norm_epsilon")),
+            num_labels=labels,
+            pooler="cls.weight" in tensor_names,
             rope_theta=float(fields.get(f"{architecture}.rope.freq_base", DEFAULT_ROPE_THETA)) if rotary else None,
             gated_mlp="blk.0.ffn_gate.weight" in tensor_names,
             linear_bias="blk.0.attn_output.bias" in tensor_names,
@@ -244,7 +254,8 @@ class BertEncoder(nn.Module):
         self.pooler: nn.Linear | None = None
         self.classifier: nn.Linear | None = None
         if config.num_labels:
-            self.pooler = nn.Linear(hidden, hidden, dtype=dtype)
+            if config.pooler:
+                self.pooler = nn.Linear(hidden, hidden, dtype=dtype)
             self.classifier = nn.Linear(hidden, config.num_labels, dtype=dtype)
         self.requires_grad_(False)
 
@@ -267,8 +278,10 @@ class BertEncoder(nn.Module):
 
     def classify(self, first_rows: torch.Tensor) -> torch.Tensor:
         """A cross-encoder's logits [B, num_labels] from each sequence's first-token state [B, hidden]."""
-        assert self.pooler is not None and self.classifier is not None, "not a cross-encoder"
-        pooled = torch.tanh(chunked_linear(first_rows, self.pooler.weight, self.pooler.bias, self.row_chunk))
+        assert self.classifier is not None, "not a cross-encoder"
+        pooled = first_rows
+        if self.pooler is not None:
+            pooled = torch.tanh(chunked_linear(first_rows, self.pooler.weight, self.pooler.bias, self.row_chunk))
         return chunked_linear(pooled, self.classifier.weight, self.classifier.bias, self.row_chunk).float()
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], names: TensorNames) -> None:
@@ -281,7 +294,7 @@ class BertEncoder(nn.Module):
                 continue
             parameter_name, third = target
             if parameter_name not in parameters:
-                if parameter_name.startswith("pooler.") and self.pooler is None:
+                if parameter_name.startswith("pooler.") and self.classifier is None:
                     continue  # an embedding model's unused pooler
                 raise ModelConfigError(f"unexpected tensor {name} for this encoder")
             parameter = parameters[parameter_name].data

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import struct
 from dataclasses import dataclass
@@ -22,10 +23,13 @@ from statelm.models.gguf import _dequantize, _field_value
 from statelm.models.loader import ModelLoadError, _read_safetensors, _safetensors_files, resolve_source
 from statelm.tokenizer import Tokenizer, TokenizerError
 
-# llama.cpp's `<arch>.pooling_type` values
+# llama.cpp's `<arch>.pooling_type` values: an embedder's, and a reranker's (its classifier over [CLS])
 GGUF_POOLING = {1: Pooling.MEAN, 2: Pooling.CLS, 3: Pooling.LAST}
+GGUF_RANK_POOLING = 4
 SENTENCE_TRANSFORMERS_POOLING = {"pooling_mode_mean_tokens": Pooling.MEAN, "pooling_mode_cls_token": Pooling.CLS,
                                  "pooling_mode_lasttoken": Pooling.LAST}  # fmt: skip
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -127,12 +131,27 @@ def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
     tensors = {tensor.name: tensor for tensor in reader.tensors}
     _, vocab = (int(d) for d in tensors["token_embd.weight"].shape.tolist())  # GGUF order: (hidden, vocab)
     types = int(tensors["token_types.weight"].shape.tolist()[1]) if "token_types.weight" in tensors else 0
-    model = BertEncoder(BertConfig.from_gguf(fields, set(tensors), vocab, types), dtype)
+    config = BertConfig.from_gguf(fields, set(tensors), vocab, types)
+    model = BertEncoder(config, dtype)
     model.load_weights(
         ((tensor.name, torch.from_numpy(_dequantize(tensor)).to(dtype)) for tensor in tensors.values()), GGUF_NAMES
     )
-    pooling = GGUF_POOLING.get(int(fields.get(f"{architecture}.pooling_type", 1)))
-    if pooling is None:
-        kind = fields.get(f"{architecture}.pooling_type")
-        raise ModelConfigError(f"pooling type {kind} is not mean, cls or last")
+    pooling = _gguf_pooling(int(fields.get(f"{architecture}.pooling_type", 1)), config)
+    if config.num_labels and not config.pooler:
+        log.warning(
+            "%s: the reranker has no pooler (`cls`), as llama.cpp's converter writes BertForSequenceClassification: "
+            "it scores as llama.cpp does, its classifier on the [CLS] state, not as the original model",
+            path,
+        )
     return LoadedEncoder(name, model.eval(), Tokenizer.from_gguf_fields(fields), pooling, False)
+
+
+def _gguf_pooling(kind: int, config: BertConfig) -> Pooling:
+    """An embedder's pooling from its `pooling_type`; a cross-encoder's (which classifies its first token) is CLS."""
+    if config.num_labels:
+        return Pooling.CLS
+    if kind == GGUF_RANK_POOLING:
+        raise ModelConfigError("pooling type rank, but the file holds no classifier (cls.output)")
+    if kind not in GGUF_POOLING:
+        raise ModelConfigError(f"pooling type {kind} is not mean, cls or last")
+    return GGUF_POOLING[kind]

@@ -1,11 +1,13 @@
 """Encoder models served beside the decoder (`--embedding-model`): a BERT embedder from a Hugging Face folder and
-from a GGUF file, and a BERT cross-encoder, each compared with transformers on the same weights; a nomic-bert
+from a GGUF file, and a BERT cross-encoder from a folder and from GGUF files (with its pooler, and without it as
+llama.cpp's converter writes it), each compared with transformers on the same weights; a nomic-bert
 embedder from a folder and a GGUF file, compared with a float64 forward written here from nomic's published
 architecture; routing by `model` and /v1/models."""
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 import re
 import shutil
@@ -19,6 +21,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from statelm.models.encoder_loader import load_encoder
+from statelm.models.loader import ModelLoadError
 from statelm.server.launch import LaunchError
 from tests.http.conftest import SERVED_NAME, InProcessServer, built_app, serve_in_process, tiny_args
 from tests.models.tiny_encoders import (
@@ -33,6 +37,7 @@ from tests.models.tiny_encoders import (
 
 TEXTS = ["The quick brown fox jumps over the lazy dog.", "Paris is the capital of France!", "a cat sat", "Weather?"]
 QUERY = "which city is the capital of france?"
+RANK_POOLING = 4  # llama.cpp's pooling_type of a reranker
 
 
 @dataclass
@@ -43,6 +48,8 @@ class Encoders:
     cls_bert: Path  # CLS pooling, declared by sentence-transformers' files
     gguf: Path  # bert's weights, mean pooling
     reranker: Path
+    reranker_gguf: Path  # its weights, the pooler as `cls`, pooling type rank
+    reranker_no_pooler: Path  # its weights as llama.cpp's converter writes them: no pooler, no pooling type
     nomic: Path  # nomic-bert, mean pooling
     nomic_gguf: Path  # its weights
 
@@ -56,13 +63,16 @@ def encoders(tmp_path_factory: pytest.TempPathFactory) -> Encoders:
     write_sentence_transformers_pooling(cls_bert, "cls")
     gguf = write_bert_gguf(bert, root / "tiny-bert-f32.gguf")
     reranker = make_tiny_bert_dir(root / "tiny-reranker", cross_encoder=True, seed=2)
+    reranker_gguf = write_bert_gguf(reranker, root / "tiny-reranker-f32.gguf", pooling_type=RANK_POOLING)
+    no_pooler = write_bert_gguf(reranker, root / "tiny-reranker-no-pooler.gguf", pooling_type=None, pooler=False)
     nomic = make_tiny_nomic_dir(root / "tiny-nomic")
-    return Encoders(bert, cls_bert, gguf, reranker, nomic, write_nomic_gguf(nomic, root / "tiny-nomic-f32.gguf"))
+    nomic_gguf = write_nomic_gguf(nomic, root / "tiny-nomic-f32.gguf")
+    return Encoders(bert, cls_bert, gguf, reranker, reranker_gguf, no_pooler, nomic, nomic_gguf)
 
 
 @pytest.fixture(scope="module")
 def app(tiny_model: Path, encoders: Encoders, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
-    """The tiny decoder and the six encoders in one app."""
+    """The tiny decoder and the eight encoders in one app."""
     extra = [arg for path in vars(encoders).values() for arg in ("--embedding-model", str(path))]
     with serve_in_process(tiny_args(tiny_model, tmp_path_factory.mktemp("encoders") / "state", *extra)) as running:
         yield running
@@ -92,15 +102,17 @@ def hf_embeddings(folder: Path, texts: list[str], pooling: str) -> torch.Tensor:
     return F.normalize(vectors, dim=-1)
 
 
-def hf_relevance(folder: Path, query: str, documents: list[str]) -> list[float]:
-    """transformers' cross-encoder scores (sigmoid of the one logit) of (query, document) pairs."""
+def hf_relevance(folder: Path, query: str, documents: list[str], pooler: bool = True) -> list[float]:
+    """transformers' cross-encoder scores (sigmoid of the one logit) of (query, document) pairs; without pooler, its
+    classifier on the [CLS] state, as llama.cpp runs a GGUF made by its converter."""
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForSequenceClassification.from_pretrained(folder, dtype=torch.float32).eval()
     batch = tokenizer([query] * len(documents), documents, padding=True, return_tensors="pt")
     with torch.no_grad():
-        return torch.sigmoid(model(**batch).logits[:, 0]).tolist()
+        logits = model(**batch).logits if pooler else model.classifier(model.bert(**batch).last_hidden_state[:, 0])
+    return torch.sigmoid(logits[:, 0]).tolist()
 
 
 def nomic_reference(folder: Path, texts: list[str]) -> torch.Tensor:
@@ -170,7 +182,9 @@ def test_models_lists_the_decoder_then_the_encoders(client: httpx.Client) -> Non
     kinds = {card["id"]: card["kind"] for card in cards}
     assert cards[0]["id"] == SERVED_NAME and cards[0]["sampling_defaults"] is not None
     embedders = ["tiny-bert", "tiny-bert-cls", "tiny-bert-f32", "tiny-nomic", "tiny-nomic-f32"]
-    assert kinds == {SERVED_NAME: "generation", **dict.fromkeys(embedders, "embedding"), "tiny-reranker": "reranker"}
+    rerankers = ["tiny-reranker", "tiny-reranker-f32", "tiny-reranker-no-pooler"]
+    encoders = {**dict.fromkeys(embedders, "embedding"), **dict.fromkeys(rerankers, "reranker")}
+    assert kinds == {SERVED_NAME: "generation", **encoders}
     lengths = {card["id"]: card["max_model_len"] for card in cards[1:]}
     assert lengths == {name: 2048 if "nomic" in name else 64 for name in kinds if name != SERVED_NAME}
 
@@ -219,18 +233,34 @@ def test_an_input_longer_than_the_encoder_s_context_is_refused(client: httpx.Cli
     assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
 
-def test_the_reranker_matches_transformers_and_orders_the_documents(client: httpx.Client, encoders: Encoders) -> None:
-    body = {"model": "tiny-reranker", "query": QUERY, "documents": TEXTS, "top_n": 3}
+@pytest.mark.parametrize(
+    ("model", "pooler"), [("tiny-reranker", True), ("tiny-reranker-f32", True), ("tiny-reranker-no-pooler", False)]
+)
+def test_the_reranker_matches_transformers_and_orders_the_documents(
+    client: httpx.Client, encoders: Encoders, model: str, pooler: bool
+) -> None:
+    body = {"model": model, "query": QUERY, "documents": TEXTS, "top_n": 3}
     response = client.post("/v1/rerank", json=body)
     assert response.status_code == 200, response.text
     results = response.json()["results"]
-    expected = hf_relevance(encoders.reranker, QUERY, TEXTS)
+    expected = hf_relevance(encoders.reranker, QUERY, TEXTS, pooler)
     assert [result["index"] for result in results] == sorted(range(len(TEXTS)), key=lambda i: -expected[i])[:3]
     for result in results:
         assert result["relevance_score"] == pytest.approx(expected[result["index"]], abs=1e-5)
         assert result["document"] == {"text": TEXTS[result["index"]]}
-    scored = client.post("/v1/score", json={"model": "tiny-reranker", "text_1": QUERY, "text_2": TEXTS})
+    scored = client.post("/v1/score", json={"model": model, "text_1": QUERY, "text_2": TEXTS})
     assert [item["score"] for item in scored.json()["data"]] == pytest.approx(expected, abs=1e-5)
+
+
+def test_a_gguf_reranker_without_its_pooler_is_named_and_a_rank_file_without_a_classifier_is_refused(
+    encoders: Encoders, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="statelm.models.encoder_loader"):
+        assert load_encoder(str(encoders.reranker_no_pooler)).cross_encoder
+    assert "the reranker has no pooler" in caplog.text
+    headless = write_bert_gguf(encoders.bert, tmp_path / "headless.gguf", pooling_type=RANK_POOLING)
+    with pytest.raises(ModelLoadError, match=r"pooling type rank, but the file holds no classifier \(cls.output\)"):
+        load_encoder(str(headless))
 
 
 def test_a_reranker_makes_no_embeddings_and_an_unknown_model_is_404(client: httpx.Client) -> None:

@@ -1,6 +1,6 @@
 """Tiny random encoders for the tests: BERT embedding models and a cross-encoder as Hugging Face folders (with a
 WordPiece tokenizer), a nomic-bert embedding model as nomic's published checkpoints lay it out, and the embedding
-models as GGUF files written with gguf's writer, as llama.cpp's converter lays them out."""
+models and the cross-encoder as GGUF files written with gguf's writer, as llama.cpp's converter lays them out."""
 
 from __future__ import annotations
 
@@ -42,6 +42,8 @@ GGUF_NAMES = {
     "embeddings.position_embeddings": "position_embd",
     "embeddings.token_type_embeddings": "token_types",
     "embeddings.LayerNorm": "token_embd_norm",
+    "pooler.dense": "cls",  # a cross-encoder's head: llama.cpp's converter leaves the pooler out
+    "classifier": "cls.output",
 }
 
 
@@ -215,9 +217,13 @@ def _randomize_norms(model: torch.nn.Module, seed: int) -> None:
                 param.add_(0.1 * torch.randn(param.shape, generator=generator))
 
 
-def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1, float16: bool = False) -> Path:
-    """The BertModel of model_dir as a float32 (or float16: its matrices) GGUF file with a `bert` WordPiece
-    vocabulary, in llama.cpp's layout."""
+def write_bert_gguf(
+    model_dir: Path, path: Path, pooling_type: int | None = 1, float16: bool = False, pooler: bool = True
+) -> Path:
+    """The BertModel or BertForSequenceClassification of model_dir as a float32 (or float16: its matrices) GGUF file
+    with a `bert` WordPiece vocabulary, in llama.cpp's layout: a cross-encoder's classifier as `cls.output` with its
+    labels, its pooler as `cls` (or left out, as llama.cpp's converter does, without pooler); no pooling_type for
+    None (the converter writes none for a folder without sentence-transformers files)."""
     from safetensors.torch import load_file
 
     config = json.loads((model_dir / "config.json").read_text())
@@ -225,11 +231,14 @@ def write_bert_gguf(model_dir: Path, path: Path, pooling_type: int = 1, float16:
                                           "num_hidden_layers", "num_attention_heads", "layer_norm_eps")}  # fmt: skip
     tensors = {}
     for name, tensor in load_file(model_dir / "model.safetensors").items():
-        if not name.endswith("position_ids"):
+        if not name.endswith("position_ids") and (pooler or ".pooler." not in name):
             array, target = tensor.float().numpy(), gguf_name(name)
             half = float16 and array.ndim == 2 and target not in F32_TENSORS
             tensors[target] = array.astype("float16") if half else array
-    return _write_encoder_gguf(path, "bert", shape, config["type_vocab_size"], pooling_type, model_dir, tensors)
+    head = "cls.output.weight" in tensors
+    labels = {"add_classifier_output_labels": list(config["id2label"].values())} if head else {}
+    type_count = config["type_vocab_size"]
+    return _write_encoder_gguf(path, "bert", shape, type_count, pooling_type, model_dir, tensors, labels)
 
 
 def _write_encoder_gguf(
@@ -237,7 +246,7 @@ def _write_encoder_gguf(
     architecture: str,
     shape: dict[str, Any],
     type_vocab_size: int,
-    pooling_type: int,
+    pooling_type: int | None,
     model_dir: Path,
     tensors: dict[str, Any],
     extra: dict[str, Any] | None = None,
@@ -256,7 +265,8 @@ def _write_encoder_gguf(
     writer.add_layer_norm_eps(shape["layer_norm_eps"])
     writer.add_causal_attention(False)
     writer.add_token_type_count(type_vocab_size)
-    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    if pooling_type is not None:
+        writer.add_pooling_type(gguf.PoolingType(pooling_type))
     for key, value in (extra or {}).items():
         getattr(writer, key)(value)
     tokens = (model_dir / "vocab.txt").read_text().splitlines()
