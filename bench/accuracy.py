@@ -32,6 +32,7 @@ from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.kernels.quant import PackedWeight, quantize
+from statelm.models.compute_path import install_packed, use_activations, use_compute_path
 from statelm.models.loader import LoadedModel
 
 CHUNK = 256
@@ -48,7 +49,7 @@ def all_logits(loaded: LoadedModel, tokens: list[int], kv: str = "float16") -> t
     config = EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False, kv_cache_dtype=kv)
     engine = create_engine(loaded, config)
     seq = Sequence("accuracy", tokens, SamplingParams(0.0), frozenset(), len(tokens) + 8)
-    assert engine.pool.grow(seq.block_table, len(tokens))
+    assert engine.kv.grow(seq.block_table, len(tokens))
     model, runner = loaded.model, engine.runner
     rows = []
     for start in range(0, len(tokens), CHUNK):
@@ -78,8 +79,8 @@ def repack(loaded: LoadedModel, kind: str) -> None:
     for name, (param, start, end) in model._targets.items():
         if param.dim() == 2 and name.endswith(".weight") and "norm" not in name:
             weights[name] = quantize(param.data[start:end].float(), kind)
-    model._install_packed(weights)
-    model.use_compute_path("kernels")
+    install_packed(model, weights)
+    use_compute_path(model, "kernels")
 
 
 def compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float]:
@@ -143,7 +144,7 @@ def main() -> None:
             for kind in ("int8", "int4"):
                 requantized = load_engine_model(EngineConfig(quantization="none"))
                 repack(requantized, kind)
-                requantized.model.use_activations(activations)
+                use_activations(requantized.model, activations)
                 results[f"{kind} (re-quantized at load)", activations] = compare(
                     reference, all_logits(requantized, tokens)
                 )

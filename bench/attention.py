@@ -14,11 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine_report, median_ms
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
-from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
-from statelm.engine.attention.reference import TorchAttentionBackend
+from statelm.attention.base import AttentionBackend, AttentionMetadata
+from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
+from statelm.attention.kv_format import FORMATS
+from statelm.attention.reference import TorchAttentionBackend
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import FORMATS
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M
 SCALE = HEAD_DIM**-0.5

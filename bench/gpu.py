@@ -42,10 +42,11 @@ from typing import Any
 import torch
 
 from bench.common import cpu_name, memory_gib
+from statelm.attention.kv_format import KVFormat, kv_format
 from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine, load_engine_model
-from statelm.engine.engine import Engine, StepOutput
-from statelm.engine.kv_format import KVFormat, kv_format
+from statelm.engine.client import RequestOutput
+from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel
 
@@ -357,7 +358,7 @@ class Bench:
         self.ids += 1
         return f"{kind}-{self.ids}"
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[RequestOutput]:
         """One engine step; a failed step (the engine catches its exceptions, OOM too) raises here."""
         outputs = self.engine.step()
         errors = [out.error for out in outputs if out.error]

@@ -29,10 +29,7 @@ from statelm.api.protocol import (
     Usage,
 )
 from statelm.api.structured_output import ConstraintCompiler, OutputConstraint, requested_constraint
-from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.repetition import RepetitionConfig
-from statelm.engine.sequence import SamplingParams
-from statelm.engine.session_kv import SessionKVData
+from statelm.engine.client import EngineClient, RepetitionConfig, SamplingParams, SessionKVData
 from statelm.metrics import ServingMetrics
 from statelm.tokenizer import Tokenizer
 
@@ -169,7 +166,7 @@ async def stream_events(deltas: AsyncIterator[TextDelta], include_usage: bool) -
 class ServingContext:
     """The engine, tokenizer, served model, metrics, limits and sampling defaults that the endpoints work with."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: Tokenizer
     model: ServedModel
     metrics: ServingMetrics
@@ -196,7 +193,7 @@ class ServingContext:
         self.model.check(requested_model)
         if self.engine.queue_is_full():
             raise APIError(
-                f"The server is at capacity ({self.engine.max_queue} requests waiting); retry shortly.",
+                f"The server is at capacity ({self.engine.info.max_queue} requests waiting); retry shortly.",
                 status=429,
                 type="rate_limit_error",
                 code="queue_full",

@@ -9,16 +9,18 @@ from typing import Any
 
 import torch
 
+from statelm.attention.kv_format import KVFormat, kv_format
 from statelm.config import EngineConfig
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
+from statelm.engine.cache_pins import CachePinTable
+from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
-from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import KVFormat, kv_format
-from statelm.engine.pins import PinTable
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 from statelm.models.model_cache import ModelCache
@@ -45,18 +47,19 @@ class EngineConfigError(ValueError):
 
 @dataclass
 class BuiltEngine:
-    """The loaded model and the engine thread serving it."""
+    """The loaded model and the client of the engine thread serving it."""
 
     loaded: LoadedModel
-    engine: AsyncEngine
-    invariance: InvarianceReport | None  # None: batch invariance was not asked for
+    engine: EngineClient
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
     """Load the model, allocate the KV pool and start the engine thread."""
     loaded = load_engine_model(config)
     engine = create_engine(loaded, config)
-    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
+    invariance = loaded.invariance  # None: batch invariance was not asked for
+    report = invariance.as_dict() if invariance is not None else None
+    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue, report))
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:
@@ -75,7 +78,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization, cache
     )
     try:
-        if loaded.model.use_activations(config.activations):
+        if use_activations(loaded.model, config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
             prompt_rows = "float32" if config.activations == "int8-decode" else config.activations
             loaded.fingerprint.parts["activations"] = prompt_rows
@@ -91,14 +94,14 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     """
     model = loaded.model
     kv = kv_cache_format(config.kv_cache_dtype, loaded)
-    if model.batch_invariant and model.invariance is None:
+    if model.batch_invariant and loaded.invariance is None:
         try:
-            model.invariance = select_compute_path(model, config.compute_path, kv)
+            loaded.invariance = select_compute_path(model, config.compute_path, kv)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         loaded.fingerprint.parts["compute_path"] = model.compute_path  # KV rounding depends on it
     elif not model.batch_invariant and loaded.device.type == "cuda":
-        model.use_compute_path(model.compute_paths()[0])  # no probe: the fastest path (Triton attention)
+        use_compute_path(model, compute_paths(model)[0])  # no probe: the fastest path (Triton attention)
     threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
     loaded.fingerprint.parts["kv_cache_dtype"] = kv.name  # snapshots hold this KV
     model_config = loaded.config
@@ -149,7 +152,9 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
         ),
-        pool=BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, pin_table(config, num_blocks)),
+        pool=BlockPool(
+            num_blocks, config.block_size, config.enable_prefix_caching, cache_pin_table(config, num_blocks)
+        ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -159,9 +164,9 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     )
 
 
-def pin_table(config: EngineConfig, num_blocks: int) -> PinTable:
+def cache_pin_table(config: EngineConfig, num_blocks: int) -> CachePinTable:
     """The cache pins' table, its caps the configured shares of the pool's blocks."""
-    return PinTable(
+    return CachePinTable(
         max_blocks=int(config.pinned_kv_fraction * num_blocks),
         max_blocks_per_owner=int(config.pinned_kv_fraction_per_key * num_blocks),
     )

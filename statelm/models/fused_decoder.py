@@ -9,8 +9,7 @@ import torch
 from statelm.models.packed import PackedLinear
 
 if TYPE_CHECKING:
-    from statelm.engine.attention.base import AttentionMetadata
-    from statelm.engine.kv_cache import KVCache
+    from statelm.attention.base import AttentionMetadata, KVView
     from statelm.models.layers import RopeInputs
     from statelm.models.llama import LlamaForCausalLM
 
@@ -59,7 +58,7 @@ class FusedDecoder:
         return cls(model, weights, dims)
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, meta: AttentionMetadata, int8: bool
+        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, int8: bool
     ) -> torch.Tensor:
         """Hidden states after the final norm, from the embeddings x [T, hidden]."""
         return torch.ops.statelm.decoder_layers(

@@ -5,9 +5,9 @@ manifest.json     schema version, model fingerprint, KV format (kv_dtype), count
                   file
 tokens.json       the token ids whose K/V are stored
 transcript.json   the conversation's messages
-kv.safetensors    k.<layer> and v.<layer>, each [tokens, kv_heads, width]: the pool's rows (statelm.engine.kv_format),
-                  [tokens, kv_heads, head_dim] of float32/float16/bfloat16, or q8_0 blocks [tokens, kv_heads,
-                  head_dim / 32 * 34] of uint8
+kv.safetensors    k.<layer> and v.<layer>, each [tokens, kv_heads, width]: the pool's rows
+                  (statelm.attention.kv_format), [tokens, kv_heads, head_dim] of float32/float16/bfloat16, or q8_0
+                  blocks [tokens, kv_heads, head_dim / 32 * 34] of uint8
 ```
 
 Schema 2 adds `kv_dtype` and q8_0 rows; schema 1 snapshots (float rows, their format named by the fingerprint's
@@ -34,8 +34,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
-from statelm.engine.kv_format import KVFormat, format_of_rows, kv_format
-from statelm.engine.session_kv import SessionKVData
+from statelm.engine.client import KVFormat, SessionKVData, format_of_rows, kv_format
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import FingerprintMismatchError, SnapshotCorruptError, SnapshotQuotaError
 from statelm.sessions.state_store import Area, StateStore

@@ -7,10 +7,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.kv_format import Q8_GROUP
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import Q8_GROUP
 from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.models.compute_path import use_activations, use_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.tiny_model_dir import make_tiny_model_dir
@@ -32,7 +33,7 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     folder = make_tiny_model_dir(request.param, tmp_path_factory.mktemp(request.param), **overrides)
     model = load_model(str(folder), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
                        quantization="int8")  # fmt: skip
-    model.model.use_compute_path("kernels")
+    use_compute_path(model.model, "kernels")
     assert model.model.fused is not None
     return model
 
@@ -61,7 +62,7 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor, kv: str) 
 def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str, kv: str) -> None:
     if kv == "q8_0" and loaded.config.head_dim % Q8_GROUP:
         pytest.skip(f"q8_0 needs a head dim that is a multiple of {Q8_GROUP}")
-    loaded.model.use_activations(activations)
+    use_activations(loaded.model, activations)
     kinds = {
         "generated": torch.zeros(11, dtype=torch.bool),
         "prompt": torch.ones(11, dtype=torch.bool),
@@ -76,10 +77,10 @@ def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations:
                       for (a, _), (b, _) in zip(x.planes(), y.planes(), strict=True)]  # fmt: skip
             assert all(torch.equal(a, b) for a, b in planes)
     finally:
-        loaded.model.use_activations("float32")
+        use_activations(loaded.model, "float32")
 
 
 def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
-    model.model.use_compute_path("kernels")
+    use_compute_path(model.model, "kernels")
     assert model.model.fused is None

@@ -81,9 +81,9 @@ def run_turn(
             if output.request_id == request_id and cached is not None:
                 assert output.num_cached_tokens == cached
     assert engine.commit_turn(request_id, session_id) == len(prompt) + len(generated) - 1
-    assert engine.sessions.pinned[session_id].exact == len(prompt)
+    assert engine.sessions.resident[session_id].exact == len(prompt)
     assert run_until_idle(engine) == []
-    assert engine.sessions.pinned[session_id].exact == len(prompt) + len(generated) - 1
+    assert engine.sessions.resident[session_id].exact == len(prompt) + len(generated) - 1
     return generated
 
 
@@ -91,10 +91,10 @@ def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> tor
     """Logits after prompt, computed from the session's KV (attached by LCP), without sampling."""
     seq = Sequence("probe", prompt, SamplingParams(0.0), frozenset(), 4096, session_id=session_id)
     attached = engine.sessions.attach(seq, engine.sessions.reusable_length(seq))
-    assert attached == len(engine.sessions.pinned[session_id].tokens)
-    assert engine.pool.grow(seq.block_table, seq.num_tokens)
+    assert attached == len(engine.sessions.resident[session_id].tokens)
+    assert engine.kv.grow(seq.block_table, seq.num_tokens)
     logits = engine.runner.execute([ScheduledChunk(seq, seq.num_uncomputed_tokens)]).logits
-    engine.pool.release(seq.block_table)
+    engine.kv.free(seq.block_table)
     return logits
 
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.kv_format import decode_rows, encode_rows, kv_format
 from statelm.engine.kv_cache import KVCache, LayerKV
-from statelm.engine.kv_format import decode_rows, encode_rows, kv_format
 
 KV_FORMATS = ["float32", "float16", "bfloat16", "q8_0"]
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.reference import TorchAttentionBackend
 from statelm.cpu import cpu_flags, describe, native_bf16
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.reference import TorchAttentionBackend
 from statelm.engine.kv_cache import KVCache
 from tests.unit.paged_cases import KV_FORMATS, paged_case, stored, stored_rows
 

@@ -7,10 +7,11 @@ import random
 import pytest
 import torch
 
+from statelm.attention.kv_format import pack_q8_0
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import pack_q8_0
-from statelm.engine.session_kv import PinnedKV, SessionKVData, SessionKVStore
+from statelm.engine.kv_manager import BlockTable, KVManager
+from statelm.engine.session_kv import SessionBlocks, SessionKVData, SessionKVStore
 from tests.unit.paged_cases import KV_FORMATS, fill_with_noise
 
 BLOCK = 4
@@ -128,10 +129,10 @@ def test_fence_reads_without_gathers_in_flight_does_nothing() -> None:
 def store_holding(cache: KVCache, num_tokens: int, seed: int) -> tuple[SessionKVStore, list[int]]:
     """A store whose session "s" holds num_tokens tokens in shuffled blocks of cache (as filled, no scatter)."""
     pool = BlockPool(cache.num_blocks, BLOCK)
-    store = SessionKVStore(pool, cache)
+    store = SessionKVStore(KVManager(pool, cache))
     allocated = pool.allocate(pool.blocks_needed(num_tokens))
     blocks = random.Random(seed).sample(allocated, len(allocated))
-    store.pinned["s"] = PinnedKV(list(range(num_tokens)), blocks, [], num_tokens)
+    store.resident["s"] = SessionBlocks(list(range(num_tokens)), BlockTable(blocks), num_tokens)
     return store, blocks
 
 
@@ -144,7 +145,7 @@ def test_a_spill_keeps_the_old_kv_when_the_freed_blocks_are_overwritten_at_once(
     spilled: list[SessionKVData] = []
     store.spill_handler = lambda session_id, data: spilled.append(data)
     assert store.reclaim(4096)
-    assert store.pool.num_free_blocks == 4096 and "s" not in store.pinned
+    assert store.kv.num_free_blocks == 4096 and "s" not in store.resident
     for tensor in (*cache.k, *cache.v):
         tensor.fill_(-1.0)  # the next forward writing into the freed blocks, queued at once on the compute stream
     (data,) = spilled
@@ -159,7 +160,7 @@ def test_an_export_keeps_its_kv_when_the_session_is_released_and_its_blocks_reus
     expected = expected_rows(cache, blocks, 2048 * BLOCK)
     data = store.export("s")
     store.release("s")  # e.g. a session deleted right after its snapshot was taken
-    assert sorted(store.pool.allocate(2048)) == list(range(2048))
+    assert sorted(store.kv.pool.allocate(2048)) == list(range(2048))
     for tensor in (*cache.k, *cache.v):
         tensor.add_(1.0)  # written by the compute stream while the export may still be copying
     assert data is not None
@@ -175,12 +176,11 @@ def test_a_restore_is_visible_to_the_next_forward_and_may_come_straight_from_an_
     expected = expected_rows(source, blocks, num_tokens)
     data = source_store.export("s")  # on CUDA possibly still copying: load must wait for it on the GPU
     assert data is not None
-    target = SessionKVStore(
-        BlockPool(1024, BLOCK), KVCache(4, 1024, BLOCK, source.num_kv_heads, source.head_dim, "q8_0", device)
-    )
+    target_cache = KVCache(4, 1024, BLOCK, source.num_kv_heads, source.head_dim, "q8_0", device)
+    target = SessionKVStore(KVManager(BlockPool(1024, BLOCK), target_cache))
     target.load("s", data)
-    restored = target.pinned["s"].block_table
-    got = expected_rows(target.kv_cache, restored, num_tokens)  # read on the compute stream
+    restored = target.resident["s"].table.blocks
+    got = expected_rows(target_cache, restored, num_tokens)  # read on the compute stream
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
 
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
+from statelm.attention.kv_format import Q8_GROUP, quantize_q8_0
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import Q8_GROUP, quantize_q8_0
 from statelm.kernels.build import KernelBuildError, load_kernels
 from tests.unit.kernel_threads import kernel_threads
 from tests.unit.paged_cases import KV_FORMATS, dense_attention, fill_with_noise, paged_case, stored, stored_rows

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from statelm.engine.kv_format import encode_rows, kv_format
+from statelm.attention.kv_format import encode_rows, kv_format
 from statelm.engine.session_kv import SessionKVData
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import (

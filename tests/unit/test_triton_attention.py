@@ -20,11 +20,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from statelm.engine.attention import triton_backend
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.triton_backend import TritonAttentionBackend
+from statelm.attention import triton_backend
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.kv_format import kv_format
+from statelm.attention.triton_backend import TritonAttentionBackend
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import kv_format
 from tests.unit.paged_cases import fill_with_noise, stored
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

@@ -31,20 +31,20 @@ import torch
 import triton
 import triton.language as tl
 
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.kv_cache import LayerKV
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.layer_kv import LayerKV
 
 PARTITION_SIZE = 512  # keys per partition of the key range (a multiple of every key tile size)
 TILE_ROWS = 32  # query rows (tokens x query heads of one KV head) per tile
 SPLIT_MAX_PROGRAMS = 1024  # split the key range only while the unsplit grid has fewer programs than this
 MAX_WORKSPACE_BYTES = 256 << 20  # and only while the partials fit in this much memory
 LOG2E = 1.4426950408889634
-Q8_GROUP: tl.constexpr = tl.constexpr(32)  # values per q8_0 scale (statelm.engine.kv_format)
+Q8_GROUP: tl.constexpr = tl.constexpr(32)  # values per q8_0 scale (statelm.attention.kv_format)
 
 
 @triton.jit
 def _quantize_q8_0(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
-    """q8_0 of x [ROWS, BLOCK_D] per 32 values, as statelm.engine.kv_format computes it: (int8 values, scales).
+    """q8_0 of x [ROWS, BLOCK_D] per 32 values, as statelm.attention.kv_format computes it: (int8 values, scales).
 
     Both divisions are correctly rounded (div_rn), and (y + 1.5 * 2^23) - 1.5 * 2^23 rounds |y| < 2^22 to the
     nearest integer, ties to even, in float32 arithmetic everywhere.

@@ -10,7 +10,7 @@ query row versus several: queries are always passed in one contiguous layout, an
 copy. A row's result is then the same whatever the number of query rows in its call, on CPUs whose SDPA
 kernel keeps that promise (AMX ones do; AVX2 ones do not). `per_row` makes every query row a call of its
 own (as a decode at its position): slow for prefills, but invariant on any CPU; the start-up self-check
-(statelm.engine.invariance) falls back to it when nothing faster passes.
+(statelm.models.invariance) falls back to it when nothing faster passes.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.kv_cache import LayerKV
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.layer_kv import LayerKV
 
 KEY_PAD = 64
 DECODE_QUERY_ROWS = 2  # the fewest query rows that take the same SDPA path as a prefill

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.kv_cache import LayerKV
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.layer_kv import LayerKV
 from statelm.kernels.build import load_kernels
 
 

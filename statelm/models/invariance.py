@@ -1,4 +1,5 @@
-"""The start-up self-check: a row's result must not depend on how many rows share its kernel call.
+"""The start-up self-check that picks the compute path (compute_path.py): a row's result must not depend on how
+many rows share its kernel call.
 
 Before serving, the engine probes the loaded model's own linears and its attention backend on the model's
 shapes: a few rows computed alone against the same rows inside calls of 2, 7, 16 and 64 rows (and, for
@@ -17,10 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.attention.base import AttentionBackend, AttentionMetadata
+from statelm.attention.kv_format import KVFormat, kv_format
+from statelm.attention.layer_kv import LayerKV
 from statelm.cpu import describe
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
-from statelm.engine.kv_cache import KVCache
-from statelm.engine.kv_format import KVFormat
+from statelm.models.compute_path import compute_paths, use_compute_path
 from statelm.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto", kv: KVFor
     """
     started = time.perf_counter()
     rejected: dict[str, list[str]] = {}
-    paths = model.compute_paths()
+    paths = compute_paths(model)
     if forced != "auto":
         if forced not in paths:
             raise ValueError(f"compute path {forced!r} is not available here; choose from auto, {', '.join(paths)}")
@@ -72,7 +74,7 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto", kv: KVFor
     failures: list[str] = []
     for path in paths:
         try:
-            model.use_compute_path(path)
+            use_compute_path(model, path)
             failures = probe_model(model, kv)
         except Exception as exc:  # a path that cannot even run its probe is rejected like one that fails it
             failures = [f"probe raised {type(exc).__name__}: {exc}"]
@@ -166,7 +168,7 @@ def probe_attention(
 
     def run(calls: list[tuple[int, int]]) -> torch.Tensor:
         """One step over sequences given as (first, last) query positions, each over its own copy of the context."""
-        cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, kv or dtype, device).layers[0]
+        cache = LayerKV.allocate(num_blocks, block_size, kv_heads, head_dim, kv or kv_format(dtype), device)
         slots, rows = [], []
         for seq, (first, last) in enumerate(calls):
             seq_slots = [int(table[seq, p // block_size]) * block_size + p % block_size for p in range(last)]
