@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from statelm.api.chat_prompt import ChatPrompter, RenderedPrompt
-from statelm.api.errors import APIError
+from statelm.api.errors import APIError, queue_full
 from statelm.api.generation import GenerationStats, TextDelta, generate_text
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import TokenStrings
@@ -192,12 +192,7 @@ class ServingContext:
         """404 for another model, 429 when the queue is full."""
         self.model.check(requested_model)
         if self.engine.queue_is_full():
-            raise APIError(
-                f"The server is at capacity ({self.engine.info.max_queue} requests waiting); retry shortly.",
-                status=429,
-                type="rate_limit_error",
-                code="queue_full",
-            )
+            raise queue_full(self.engine.info.max_queue)
 
     async def render(
         self,

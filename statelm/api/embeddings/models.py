@@ -8,7 +8,7 @@ from typing import Protocol
 
 import torch
 
-from statelm.api.errors import APIError
+from statelm.api.errors import APIError, queue_full
 from statelm.api.serving import ServedModel
 from statelm.tokenizer import Tokenizer
 
@@ -71,12 +71,7 @@ class EmbeddingModel:
     def admit(self) -> None:
         """429 when its queue is full."""
         if self.runner.queue_is_full():
-            raise APIError(
-                f"The server is at capacity ({self.runner.max_queue} requests waiting); retry shortly.",
-                status=429,
-                type="rate_limit_error",
-                code="queue_full",
-            )
+            raise queue_full(self.runner.max_queue)
 
 
 class EmbeddingModels:
