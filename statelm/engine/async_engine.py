@@ -22,6 +22,7 @@ from statelm.engine.client import (
     SpillHandler,
 )
 from statelm.engine.engine import Engine
+from statelm.engine.futures import settle
 from statelm.models.pooling import PooledRows
 
 T = TypeVar("T")
@@ -194,21 +195,13 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def settle(result: T | None, error: Exception | None) -> None:
-            if future.done():
-                return
-            if error is not None:
-                future.set_exception(error)
-            else:
-                future.set_result(result)  # type: ignore[arg-type]
-
         def command() -> None:
             try:
                 result = function()
             except Exception as exc:
-                loop.call_soon_threadsafe(settle, None, exc)
+                loop.call_soon_threadsafe(settle, future, None, exc)
             else:
-                loop.call_soon_threadsafe(settle, result, None)
+                loop.call_soon_threadsafe(settle, future, result, None)
 
         self._commands.put(command)
         return await future

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.engine.futures import settle
 from statelm.models.bert import BertEncoder
 from statelm.models.pooling import Pooling, pooled
 
@@ -70,10 +71,10 @@ class EncoderEngine:
             except Exception as exc:  # the batch's requests fail; the thread goes on
                 log.exception("encoder batch failed")
                 for job in live:
-                    job.loop.call_soon_threadsafe(_settle, job.future, None, exc)
+                    job.loop.call_soon_threadsafe(settle, job.future, None, exc)
                 continue
             for job in live:
-                job.loop.call_soon_threadsafe(_settle, job.future, job.results, None)
+                job.loop.call_soon_threadsafe(settle, job.future, job.results, None)
 
     def _compute(self, jobs: list[EncoderJob]) -> None:
         """Fill every job's results, in forwards of at most max_batch_tokens tokens (a longer input alone)."""
@@ -115,12 +116,3 @@ class EncoderEngine:
             vectors = [pooled(row, self.pooling) for row in rows]
         for (job, i), vector in zip(batch, vectors, strict=True):
             job.results[i] = vector
-
-
-def _settle(future: asyncio.Future[list[torch.Tensor]], result: list[torch.Tensor] | None, error: Exception | None):
-    if future.done():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)  # type: ignore[arg-type]
