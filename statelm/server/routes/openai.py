@@ -130,13 +130,11 @@ async def generation_response(
     ping: Callable[[], ServerSentEvent] | None = None,
 ) -> T | EventSourceResponse:
     """A generation route's answer: the whole body (cancelled if the client leaves first), or its stream as
-    server-sent events with `ping` (default: a comment) as keep-alive; an engine failure before either is a 500."""
-    try:
-        if not streamed:
-            return await cancel_on_disconnect(request, whole())
-        items = await start_stream()
-    except EngineError as exc:
-        raise APIError(str(exc), status=500, type="server_error") from exc
+    server-sent events with `ping` (default: a comment) as keep-alive (an engine failure before either is a 500:
+    statelm.server.errors)."""
+    if not streamed:
+        return await cancel_on_disconnect(request, whole())
+    items = await start_stream()
     keepalive = request.app.state.sse_keepalive
     return EventSourceResponse(as_events(items), ping=keepalive, ping_message_factory=ping)
 
