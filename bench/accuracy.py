@@ -1,21 +1,30 @@
-"""What packed weights cost in accuracy: next-token agreement and KL divergence against the float model.
+"""What packed weights and narrow KV caches cost in accuracy: next-token agreement and KL divergence.
 
-Usage: .venv/bin/python -m bench.accuracy [--tokens 2000] [--model default|FILE.gguf] [--requantize int8,int4]
-The reference is the GGUF (the bundled model unless --model names one) dequantized to float32, gguf-py's values
-exactly, and run as a float model. Each format runs through statelm's quantized kernel in each arithmetic a prompt
-row can take (`--activations`): float32 activations, activations quantized to int16 per 32 values (`int16-prompt`),
-and to int8 per 32 values as llama.cpp's CPU kernels do. `gguf` keeps the file's own blocks (the bundled model:
-Q4_1, and Q8_0 for the embedding), so with float32 activations only float rounding separates it from the reference;
-`int8` and `int4` (--requantize; empty: none) re-quantize the float weights (Q8_0 and Q4_1 blocks) as a float
-checkpoint would be at load. Over a fixed text (the repository's docs, the first N tokens), fed as prompt rows, it
-reports the share of positions whose most likely next token matches the reference's (each position's next token is
-what a prompt ending there would answer first) and the mean KL(reference || format).
+Usage: .venv/bin/python -m bench.accuracy [--tokens 2000] [--compare weights|kv] [--windows 1]
+                                           [--model default|FILE.gguf] [--requantize int8,int4] [--llama-cpp]
+weights: the reference is the GGUF (the bundled model unless --model names one) dequantized to float32, gguf-py's
+values exactly, and run as a float model (every run with a float16 KV cache). Each format runs through statelm's
+quantized kernel in each arithmetic a prompt row can take (`--activations`): float32 activations, activations
+quantized to int16 per 32 values (`int16-prompt`), and to int8 per 32 values as llama.cpp's CPU kernels do. `gguf`
+keeps the file's own blocks (the bundled model: Q4_1, and Q8_0 for the embedding), so with float32 activations only
+float rounding separates it from the reference; `int8` and `int4` (--requantize; empty: none) re-quantize the float
+weights (Q8_0 and Q4_1 blocks) as a float checkpoint would be at load. Over a fixed text (the repository's docs, the
+first N tokens), fed as prompt rows, it reports the share of positions whose most likely next token matches the
+reference's (each position's next token is what a prompt ending there would answer first) and the mean
+KL(reference || format); --llama-cpp adds llama.cpp's own next token at each position on the same file.
+kv: the default model as the server runs it (its packed GGUF weights) with a float32 KV cache is the reference; the
+same model with each narrower KV cache (float16, bfloat16, q8_0) runs the same text, over --windows stretches of
+--tokens tokens spread over it. Every row is a prompt row with float32 activations (the LM head's too). A second
+table runs every row with int8 activations (as generated tokens are computed) over each KV format, against the same
+float32 reference: int8 rounding turns any small difference in its inputs into a different rounding, so it shows
+whether a KV format adds to int8's own loss.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import subprocess
 import tempfile
 from pathlib import Path
@@ -29,6 +38,7 @@ from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.scheduler import ScheduledChunk
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.kernels.quant import PackedWeight, quantize
+from statelm.models.compute_path import install_packed, use_activations, use_compute_path
 from statelm.models.loader import LoadedModel, resolve_source
 from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
 
@@ -80,11 +90,12 @@ def fixed_text() -> str:
     return "\n\n".join(Path(file).read_text() for file in files)
 
 
-def all_logits(loaded: LoadedModel, tokens: list[int]) -> torch.Tensor:
-    """Next-token logits [len(tokens), vocab] from a chunked prefill of the whole text."""
-    engine = create_engine(loaded, EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False))
+def all_logits(loaded: LoadedModel, tokens: list[int], kv: str = "float16") -> torch.Tensor:
+    """Next-token logits [len(tokens), vocab] from a chunked prefill of the whole text over a KV cache of format kv."""
+    config = EngineConfig(kv_cache_memory=1 << 30, enable_prefix_caching=False, kv_cache_dtype=kv)
+    engine = create_engine(loaded, config)
     seq = Sequence("accuracy", tokens, SamplingParams(0.0), frozenset(), len(tokens) + 8)
-    assert engine.pool.grow(seq.block_table, len(tokens))
+    assert engine.kv.grow(seq.block_table, len(tokens))
     model, runner = loaded.model, engine.runner
     rows = []
     for start in range(0, len(tokens), CHUNK):
@@ -114,8 +125,8 @@ def repack(loaded: LoadedModel, kind: str) -> None:
     for name, (param, start, end) in model._targets.items():
         if param.dim() == 2 and name.endswith(".weight") and "norm" not in name:
             weights[name] = quantize(param.data[start:end].float(), kind)
-    model._install_packed(weights)
-    model.use_compute_path("kernels")
+    install_packed(model, weights)
+    use_compute_path(model, "kernels")
 
 
 def llama_cpp_top1(llama_server: Path, model: Path, tokens: list[int]) -> torch.Tensor:
@@ -148,9 +159,39 @@ def compare(reference: torch.Tensor, logits: torch.Tensor) -> tuple[float, float
     return agree, kl
 
 
+def compare_kv_caches(tokens: int, windows: int) -> None:
+    """Print the KV formats' tables: each narrower cache against float32 KV, the served model's weights in all."""
+    with torch.inference_mode():
+        served = load_engine_model(EngineConfig())
+        text = served.tokenizer.encode(fixed_text())
+        create_engine(served, EngineConfig(kv_cache_memory=64 << 20))  # runs the self-check, picks a path
+        step = (len(text) - tokens) // max(1, windows - 1)
+        stretches = [text[index * step : index * step + tokens] for index in range(windows)]
+        print(f"text: {windows} stretches of {tokens} tokens spread over the {len(text)} of README.md + docs/*.md; "
+              f"the default model as served, compute path {served.model.compute_path}; reference: float32 KV cache, "
+              "float32 activations (as prompt rows are computed)")  # fmt: skip
+        results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+        for stretch in stretches:
+            use_activations(served.model, "float32")
+            reference = all_logits(served, stretch, "float32")
+            for kv in ("float16", "bfloat16", "q8_0"):
+                results.setdefault(("float32", kv), []).append(compare(reference, all_logits(served, stretch, kv)))
+            use_activations(served.model, "int8")
+            for kv in ("float32", "float16", "bfloat16", "q8_0"):
+                results.setdefault(("int8", kv), []).append(compare(reference, all_logits(served, stretch, kv)))
+    print("| activations | KV cache | top-1 agreement | per stretch | mean KL divergence (nats) |")
+    print("| --- | --- | ---: | --- | ---: |")
+    for (activations, kv), rows in results.items():
+        agree, kl = statistics.mean(row[0] for row in rows), statistics.mean(row[1] for row in rows)
+        spread = ", ".join(f"{row[0]:.2%}" for row in rows)
+        print(f"| {activations} | {kv} | {agree:.2%} | {spread} | {kl:.2e} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=2000)
+    parser.add_argument("--compare", choices=["weights", "kv"], default="weights")
+    parser.add_argument("--windows", type=int, default=1, help="kv: stretches of --tokens spread over the text")
     parser.add_argument("--model", default="default", help="a GGUF file, or `default` (the bundled model)")
     parser.add_argument("--requantize", default="int8,int4", help="float re-quantizations to compare too (or '')")
     parser.add_argument("--llama-cpp", action="store_true", help="llama.cpp's own next tokens on the file too")
@@ -158,6 +199,9 @@ def main() -> None:
     args = parser.parse_args()
     kinds = [kind for kind in args.requantize.split(",") if kind]
     print(machine_report())
+    if args.compare == "kv":
+        compare_kv_caches(args.tokens, args.windows)
+        return
     with torch.inference_mode():
         float_model = load_engine_model(EngineConfig(model=args.model, quantization="none", dtype="float32"))
         tokens = float_model.tokenizer.encode(fixed_text())[: args.tokens]
@@ -176,7 +220,7 @@ def main() -> None:
             for kind in kinds:
                 requantized = load_engine_model(EngineConfig(model=args.model, quantization="none", dtype="float32"))
                 repack(requantized, kind)
-                requantized.model.use_activations(activations)
+                use_activations(requantized.model, activations)
                 results[f"{kind} (re-quantized at load)", arithmetic] = scores(
                     reference, all_logits(requantized, tokens)
                 )

@@ -1,9 +1,9 @@
 """Attention backends head to head: the C++ paged kernel against the torch reference, on SmolLM2-135M's shapes.
 
-Usage: .venv/bin/python -m bench.attention [--dtype float32] [--threads N] [--repeats 30]
-Times one layer's backend.forward (cache write + attention) for decodes at batch 1 and 16 with 128 and 2,048
-tokens of context, and a 512-token prefill; F.scaled_dot_product_attention on contiguous float32 tensors
-(causal, no paging) is the yardstick for the prefill. Medians of --repeats calls after warm-up.
+Usage: .venv/bin/python -m bench.attention [--dtype float32] [--kv-cache-dtype float16] [--threads N] [--repeats 30]
+Times one layer's backend.forward (cache write + attention) for decodes at batch 1 and 16 with 128, 2,048 and 8,192
+tokens of context, and a 512-token prefill, in one KV format; F.scaled_dot_product_attention on contiguous float32
+tensors (causal, no paging) is the yardstick for the prefill. Medians of --repeats calls after warm-up.
 """
 
 from __future__ import annotations
@@ -14,9 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from bench.common import machine_report, median_ms
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
-from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
-from statelm.engine.attention.reference import TorchAttentionBackend
+from statelm.attention.base import AttentionBackend, AttentionMetadata
+from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
+from statelm.attention.kv_format import FORMATS
+from statelm.attention.reference import TorchAttentionBackend
+from statelm.engine.kv_cache import KVCache
 
 HEADS, KV_HEADS, HEAD_DIM, BLOCK_SIZE = 9, 3, 64, 16  # SmolLM2-135M
 SCALE = HEAD_DIM**-0.5
@@ -25,13 +27,15 @@ SCALE = HEAD_DIM**-0.5
 class Step:
     """One layer's inputs for `batch` sequences of `context` tokens whose last `query_len` are new."""
 
-    def __init__(self, batch: int, context: int, query_len: int, dtype: torch.dtype) -> None:
+    def __init__(self, batch: int, context: int, query_len: int, dtype: torch.dtype, kv: str) -> None:
         gen = torch.Generator().manual_seed(0)
         blocks_per_seq = -(-context // BLOCK_SIZE)
         num_blocks = batch * blocks_per_seq + 1
-        shape = (num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
-        self.k_cache = torch.randn(shape, generator=gen).to(dtype)
-        self.v_cache = torch.randn(shape, generator=gen).to(dtype)
+        self.cache = KVCache(1, num_blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM, kv, "cpu").layers[0]
+        for plane, _ in self.cache.planes():  # every slot written: pages touched, as in a used pool
+            plane.copy_(
+                torch.randint(-100, 100, plane.shape, generator=gen) * (0.01 if plane.is_floating_point() else 1)
+            )
         tables = (torch.randperm(num_blocks - 1, generator=gen) + 1).view(batch, blocks_per_seq)
         tokens = batch * query_len
         self.q = torch.randn(tokens, HEADS, HEAD_DIM, generator=gen).to(dtype)
@@ -49,12 +53,13 @@ class Step:
 
     def run(self, backend: AttentionBackend) -> torch.Tensor:
         """One forward of the backend over this step."""
-        return backend.forward(self.q, self.k, self.v, self.k_cache, self.v_cache, self.meta, SCALE)
+        return backend.forward(self.q, self.k, self.v, self.cache, self.meta, SCALE)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-dtype", default="float16", choices=list(FORMATS))
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--repeats", type=int, default=30)
     args = parser.parse_args()
@@ -62,15 +67,15 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     print(machine_report())
     print(
-        f"shapes: heads {HEADS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, block size {BLOCK_SIZE}; {args.dtype}; "
-        f"{args.threads} threads; median of {args.repeats}"
+        f"shapes: heads {HEADS}, kv heads {KV_HEADS}, head dim {HEAD_DIM}, block size {BLOCK_SIZE}; {args.dtype}, "
+        f"KV {args.kv_cache_dtype}; {args.threads} threads; median of {args.repeats}"
     )
     kernel, reference = CpuKernelAttentionBackend(), TorchAttentionBackend()
     print(f"{'case':<28}{'kernel ms':>11}{'reference ms':>14}{'speed-up':>10}")
-    cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in (1, 16) for c in (128, 2048)]
+    cases = [(f"decode b={b} ctx={c}", b, c, 1) for b in (1, 16) for c in (128, 2048, 8192)]
     cases.append(("prefill 512", 1, 512, 512))
     for name, batch, context, query_len in cases:
-        step = Step(batch, context, query_len, dtype)
+        step = Step(batch, context, query_len, dtype, args.kv_cache_dtype)
         kernel_ms = median_ms(lambda step=step: step.run(kernel), args.repeats)
         reference_ms = median_ms(lambda step=step: step.run(reference), args.repeats)
         print(f"{name:<28}{kernel_ms:>11.3f}{reference_ms:>14.3f}{reference_ms / kernel_ms:>9.1f}x")

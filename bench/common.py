@@ -16,8 +16,13 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import httpx
+
+if TYPE_CHECKING:
+    from statelm.engine.engine import Engine
+    from statelm.engine.session_kv import SessionKVData
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -52,6 +57,21 @@ def call_times_ms(fn: Callable[[], object], repeats: int, warmup: int) -> list[f
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
     """Median wall time of fn in milliseconds, after three warm-up calls."""
     return statistics.median(call_times_ms(fn, repeats, warmup=3))
+
+
+def prefilled_session(engine: Engine, tokens: int, session_id: str = "prefilled") -> SessionKVData:
+    """The exact KV of a session of `tokens` tokens, computed as one prompt (a turn of one token, committed)."""
+    from statelm.engine.sequence import SamplingParams
+
+    prompt = [(13 * j) % 20000 + 100 for j in range(tokens)]
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    engine.add_request(f"{session_id}-prompt", prompt, params, session_id)
+    while engine.has_work():
+        engine.step()
+    engine.commit_turn(f"{session_id}-prompt", session_id)
+    data = engine.sessions.export(session_id)
+    assert data is not None and len(data.tokens) == tokens
+    return data
 
 
 def machine_report() -> str:

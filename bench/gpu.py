@@ -42,9 +42,11 @@ from typing import Any
 import torch
 
 from bench.common import cpu_name, memory_gib
+from statelm.attention.kv_format import KVFormat, kv_format
 from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine, load_engine_model
-from statelm.engine.engine import Engine, StepOutput
+from statelm.engine.client import RequestOutput
+from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel
 
@@ -331,8 +333,7 @@ class Bench:
         self.rng = random.Random(0)
         self.ids = 0
         config = loaded.config
-        self.kv_bytes_per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-        self.kv_bytes_per_token *= engine.runner.kv_cache.k[0].element_size()
+        self.kv_bytes_per_token = engine.runner.kv_cache.bytes_per_token
         model = loaded.model
         self.weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         if not config.tie_word_embeddings:  # the embedding's rows are gathered, not read whole
@@ -357,7 +358,7 @@ class Bench:
         self.ids += 1
         return f"{kind}-{self.ids}"
 
-    def step(self) -> list[StepOutput]:
+    def step(self) -> list[RequestOutput]:
         """One engine step; a failed step (the engine catches its exceptions, OOM too) raises here."""
         outputs = self.engine.step()
         errors = [out.error for out in outputs if out.error]
@@ -506,9 +507,9 @@ class Bench:
         }
 
 
-def kv_budget(config: dict[str, Any], kv_dtype_bytes: int, block_size: int, needs: list[tuple[int, int]]) -> int:
+def kv_budget(config: dict[str, Any], kv: KVFormat, block_size: int, needs: list[tuple[int, int]]) -> int:
     """Bytes of KV pool for the largest of needs, each (sequences, tokens per sequence), plus 64 blocks."""
-    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * kv_dtype_bytes
+    per_token = kv.bytes_per_token(config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"])
     blocks = max(count * -(-(tokens + 1) // block_size) for count, tokens in needs) + 64
     return blocks * block_size * per_token
 
@@ -826,10 +827,9 @@ def main() -> None:
     }
     engine_settings.update(overrides)
     if "kv_cache_memory" not in overrides:
-        kv_dtype = engine_settings.get("kv_cache_dtype", "auto")
-        kv_dtype = engine_settings["dtype"] if kv_dtype == "auto" else kv_dtype
-        element = 4 if kv_dtype == "float32" else 2
-        engine_settings["kv_cache_memory"] = kv_budget(config_dict, element, block_size, needs)
+        kv_dtype = engine_settings.get("kv_cache_dtype", "auto")  # auto: 16-bit (the bfloat16 model's own)
+        kv = kv_format("bfloat16" if kv_dtype == "auto" else kv_dtype)
+        engine_settings["kv_cache_memory"] = kv_budget(config_dict, kv, block_size, needs)
     results["settings"] = {
         "preset": args.preset,
         "model_config": config_dict,

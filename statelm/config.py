@@ -54,13 +54,27 @@ def parse_sampling_defaults(text: str) -> dict[str, Any]:
     """Sampling defaults from a JSON object, checked as request fields are."""
     from pydantic import ValidationError
 
-    from statelm.api.protocol import SamplerSettings
+    from statelm.sampler_settings import SamplerSettings
 
     try:
         return SamplerSettings.model_validate_json(text).model_dump(exclude_none=True)
     except ValidationError as exc:
         problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'value'}: {e['msg']}" for e in exc.errors())
         raise ValueError(f"{problems} (fields: {', '.join(SamplerSettings.model_fields)})") from None
+
+
+@dataclass(frozen=True)
+class Switch:
+    """A second spelling of one value of a setting: a bool option whose `--no-` form sets that value."""
+
+    flag: str  # e.g. --persist-sessions, whose --no-persist-sessions sets `off`
+    off: Any
+    help: str
+
+    @property
+    def off_flag(self) -> str:
+        """The spelling that sets `off`."""
+        return f"--no-{self.flag.removeprefix('--')}"
 
 
 @dataclass(frozen=True)
@@ -76,6 +90,7 @@ class Setting:
     minimum: float | None = None
     maximum: float | None = None
     cli: bool = True  # False: not a `statelm serve` option
+    switch: Switch | None = None  # another option that sets one of the field's values
 
 
 SETTING = "statelm.setting"  # the key of a field's Setting in its metadata
@@ -94,12 +109,26 @@ def setting(
     minimum: float | None = None,
     maximum: float | None = None,
     cli: bool = True,
+    switch: Switch | None = None,
 ) -> Any:
     """A dataclass field with a default (or a factory of one) and the `statelm serve` option that sets it."""
-    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, maximum, cli)}
+    metadata = {SETTING: Setting(help, flag, parse, text_default, zero_is_none, env, minimum, maximum, cli, switch)}
     if factory is not None:
         return field(default_factory=factory, metadata=metadata)
     return field(default=default, metadata=metadata)
+
+
+class Pooling(enum.StrEnum):
+    """How a sequence's final hidden states become one embedding vector."""
+
+    MEAN = "mean"  # the average of every token's state
+    LAST = "last"  # the last token's state (decoder embedders: Qwen3-Embedding, e5-mistral)
+    CLS = "cls"  # the first token's state (BERT's [CLS]: BGE)
+
+    @property
+    def needs_every_row(self) -> bool:
+        """True when every token's state counts, so no prompt token may be served by the prefix cache."""
+        return self is not Pooling.LAST
 
 
 @dataclass
@@ -147,8 +176,8 @@ class EngineConfig:
     )
     kv_cache_dtype: str = setting(
         "auto",
-        help="auto (the model's dtype) | float32 | bfloat16 | float16 (narrower caches: CPU kernels path only; half"
-        " the bytes attention reads).",
+        help="auto (16-bit: a 16-bit model's own dtype, else float16) | float32 | float16 | bfloat16 | q8_0 (8-bit"
+        " values with a float16 scale per 32, as llama.cpp's: about half the bytes of 16-bit).",
     )
     enforce_eager: bool = setting(False, help="CUDA: run every step eagerly (no CUDA graphs of decode steps).")
     max_queue: int = setting(256, help="Requests that may wait for a slot; more get 429.")
@@ -166,6 +195,18 @@ class EngineConfig:
         factory=dict,
         help='Sampling defaults over the model\'s own, as JSON: \'{"temperature": 0.7, "top_k": 40}\'.',
         parse=parse_sampling_defaults,
+    )
+    pooling: Pooling = setting(
+        Pooling.LAST,
+        help="How /v1/embeddings pools the served model's final hidden states: last (token) | mean | cls (first"
+        " token); the vector is normalised.",
+    )
+    embedding_models: list[str] = setting(
+        factory=list,
+        help="An encoder model to serve beside --model at /v1/embeddings, /v1/rerank and /v1/score, routed by the"
+        " request's `model` (repeatable): a BERT or nomic-bert embedder (BGE, E5, all-MiniLM, nomic-embed-text)"
+        " or cross-encoder (reranker), as a folder, .gguf file or hub id.",
+        flag="--embedding-model",
     )
 
 
@@ -193,6 +234,12 @@ class ServerConfig:
         help="What a crash may lose: turn (nothing answered: every change is journalled and fsynced first) | spill"
         " (changes since a session was last spilled or saved at a graceful stop) | off (every session: kept in memory"
         " only, neither saved nor resumed).",
+        switch=Switch(
+            "--persist-sessions",
+            SessionDurability.OFF,
+            help="Save sessions and resume them on the next start; --no-persist-sessions is the same as"
+            " --session-durability off.",
+        ),
     )
     persist_idle_after: float | None = setting(  # seconds
         None,

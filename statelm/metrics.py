@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from statelm.engine.engine import Engine
+from statelm.engine.client import EngineClient
 from statelm.sessions.journal_store import JournalCounters
 from statelm.sessions.storage import StorageCondition, StorageHealth
 
@@ -16,9 +16,9 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75, 
 
 
 class ServingMetrics:
-    """Counters and histograms fed by the API layer; gauges read from the engine at scrape time."""
+    """Counters and histograms fed by the API layer; gauges read from the engine's latest stats at scrape time."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: EngineClient) -> None:
         self.registry = CollectorRegistry()
         registry = self.registry
         self.http_responses = Counter(
@@ -40,26 +40,38 @@ class ServingMetrics:
             "statelm_inter_token_latency_seconds", "Gap between a stream's tokens", buckets=LATENCY_BUCKETS,
             registry=registry,
         )  # fmt: skip
-        scheduler, pool = engine.scheduler, engine.pool
         gauges = {
-            "statelm_requests_running": ("Sequences in the running batch", lambda: len(scheduler.running)),
-            "statelm_requests_waiting": ("Sequences waiting for a slot", lambda: len(scheduler.waiting)),
-            "statelm_kv_blocks_used": ("KV cache blocks held by sequences", lambda: pool.num_used_blocks),
-            "statelm_kv_blocks_free": ("KV cache blocks free (cached or empty)", lambda: pool.num_free_blocks),
+            "statelm_requests_running": ("Sequences in the running batch", lambda: engine.stats().running),
+            "statelm_requests_waiting": ("Sequences waiting for a slot", lambda: engine.stats().waiting),
+            "statelm_kv_blocks_used": ("KV cache blocks held by sequences", lambda: engine.stats().kv_blocks_used),
+            "statelm_kv_blocks_free": (
+                "KV cache blocks free (cached or empty)",
+                lambda: engine.stats().kv_blocks_free,
+            ),
             "statelm_kv_blocks_pinned": (
                 "KV cache blocks of prefixes pinned by cache_control (held or free)",
-                lambda: pool.pins.num_pinned_blocks,
+                lambda: engine.stats().kv_blocks_pinned,
             ),
             "statelm_prefix_cache_hit_rate": (
                 "Share of queried prompt tokens found in the prefix cache",
-                lambda: pool.hit_tokens / pool.queried_tokens if pool.queried_tokens else 0.0,
+                lambda: engine.stats().prefix_cache_hit_rate,
             ),
         }
         for name, (description, read) in gauges.items():
             Gauge(name, description, registry=registry).set_function(read)
+        info = engine.info
+        Gauge(
+            "statelm_kv_cache_bytes_per_token",
+            "Bytes a token's KV takes in the cache, all layers, K and V, by KV format (--kv-cache-dtype)",
+            ["dtype"],
+            registry=registry,
+        ).labels(info.kv_format).set(info.kv_bytes_per_token)
+        Gauge("statelm_kv_cache_capacity_tokens", "Tokens the KV cache holds in all", registry=registry).set(
+            info.kv_capacity_tokens
+        )
         self.journal = JournalCounters()
-        registry.register(CounterCollector(self.journal, JOURNAL_FIGURES))
-        registry.register(CounterCollector(pool.pins.counters, PIN_FIGURES))
+        registry.register(CounterCollector(lambda: self.journal, JOURNAL_FIGURES))
+        registry.register(CounterCollector(lambda: engine.stats().cache_pins, PIN_FIGURES))
 
     def watch_storage(self, health: StorageHealth, owed: Callable[[], int]) -> None:
         """Export the state store's condition, room, owed writes, failures and refusals (owed: how many writes)."""
@@ -79,16 +91,17 @@ class ServingMetrics:
 
 
 class CounterCollector(Collector):
-    """Counters another thread updates, read at scrape time: one Prometheus counter per (name, help, attribute)."""
+    """Counters read at scrape time from what `read` returns: one Prometheus counter per (name, help, attribute)."""
 
-    def __init__(self, counters: object, figures: list[tuple[str, str, str]]) -> None:
-        self.counters = counters
+    def __init__(self, read: Callable[[], object], figures: list[tuple[str, str, str]]) -> None:
+        self.read = read
         self.figures = figures
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         """One counter per figure."""
+        counters = self.read()
         for name, help_text, attribute in self.figures:
-            yield CounterMetricFamily(name, help_text, getattr(self.counters, attribute))
+            yield CounterMetricFamily(name, help_text, getattr(counters, attribute))
 
 
 class StorageCollector(Collector):
@@ -137,7 +150,7 @@ JOURNAL_FIGURES = [  # JournalCounters, updated by the journal's worker threads
     ("statelm_journal_write_seconds", "Seconds session journal writes took (fsync included)", "write_seconds"),
     ("statelm_journal_slow_writes", "Session journal writes that took a second or more", "slow_writes"),
 ]
-PIN_FIGURES = [  # PinCounters, updated by the engine thread
+PIN_FIGURES = [  # CachePinCounters, of the engine's latest stats
     ("statelm_cache_pins_created", "Prefixes pinned by cache_control", "created"),
     ("statelm_cache_pin_hits", "Pinned prefixes a request found whole in the cache", "hits"),
     ("statelm_cache_pins_expired", "Cache pins released at the end of their TTL", "expired"),

@@ -80,6 +80,10 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:
             raise TokenizerError(f"cannot load {path / 'tokenizer.json'}: {exc}") from exc
+        # A tokenizer.json may pad to and truncate at a fixed length (sentence-transformers folders do): a prompt or
+        # an input is its own tokens, and one too long is refused where it is checked, never padded or cut here
+        backend.no_padding()
+        backend.no_truncation()
         config = _read_json(path / "tokenizer_config.json")
         special_map = _read_json(path / "special_tokens_map.json")
         bos = _token_content(config.get("bos_token", special_map.get("bos_token")))

@@ -16,7 +16,7 @@ from statelm.api.parsers.tools import (
     ToolParser,
 )
 from statelm.api.protocol import AssistantMessage, DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCallMessage
-from statelm.engine.sequence import FinishReason
+from statelm.engine.client import FinishReason
 
 TOOL_CALLS_FINISH = "tool_calls"  # the finish reason of a choice that made tool calls
 

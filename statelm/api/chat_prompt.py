@@ -23,7 +23,7 @@ from statelm.api.parsers.reasoning import (
 )
 from statelm.api.parsers.tools import ForcedToolParser, ToolParser, get_tool_parser
 from statelm.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice, ToolDefinition
-from statelm.engine.guidance import ReasoningBudget
+from statelm.engine.client import ReasoningBudget
 from statelm.tokenizer import ChatTemplateError, Tokenizer
 
 _EFFORTS_WITHOUT_THINKING = frozenset({"none", "minimal"})

@@ -26,8 +26,7 @@ from statelm.api.errors import APIError
 from statelm.api.protocol import ChatCompletionRequest, ChatMessage, NamedToolChoice
 from statelm.api.serving import ServingContext
 from statelm.api.structured_output import forced_tool_constraint
-from statelm.engine.pins import PinRequest
-from statelm.engine.sequence import SamplingParams
+from statelm.engine.client import CachePinRequest, SamplingParams
 from statelm.sessions.manager import SessionManager
 from statelm.sessions.session import Session, SessionKind, SessionSettings
 
@@ -155,7 +154,7 @@ class ConversationService:
         request: ChatCompletionRequest,
         request_id: str,
         prompt: RenderedPrompt,
-        cache_pins: tuple[PinRequest, ...] = (),
+        cache_pins: tuple[CachePinRequest, ...] = (),
     ) -> AsyncIterator[ChoiceEvent]:
         """The (not yet started) generation of a reply to a rendered prompt, without a session, pinning the prompt
         prefixes of cache_pins in the prefix cache."""

@@ -26,3 +26,13 @@ class APIError(Exception):
     def to_dict(self) -> dict[str, dict[str, str | None]]:
         """OpenAI's error body."""
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def queue_full(max_queue: int) -> APIError:
+    """The 429 for a full request queue."""
+    return APIError(
+        f"The server is at capacity ({max_queue} requests waiting); retry shortly.",
+        status=429,
+        type="rate_limit_error",
+        code="queue_full",
+    )

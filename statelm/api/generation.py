@@ -10,11 +10,15 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from statelm.api.parsers.stop import StopStringMatcher
-from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.engine import StepOutput
-from statelm.engine.sampler import TokenLogprob
-from statelm.engine.sequence import FinishReason, SamplingParams
-from statelm.engine.session_kv import SessionKVData
+from statelm.engine.client import (
+    EngineClient,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    SamplingParams,
+    SessionKVData,
+    TokenLogprob,
+)
 from statelm.metrics import ServingMetrics
 from statelm.tokenizer import IncrementalDetokenizer, Tokenizer
 
@@ -101,7 +105,7 @@ class ChoiceText:
         """Tokens the choice has generated so far."""
         return len(self.token_ids)
 
-    def add(self, output: StepOutput) -> TextDelta:
+    def add(self, output: RequestOutput) -> TextDelta:
         """The text (and tokens) one engine output adds to this choice."""
         last = len(output.new_token_ids) - 1
         ended_by_token = output.finished and output.ended_by_token
@@ -192,7 +196,7 @@ async def collect(deltas: AsyncIterator[TextDelta], count: int) -> tuple[list[Co
 
 
 async def generate_text(
-    engine: AsyncEngine,
+    engine: EngineClient,
     tokenizer: Tokenizer,
     request_id: str,
     prompt_ids: list[int],
@@ -219,7 +223,8 @@ async def generate_text(
     prompt_tokens = cached_tokens = 0
     done = 0
     try:
-        async for output in engine.generate(request_id, prompt_ids, params, session_id, restore):
+        request = EngineRequest(request_id, prompt_ids, params, session_id, restore)
+        async for output in engine.generate(request):
             choice = choices[output.index]
             if choice.finish_reason is not None:
                 continue  # sampled before a stop string's abort reached the engine

@@ -1,10 +1,9 @@
-"""Logprobs of generated tokens in OpenAI's two formats: chat's `logprobs.content` and the legacy completions one."""
+"""Logprobs of generated tokens: the token strings they show, and chat's `logprobs.content` (which responses share)."""
 
 from __future__ import annotations
 
 import functools
 
-from statelm.api.completions_protocol import CompletionLogprobs
 from statelm.api.generation import ReleasedToken
 from statelm.api.protocol import ChoiceLogprobs, TokenLogprobInfo, TopLogprob
 from statelm.tokenizer import Tokenizer
@@ -40,19 +39,3 @@ def chat_logprobs(tokens: list[ReleasedToken], strings: TokenStrings) -> ChoiceL
         alternatives = [strings.top(token_id, logprob) for token_id, logprob in record.top]
         content.append(TokenLogprobInfo(**chosen.model_dump(), top_logprobs=alternatives))
     return ChoiceLogprobs(content=content)
-
-
-def completion_logprobs(tokens: list[ReleasedToken], strings: TokenStrings) -> CompletionLogprobs:
-    """The legacy `logprobs` object for some tokens of a choice; each top_logprobs entry includes the chosen token."""
-    top_logprobs = []
-    for released in tokens:
-        record = released.logprob
-        top = {strings.text(token_id): logprob for token_id, logprob in record.top}
-        top.setdefault(strings.text(record.token_id), record.logprob)
-        top_logprobs.append(top)
-    return CompletionLogprobs(
-        tokens=[strings.text(released.logprob.token_id) for released in tokens],
-        token_logprobs=[released.logprob.logprob for released in tokens],
-        top_logprobs=top_logprobs,
-        text_offset=[released.offset for released in tokens],
-    )

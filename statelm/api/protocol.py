@@ -16,7 +16,8 @@ from pydantic import (
 )
 
 from statelm.api.json_schemas import JSONSchema, JSONSchemaOrText, check_parameters_schema
-from statelm.engine.logits_processors import LOGIT_BIAS_LIMIT
+from statelm.engine.client import LOGIT_BIAS_LIMIT
+from statelm.sampler_settings import SamplerSettings, TypedModel
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 128
@@ -52,39 +53,6 @@ Metadata = Annotated[
     dict[Annotated[str, Field(max_length=MAX_METADATA_KEY)], Annotated[str, Field(max_length=MAX_METADATA_VALUE)]],
     Field(max_length=MAX_METADATA_PAIRS),
 ]
-
-
-class StrictModel(BaseModel):
-    """Rejects unknown fields and non-finite numbers, so nothing a client sends is silently dropped."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-
-class TypedModel(StrictModel):
-    """A StrictModel that also refuses a value of another JSON type (`true` for a number, `"yes"` for a boolean)."""
-
-    model_config = ConfigDict(strict=True)
-
-
-class SamplerSettings(TypedModel):
-    """Sampling fields a server may default per model (`--default-sampling`, generation_config.json); None = unset."""
-
-    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
-    top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
-    top_k: Annotated[int, Field(ge=-1)] | None = None  # -1 or 0: off
-    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    frequency_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
-    repetition_penalty: Annotated[float, Field(ge=0.01, le=10.0)] | None = None
-    repetition_penalty_range: Annotated[int, Field(ge=-1)] | None = None  # -1: the whole context, 0: off
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_is_unset(cls, data: Any) -> Any:
-        """`"field": null` means the field's default, as in OpenAI's API; unknown fields are still rejected."""
-        if isinstance(data, dict):
-            return {key: value for key, value in data.items() if value is not None or key not in cls.model_fields}
-        return data
 
 
 class StreamOptions(TypedModel):
@@ -577,7 +545,8 @@ class ModelCard(BaseModel):
     created: int
     owned_by: str = "statelm"
     max_model_len: int
-    sampling_defaults: SamplerSettings  # what a request that leaves a sampling field out gets
+    sampling_defaults: SamplerSettings | None = None  # what a request that leaves a sampling field out gets
+    kind: Literal["generation", "embedding", "reranker"] = "generation"  # embedding models and rerankers don't generate
 
 
 class ModelList(BaseModel):

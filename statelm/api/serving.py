@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from statelm.api.chat_prompt import ChatPrompter, RenderedPrompt
-from statelm.api.errors import APIError
+from statelm.api.errors import APIError, queue_full
 from statelm.api.generation import GenerationStats, TextDelta, generate_text
 from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import TokenStrings
@@ -29,10 +29,7 @@ from statelm.api.protocol import (
     Usage,
 )
 from statelm.api.structured_output import ConstraintCompiler, OutputConstraint, requested_constraint
-from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.repetition import RepetitionConfig
-from statelm.engine.sequence import SamplingParams
-from statelm.engine.session_kv import SessionKVData
+from statelm.engine.client import EngineClient, RepetitionConfig, SamplingParams, SessionKVData
 from statelm.metrics import ServingMetrics
 from statelm.tokenizer import Tokenizer
 
@@ -169,7 +166,7 @@ async def stream_events(deltas: AsyncIterator[TextDelta], include_usage: bool) -
 class ServingContext:
     """The engine, tokenizer, served model, metrics, limits and sampling defaults that the endpoints work with."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: Tokenizer
     model: ServedModel
     metrics: ServingMetrics
@@ -195,12 +192,7 @@ class ServingContext:
         """404 for another model, 429 when the queue is full."""
         self.model.check(requested_model)
         if self.engine.queue_is_full():
-            raise APIError(
-                f"The server is at capacity ({self.engine.max_queue} requests waiting); retry shortly.",
-                status=429,
-                type="rate_limit_error",
-                code="queue_full",
-            )
+            raise queue_full(self.engine.info.max_queue)
 
     async def render(
         self,

@@ -75,6 +75,9 @@ class SessionObject(BaseModel):
     num_tokens: int
     num_messages: int
     state: Literal["resident", "spilled", "busy"]
+    kv_cache_dtype: str  # the format of its KV, the server's pool's (--kv-cache-dtype)
+    kv_bytes_per_token: int  # bytes a token of its KV takes in the pool, all layers, K and V
+    kv_bytes: int  # num_tokens x kv_bytes_per_token: its KV in the pool (resident) or to restore (spilled)
     max_tokens: int | None
     system: str | None
     chat_template_kwargs: dict[str, Any]
@@ -107,6 +110,7 @@ class SnapshotObject(BaseModel):
     num_messages: int
     size_bytes: int
     model: str | None
+    kv_cache_dtype: str | None = None  # the format of its KV (a server keeping another refuses to load it)
     title: str | None = None
     description: str | None = None
     tags: list[str] | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 from typing import Any
 
 from statelm.api.errors import APIError
@@ -21,10 +22,11 @@ from statelm.api.session_protocol import (
     UpdateSessionRequest,
     UpdateSnapshotRequest,
 )
-from statelm.sessions.errors import SessionError
+from statelm.sessions.errors import SessionError, SnapshotCorruptError
 from statelm.sessions.manager import SessionManager, SessionView
 from statelm.sessions.ownership import current_principal
 from statelm.sessions.session import Session, SessionSettings
+from statelm.sessions.snapshot_format import snapshot_kv_format
 from statelm.sessions.storage import StorageError
 
 _STATUS_OF_CODE = {
@@ -57,7 +59,15 @@ def session_api_error(error: SessionError) -> APIError:
     return APIError(error.message, status=status, type=kind, param=error.param, code=error.code, headers=headers)
 
 
-def session_object(view: SessionView) -> SessionObject:
+@dataclass(frozen=True)
+class KVFootprint:
+    """What a token of a session's KV takes in the server's pool: the format, and bytes over all layers, K and V."""
+
+    dtype: str
+    bytes_per_token: int
+
+
+def session_object(view: SessionView, kv: KVFootprint) -> SessionObject:
     """The API's view of a session."""
     session = view.session
     return SessionObject(
@@ -67,6 +77,9 @@ def session_object(view: SessionView) -> SessionObject:
         num_tokens=view.num_tokens,
         num_messages=len(session.transcript),
         state=view.state.value,
+        kv_cache_dtype=kv.dtype,
+        kv_bytes_per_token=kv.bytes_per_token,
+        kv_bytes=view.num_tokens * kv.bytes_per_token,
         **session.settings.to_dict(),
         metadata=session_metadata(session),
     )
@@ -89,6 +102,7 @@ def snapshot_object(manifest: dict[str, Any]) -> SnapshotObject:
         num_messages=manifest.get("num_messages", 0),
         size_bytes=manifest.get("size_bytes", 0),
         model=manifest.get("model", {}).get("name"),
+        kv_cache_dtype=_kv_format_name(manifest),
         title=metadata.get("title"),
         description=metadata.get("description"),
         tags=metadata.get("tags"),
@@ -96,11 +110,20 @@ def snapshot_object(manifest: dict[str, Any]) -> SnapshotObject:
     )
 
 
+def _kv_format_name(manifest: dict[str, Any]) -> str | None:
+    """The KV format a snapshot's manifest names (None where it names none statelm knows)."""
+    try:
+        return snapshot_kv_format(manifest).name
+    except SnapshotCorruptError:
+        return None
+
+
 class SessionService:
     """Serves the /v1/sessions and /v1/snapshots routes from the session manager."""
 
-    def __init__(self, manager: SessionManager) -> None:
+    def __init__(self, manager: SessionManager, kv: KVFootprint) -> None:
         self.manager = manager
+        self.kv = kv
 
     async def create(self, body: CreateSessionRequest) -> SessionObject:
         """Create a session."""
@@ -122,7 +145,8 @@ class SessionService:
 
     async def list(self) -> SessionList:
         """The caller's sessions, least recently used first."""
-        return SessionList(data=[session_object(view) for view in await self.manager.view(self.manager.visible())])
+        views = await self.manager.view(self.manager.visible())
+        return SessionList(data=[session_object(view, self.kv) for view in views])
 
     async def get(self, session_id: str) -> SessionObject:
         """One session."""
@@ -181,7 +205,7 @@ class SessionService:
         they were taken back)."""
         await self.manager.settled(session, changed)
         (view,) = await self.manager.view([session])
-        return session_object(view)
+        return session_object(view, self.kv)
 
 
 def _annotations(metadata: dict[str, str] | None) -> dict[str, Any]:

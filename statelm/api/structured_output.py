@@ -20,7 +20,7 @@ from statelm.api.protocol import (
     JSONSchemaResponseFormat,
     StructuredOutputs,
 )
-from statelm.engine.grammar import CompiledGrammar, GrammarBackend, GrammarError, tool_call_schema
+from statelm.engine.client import CompiledGrammar, GrammarBackend, GrammarError, tool_call_schema
 from statelm.tokenizer import Tokenizer
 
 

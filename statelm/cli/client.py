@@ -34,6 +34,14 @@ class ChatChunk:
     usage: dict[str, Any] | None = None
 
 
+@dataclass
+class Embeddings:
+    """A server's vectors of some texts, in order, and the fingerprint of the model that made them."""
+
+    vectors: list[list[float]]
+    fingerprint: str  # equal fingerprints: comparable vectors (same weights, tokenizer and pooling)
+
+
 class StatelmClient:
     """Talks to one statelm server over HTTP; every failure surfaces as a ClientError."""
 
@@ -90,6 +98,17 @@ class StatelmClient:
         if self._model is None:
             self._model = self.request("GET", "/v1/models")["data"][0]
         return self._model
+
+    def embedding_model(self) -> str | None:
+        """The name of an embedding model the server serves beside the chat model (`--embedding-model`), or None."""
+        cards = self.request("GET", "/v1/models")["data"]
+        return next((card["id"] for card in cards if card.get("kind") == "embedding"), None)
+
+    def embed(self, model: str, texts: list[str]) -> Embeddings:
+        """The embeddings of texts, in order, with the model's fingerprint."""
+        answer = self.request("POST", "/v1/embeddings", {"model": model, "input": texts})
+        vectors = [item["embedding"] for item in sorted(answer["data"], key=lambda item: item["index"])]
+        return Embeddings(vectors, answer["system_fingerprint"])
 
     # -- sessions -------------------------------------------------------------------------------------------
 

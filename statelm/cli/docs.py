@@ -1,7 +1,9 @@
-"""`statelm docs NAME`: questions about documents held in a session's context, with BM25 excerpts beyond it."""
+"""`statelm docs NAME`: questions about documents held in a session's context, with excerpts beyond it found by
+BM25, or by BM25 and embeddings together when the server serves an embedding model."""
 
 from __future__ import annotations
 
+import functools
 import math
 import shlex
 import time
@@ -13,12 +15,12 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn
 from rich.text import Text
 
-from statelm.cli.client import ClientError, StatelmClient
+from statelm.cli.client import ClientError, Embeddings, StatelmClient
 from statelm.cli.common import ApiKeyOption, UrlOption, connect, console, fail, reports_errors
 from statelm.cli.extract import ExtractError, display_name, expand, extract_text
 from statelm.cli.render import add_row, ago, details, listing
 from statelm.cli.repl import Command, Repl, UsageError
-from statelm.cli.retrieval import PassageIndex
+from statelm.cli.retrieval import EmbeddingFailed, HybridIndex, PassageIndex, PassageVectors
 from statelm.cli.turns import Reply, print_reasoning, run_turn, set_fields
 from statelm.cli.workspace import Workspace
 from statelm.paths import default_state_dir
@@ -62,10 +64,36 @@ class DocsSession:
         return max(0, self.capacity - ANSWER_RESERVE)
 
     def index(self) -> PassageIndex:
-        """The BM25 index over every document's passages, built on first use."""
+        """The index over every document's passages, built on first use: hybrid when the server has an embedding
+        model, BM25 alone otherwise."""
         if self._index is None:
-            self._index = PassageIndex(self.ws.texts())
+            model = self.embedding_model
+            if model is None:
+                self._index = PassageIndex(self.ws.texts())
+            else:
+                vectors = PassageVectors(self.ws.vectors_file)
+                self._index = HybridIndex(self.ws.texts(), functools.partial(self._embed, model), vectors)
         return self._index
+
+    def _embed(self, model: str, texts: list[str]) -> Embeddings:
+        """The server's embeddings of texts; a refusal is reported once and retrieval goes on with BM25 alone."""
+        try:
+            return self.client.embed(model, texts)
+        except ClientError as exc:
+            self.console.print(Text(f"embeddings failed ({exc}); retrieval goes on with BM25 alone", style="yellow"))
+            raise EmbeddingFailed(str(exc)) from None
+
+    @functools.cached_property
+    def embedding_model(self) -> str | None:
+        """The server's embedding model that retrieval uses with BM25, or None."""
+        return self.client.embedding_model()
+
+    def retrieval(self) -> str:
+        """How excerpts are found, in words."""
+        model, index = self.embedding_model, self._index
+        if model is None or (isinstance(index, HybridIndex) and index.failure is not None):
+            return "BM25"
+        return f"BM25 + embeddings of {model}, fused by reciprocal rank"
 
     # -- the server session ---------------------------------------------------------------------------------
 
@@ -175,6 +203,21 @@ class DocsSession:
             self.ws.save()
             self._index = None
         self._print_added(rows, used)
+        self.index_passages()
+
+    def index_passages(self) -> None:
+        """Embed the passages that have no kept vector yet, when the server has an embedding model."""
+        if self.embedding_model is None:
+            return
+        index = self.index()
+        if not isinstance(index, HybridIndex):
+            return
+        with self.console.status(f"embedding passages with {self.embedding_model}"):
+            index.prepare()
+        if index.embedded:
+            self.console.print(
+                f"[dim]({index.embedded} passages embedded with {self.embedding_model}, kept with the workspace)[/dim]"
+            )
 
     def _add_one(self, path: Path, source: str, known: set[str], used: int, progress: Progress) -> tuple[str, str]:
         """Ingest one file into the context, or keep it for retrieval when it would overflow; (tokens, where)."""
@@ -218,6 +261,8 @@ class DocsSession:
         if any(not d.resident for d in self.ws.documents):
             self.drop_questions()  # excerpts need the room: with them, every question starts from the documents
         excerpts = self._excerpts(question)
+        if excerpts:
+            self.console.print(f"[dim]({len(excerpts)} excerpts found by {self.retrieval()})[/dim]", highlight=False)
         content = excerpts_message(question, excerpts) if excerpts else question
         body = {
             "session_id": self.ws.session_id,
@@ -317,6 +362,7 @@ class DocsSession:
                     "context": f"{session['num_tokens']:,} of {self.capacity:,} tokens",
                     "documents": f"{len(self.ws.documents) - outside} in context, {outside} by excerpts",
                     "snapshot": self.ws.snapshot_id,
+                    "retrieval": self.retrieval(),
                 }
             )
         )
@@ -360,6 +406,7 @@ def docs(
     settings = {"temperature": temperature, "max_tokens": max_tokens}
     session = DocsSession(connect(url, api_key), workspace, settings, console)
     how = session.attach()
+    session.index_passages()
     if add:
         session.add_paths(add)
     if prompt is not None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import Any
 
 import typer
 
@@ -11,24 +11,14 @@ from statelm.cli.chat_repl import chat
 from statelm.cli.docs import docs
 from statelm.cli.server_control import server_app
 from statelm.cli.sessions import session_app, snapshot_app
-from statelm.cli.settings import CONFIGS, config_from, configs, with_setting_options
-from statelm.config import ClusterConfig, EngineConfig, ServerConfig, SessionDurability
+from statelm.cli.settings import config_from, configs, with_setting_options
+from statelm.config import ClusterConfig, EngineConfig, ServerConfig
 
 app = typer.Typer(
     no_args_is_help=True,
     add_completion=False,
     help="statelm: a stateful LLM inference server.\n\nExample: statelm server start && statelm chat",
 )
-
-
-def session_durability(ctx: typer.Context, chosen: SessionDurability, persist_sessions: bool) -> SessionDurability:
-    """--session-durability; --no-persist-sessions is `off`, and contradicts another durability given with it."""
-    if persist_sessions:
-        return chosen
-    source = ctx.get_parameter_source("session_durability")
-    if chosen is not SessionDurability.OFF and source is not None and source.name != "DEFAULT":
-        raise typer.BadParameter(f"--no-persist-sessions means off; it contradicts --session-durability {chosen}")
-    return SessionDurability.OFF
 
 
 @app.callback()
@@ -46,27 +36,15 @@ app.add_typer(cache_app, name="cache")
 
 @app.command()
 @with_setting_options
-def serve(
-    ctx: typer.Context,
-    persist_sessions: Annotated[
-        bool,
-        typer.Option(
-            help="Save sessions and resume them on the next start; --no-persist-sessions is the same as"
-            " --session-durability off.",
-            rich_help_panel=CONFIGS[ServerConfig],
-        ),
-    ] = True,
-    **settings: Any,
-) -> None:
+def serve(ctx: typer.Context, **settings: Any) -> None:
     """Start the OpenAI-compatible server.
 
     Example: statelm serve --model default --port 8000
     """
-    engine_config, server_config = configs(settings)
-    server_config.session_durability = session_durability(ctx, server_config.session_durability, persist_sessions)
+    engine_config, server_config = configs(settings, ctx)
     from statelm.server.launch import LaunchError, run_server
 
-    cluster_config = config_from(ClusterConfig, settings)
+    cluster_config = config_from(ClusterConfig, settings, ctx)
     try:
         if cluster_config.replicas:
             run_cluster(engine_config, server_config, cluster_config)

@@ -95,7 +95,7 @@ def details(obj: dict[str, Any]) -> Table:
     for key, value in obj.items():
         if key in ("created", "last_used") and isinstance(value, int | float):
             value = f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(value))} ({ago(value)})"
-        elif key == "size_bytes":
+        elif key in ("size_bytes", "kv_bytes"):
             value = size(value)
         elif isinstance(value, list):
             value = ", ".join(map(str, value)) or "-"

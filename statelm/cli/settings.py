@@ -48,7 +48,26 @@ class Option:
             return 0
         return self.field.default if self.setting.text_default is None else self.setting.text_default
 
-    def parameter(self, panel: str) -> inspect.Parameter:
+    def parameters(self, panel: str) -> list[inspect.Parameter]:
+        """The command parameters typer reads this option (and its switch, if it has one) from."""
+        parameters = [self._parameter(panel)]
+        switch = self.setting.switch
+        if switch is not None:
+            option = typer.Option(f"{switch.flag}/{switch.off_flag}", help=switch.help, rich_help_panel=panel)
+            parameters.append(
+                inspect.Parameter(
+                    self.switch_name, inspect.Parameter.KEYWORD_ONLY, default=True, annotation=Annotated[bool, option]
+                )
+            )
+        return parameters
+
+    @property
+    def switch_name(self) -> str:
+        """The parameter name of the option's switch (its flag as an identifier); empty without a switch."""
+        switch = self.setting.switch
+        return "" if switch is None else switch.flag.removeprefix("--").replace("-", "_")
+
+    def _parameter(self, panel: str) -> inspect.Parameter:
         """The command parameter typer reads this option from."""
         repeatable = typing.get_origin(self.kind) is list
         typed = str if self.setting.parse else self.kind
@@ -67,8 +86,20 @@ class Option:
             self.name, inspect.Parameter.KEYWORD_ONLY, default=self.default, annotation=Annotated[annotation, option]
         )
 
-    def value(self, given: Any) -> Any:
-        """The field's value from the option's (parsed) value; None where the field's factory makes it."""
+    def value(self, values: dict[str, Any], ctx: typer.Context | None = None) -> Any:
+        """The field's value from the options' (parsed) values by name; None where the field's factory makes it.
+
+        A switch turned off sets its value, which contradicts another value given to the option itself (on the command
+        line or by the environment of ctx, the running command).
+        """
+        given = values[self.name]
+        switch = self.setting.switch
+        if switch is not None and not values.get(self.switch_name, True):
+            source = ctx.get_parameter_source(self.name) if ctx is not None else None
+            if given != switch.off and source is not None and source.name != "DEFAULT":
+                flag = self.setting.flag or f"--{self.name.replace('_', '-')}"
+                raise typer.BadParameter(f"{switch.off_flag} means {switch.off}; it contradicts {flag} {given}")
+            return switch.off
         if self.setting.env:
             given = [*(given or []), *os.environ.get(self.setting.env, "").split()]
         return None if self.setting.zero_is_none and given == 0 else given
@@ -111,17 +142,22 @@ def with_setting_options(command: Command) -> Command:
     """command, whose `**settings` takes them, with an option per setting of every config in CONFIGS."""
     signature = inspect.signature(command, eval_str=True)
     own = [p.replace(kind=p.KEYWORD_ONLY) for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
-    generated = [option.parameter(panel) for config, panel in CONFIGS.items() for option in options(config)]
+    generated = [
+        parameter
+        for config, panel in CONFIGS.items()
+        for option in options(config)
+        for parameter in option.parameters(panel)
+    ]
     command.__signature__ = signature.replace(parameters=[*generated, *own])  # type: ignore[attr-defined]
     return command
 
 
-def configs(values: dict[str, Any]) -> tuple[EngineConfig, ServerConfig]:
-    """The engine and server configs the options' values (by field name) set."""
-    return config_from(EngineConfig, values), config_from(ServerConfig, values)
+def configs(values: dict[str, Any], ctx: typer.Context | None = None) -> tuple[EngineConfig, ServerConfig]:
+    """The engine and server configs the options' values (by field name) of the command ctx set."""
+    return config_from(EngineConfig, values, ctx), config_from(ServerConfig, values, ctx)
 
 
-def config_from(config: type[Config], values: dict[str, Any]) -> Config:
-    """The config of that type the options' values (by field name) set."""
-    chosen = [(option, option.value(values[option.name])) for option in options(config)]
+def config_from(config: type[Config], values: dict[str, Any], ctx: typer.Context | None = None) -> Config:
+    """The config of that type the options' values (by field name) of the command ctx set."""
+    chosen = [(option, option.value(values, ctx)) for option in options(config)]
     return config(**{option.name: value for option, value in chosen if value is not None or not option.by_factory})

@@ -76,6 +76,11 @@ class Workspace:
         self.documents.append(document)
         return document
 
+    @property
+    def vectors_file(self) -> Path:
+        """Where the passages' embeddings are kept (statelm.cli.retrieval.PassageVectors)."""
+        return self.root / "embeddings.npz"
+
     def text(self, document: Document) -> str:
         """A document's kept text."""
         return (self.root / "texts" / document.file).read_text()
@@ -87,6 +92,7 @@ class Workspace:
     def clear(self) -> None:
         """Forget every document."""
         shutil.rmtree(self.root / "texts", ignore_errors=True)
+        self.vectors_file.unlink(missing_ok=True)
         self.documents, self.snapshot_id, self.docs_messages = [], None, 0
 
     def resident_tokens(self) -> int:

@@ -115,15 +115,15 @@ class EngineReplica:
 
     async def info(self) -> dict[str, Any]:
         """Who this replica is (its incarnation, process and Ray actor) and its load."""
-        engine = self.app.state.engine.engine
+        stats = self.app.state.engine.stats()
         return {
             "name": self.name,
             "incarnation": self.incarnation,
             "pid": os.getpid(),
             "actor": ray.get_runtime_context().current_actor,
             "sessions": len(self.app.state.sessions.manager.sessions),
-            "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting),
+            "running": stats.running,
+            "waiting": stats.waiting,
             "draining": self.gate.draining,
         }
 

@@ -5,7 +5,7 @@ hashes mean equal prefixes; the tokens are kept as well to rule out collisions. 
 lets go keeps its contents and hash in the free LRU until it is handed out again, so a later request
 with the same prefix can take it back instead of recomputing it.
 
-Blocks of a pinned prefix (see `pins.py`) that nobody holds wait apart from that LRU: they are free, but handed
+Blocks of a pinned prefix (see `cache_pins.py`) that nobody holds wait apart from that LRU: they are free, but handed
 out only when no unpinned free block is left, and then a whole pin is released first (the one closest to
 expiry), its blocks going to the front of the LRU, last block first, so that its prefix shrinks from the end.
 """
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 import xxhash
 
-from statelm.engine.pins import PinTable
+from statelm.engine.cache_pins import CachePinTable
 
 ROOT_HASH = 0
 
@@ -36,12 +36,17 @@ class BlockPool:
     """Hands out KV block ids, takes them back, and finds cached blocks for a token prefix."""
 
     def __init__(
-        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, pins: PinTable | None = None
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        cache_pins: CachePinTable | None = None,
     ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.pins = pins if pins is not None else PinTable(max_blocks=0, max_blocks_per_owner=0)  # None: no pins
+        # None: a table that admits no pin
+        self.cache_pins = cache_pins if cache_pins is not None else CachePinTable(max_blocks=0, max_blocks_per_owner=0)
         self._refcounts = [0] * num_blocks
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._free_pinned: dict[int, None] = {}  # free blocks that a pin keeps: handed out after every other
@@ -70,7 +75,7 @@ class BlockPool:
         if count > self.num_free_blocks:
             raise OutOfBlocksError(f"need {count} KV blocks, {self.num_free_blocks} free")
         while len(self._free) < count:
-            self._unpin(self.pins.release_under_pressure(self._free_pinned))
+            self._unpin(self.cache_pins.release_under_pressure(self._free_pinned))
         blocks = []
         for _ in range(count):
             block, _ = self._free.popitem(last=False)
@@ -93,17 +98,7 @@ class BlockPool:
         for block in blocks:
             self._refcounts[block] -= 1
             if self._refcounts[block] == 0:
-                (self._free_pinned if self.pins.is_pinned(block) else self._free)[block] = None
-
-    def grow(self, block_table: list[int], num_tokens: int) -> bool:
-        """Extend block_table in place to hold num_tokens tokens; False if the pool is too small now."""
-        missing = self.blocks_needed(num_tokens) - len(block_table)
-        if missing <= 0:
-            return True
-        if missing > self.num_free_blocks:
-            return False
-        block_table.extend(self.allocate(missing))
-        return True
+                (self._free_pinned if self.cache_pins.is_pinned(block) else self._free)[block] = None
 
     def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of tokens (leaving at least one token to compute).
@@ -129,19 +124,20 @@ class BlockPool:
             self._refcounts[block] += 1
             self._free.pop(block, None)
             self._free_pinned.pop(block, None)
-        if self.pins:
+        if self.cache_pins:
             for digest in hashes:
-                self.pins.hit(digest)
+                self.cache_pins.hit(digest)
         self.queried_tokens += len(tokens)
         self.hit_tokens += len(blocks) * size
         return blocks, hashes
 
     def register_full_blocks(
-        self, tokens: Sequence[int], block_table: list[int], block_hashes: list[int], num_computed: int
-    ) -> None:
-        """Publish the computed, full blocks of a sequence that are not yet in the cache; extends block_hashes."""
+        self, tokens: Sequence[int], block_table: Sequence[int], block_hashes: Sequence[int], num_computed: int
+    ) -> list[int]:
+        """Publish the computed full blocks of a table past the block_hashes it has published; their chained hashes."""
+        new_hashes: list[int] = []
         if not self.enable_prefix_caching:
-            return
+            return new_hashes
         size = self.block_size
         previous = block_hashes[-1] if block_hashes else ROOT_HASH
         for index in range(len(block_hashes), num_computed // size):
@@ -152,15 +148,16 @@ class BlockPool:
                 self._block_of_hash[digest] = block
                 self._hash_of[block] = digest
                 self._tokens_of[block] = chunk
-            block_hashes.append(digest)
+            new_hashes.append(digest)
             previous = digest
+        return new_hashes
 
-    def pin(self, hashes: Sequence[int], ttl_s: float, owner: str) -> bool:
+    def pin_prefix(self, hashes: Sequence[int], ttl_s: float, owner: str) -> bool:
         """Pin the cached prefix whose full blocks have these chained hashes; False if not all cached or over a cap."""
         if not hashes or any(digest not in self._block_of_hash for digest in hashes):
             return False
         blocks = [self._block_of_hash[digest] for digest in hashes]
-        newly_pinned = self.pins.pin(hashes[-1], blocks, ttl_s, owner)
+        newly_pinned = self.cache_pins.pin(hashes[-1], blocks, ttl_s, owner)
         if newly_pinned is None:
             return False
         for block in newly_pinned:
@@ -169,10 +166,10 @@ class BlockPool:
                 self._free_pinned[block] = None
         return True
 
-    def expire_pins(self) -> None:
+    def expire_cache_pins(self) -> None:
         """Release the pins whose TTL has run out (nothing to do, at once, without pins)."""
-        if self.pins:
-            self._unpin(self.pins.expire())
+        if self.cache_pins:
+            self._unpin(self.cache_pins.expire())
 
     def _unpin(self, blocks: list[int]) -> None:
         """Blocks no pin holds any more: the free ones go to the front of the LRU, last block of a prefix first."""

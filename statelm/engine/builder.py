@@ -9,17 +9,20 @@ from typing import Any
 
 import torch
 
+from statelm.attention.kv_format import KVFormat, kv_format
 from statelm.config import EngineConfig
 from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
+from statelm.engine.cache_pins import CachePinTable
+from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
-from statelm.engine.invariance import InvarianceReport, select_compute_path
 from statelm.engine.kv_cache import KVCache
-from statelm.engine.pins import PinTable
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
-from statelm.models.loader import DTYPES, LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
+from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 from statelm.models.model_cache import ModelCache
 from statelm.models.packed import ACTIVATIONS
 
@@ -45,18 +48,19 @@ class EngineConfigError(ValueError):
 
 @dataclass
 class BuiltEngine:
-    """The loaded model and the engine thread serving it."""
+    """The loaded model and the client of the engine thread serving it."""
 
     loaded: LoadedModel
-    engine: AsyncEngine
-    invariance: InvarianceReport | None  # None: batch invariance was not asked for
+    engine: EngineClient
 
 
 def build_engine(config: EngineConfig) -> BuiltEngine:
     """Load the model, allocate the KV pool and start the engine thread."""
     loaded = load_engine_model(config)
     engine = create_engine(loaded, config)
-    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue), loaded.model.invariance)
+    invariance = loaded.invariance  # None: batch invariance was not asked for
+    report = invariance.as_dict() if invariance is not None else None
+    return BuiltEngine(loaded, AsyncEngine(engine, config.max_queue, report))
 
 
 def load_engine_model(config: EngineConfig) -> LoadedModel:
@@ -75,7 +79,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
         config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization, cache
     )
     try:
-        if loaded.model.use_activations(config.activations):
+        if use_activations(loaded.model, config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so that of their arithmetic
             loaded.fingerprint.parts["activations"] = ACTIVATIONS[config.activations][0]
     except ValueError as exc:
@@ -89,24 +93,24 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     A model loaded for batch-invariant output gets its compute path from the start-up self-check first.
     """
     model = loaded.model
-    if model.batch_invariant and model.invariance is None:
+    kv = kv_cache_format(config.kv_cache_dtype, loaded)
+    if model.batch_invariant and loaded.invariance is None:
         try:
-            model.invariance = select_compute_path(model, config.compute_path)
+            loaded.invariance = select_compute_path(model, config.compute_path, kv)
         except ValueError as exc:
             raise EngineConfigError(str(exc)) from None
         loaded.fingerprint.parts["compute_path"] = model.compute_path  # KV rounding depends on it
     elif not model.batch_invariant and loaded.device.type == "cuda":
-        model.use_compute_path(model.compute_paths()[0])  # no probe: the fastest path (Triton attention)
+        use_compute_path(model, compute_paths(model)[0])  # no probe: the fastest path (Triton attention)
     threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
-    kv_dtype = kv_cache_dtype(config.kv_cache_dtype, loaded)
-    loaded.fingerprint.parts["kv_cache_dtype"] = str(kv_dtype).removeprefix("torch.")  # snapshots hold this KV
+    loaded.fingerprint.parts["kv_cache_dtype"] = kv.name  # snapshots hold this KV
     model_config = loaded.config
     block_bytes = KVCache.bytes_per_block(
         model_config.num_hidden_layers,
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        kv_dtype,
+        kv,
     )
     num_blocks = _kv_budget(config, loaded.device) // block_bytes
     max_model_len = min(
@@ -117,11 +121,13 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     if max_model_len < config.block_size:
         raise EngineConfigError(f"KV cache budget holds only {num_blocks} blocks; raise --kv-cache-memory")
     log.info(
-        "allocating the KV cache: %d blocks of %d tokens (%.1f MiB, %s); max model len %d; %s on %s, %d threads",
+        "allocating the KV cache: %d blocks of %d tokens (%.1f MiB, %s, %d bytes a token); max model len %d; %s on %s, "
+        "%d threads",
         num_blocks,
         config.block_size,
         num_blocks * block_bytes / 2**20,
-        str(kv_dtype).removeprefix("torch."),
+        kv.name,
+        block_bytes // config.block_size,
         max_model_len,
         loaded.dtype,
         loaded.device,
@@ -133,7 +139,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         config.block_size,
         model_config.num_key_value_heads,
         model_config.head_dim,
-        kv_dtype,
+        kv,
         loaded.device,
     )
     cuda_graphs = loaded.device.type == "cuda" and model.compute_path == "triton" and not config.enforce_eager
@@ -146,7 +152,9 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
             max_num_seqs=config.max_num_seqs,
             max_model_len=max_model_len,
         ),
-        pool=BlockPool(num_blocks, config.block_size, config.enable_prefix_caching, pin_table(config, num_blocks)),
+        pool=BlockPool(
+            num_blocks, config.block_size, config.enable_prefix_caching, cache_pin_table(config, num_blocks)
+        ),
         eos_token_ids=loaded.tokenizer.eos_token_ids,
         max_model_len=max_model_len,
         max_num_seqs=config.max_num_seqs,
@@ -156,33 +164,30 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     )
 
 
-def pin_table(config: EngineConfig, num_blocks: int) -> PinTable:
+def cache_pin_table(config: EngineConfig, num_blocks: int) -> CachePinTable:
     """The cache pins' table, its caps the configured shares of the pool's blocks."""
-    return PinTable(
+    return CachePinTable(
         max_blocks=int(config.pinned_kv_fraction * num_blocks),
         max_blocks_per_owner=int(config.pinned_kv_fraction_per_key * num_blocks),
     )
 
 
-def kv_cache_dtype(name: str, loaded: LoadedModel) -> torch.dtype:
-    """The KV cache's dtype: `auto` is the model's; a narrower one is read (widened to float32) only by the CPU
-    kernels path, whose attention takes float32, bfloat16 and float16 caches.
+def kv_cache_format(name: str, loaded: LoadedModel) -> KVFormat:
+    """The KV cache's format for --kv-cache-dtype: `auto` is 16-bit, on every device and CPU class.
 
-    float16 halves the bytes attention streams, but it is not the default yet: measured on AVX2 it was faster at
-    batch 16 and slower at batch 64 (docs/benchmarks.md), so it stays a choice until the kernel's float16 path is
-    understood.
+    auto keeps a 16-bit model's own dtype (its K/V are computed in it: nothing is lost), and stores a float32 model's
+    K/V in float16: three more significant bits than bfloat16 (on the default model, 99.97% top-1 agreement with
+    float32 KV against bfloat16's 99.45%, docs/benchmarks.md), and read as fast (one widening instruction on every
+    x86 class since AVX2, F16C). Every format is read in place by the attention of every compute path.
     """
     if name == "auto":
-        return loaded.dtype
-    dtype = DTYPES.get(name)
-    if dtype is None:
-        raise EngineConfigError(f"unknown KV cache dtype {name!r}; choose auto or one of {', '.join(DTYPES)}")
-    model = loaded.model
-    if dtype != loaded.dtype and model.compute_path != "kernels":
-        raise EngineConfigError(
-            f"a {name} KV cache needs the kernels compute path (this model runs {model.compute_path} in {loaded.dtype})"
-        )
-    return dtype
+        return kv_format(loaded.dtype if loaded.dtype in (torch.float16, torch.bfloat16) else torch.float16)
+    try:
+        kv = kv_format(name)
+        kv.check_head_dim(loaded.config.head_dim)
+    except ValueError as exc:
+        raise EngineConfigError(str(exc)) from None
+    return kv
 
 
 def sampling_defaults(loaded: LoadedModel, config: EngineConfig) -> dict[str, Any]:

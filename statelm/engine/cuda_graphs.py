@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 
 log = logging.getLogger(__name__)
 

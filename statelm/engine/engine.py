@@ -2,45 +2,29 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from statelm.engine.block_pool import BlockPool
+from statelm.engine.client import EngineStats, RequestOutput
+from statelm.engine.kv_manager import KVManager
 from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
-from statelm.engine.scheduler import Scheduler
+from statelm.engine.scheduler import ScheduledChunk, Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore
+from statelm.models.pooling import PooledRows
 
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class StepOutput:
-    """What one step produced for one choice of a request: new tokens, and how it ended if it did."""
-
-    request_id: str
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: FinishReason | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    index: int = 0  # the choice
-    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for logprobs
-    scheduled_at: float | None = None  # time.perf_counter() when the request's first chunk ran
-    produced_at: float = 0.0  # time.perf_counter() when this step's tokens were sampled
-    error: str | None = None
-    ended_by_token: bool = False  # the last new token ended the choice and is not output text (EOS, stop token)
-    repetition_detected: bool = False  # the choice ended because its output fell into a loop
-
-
 class Engine:
-    """Owns the scheduler, block pool and model runner; knows nothing of HTTP."""
+    """Owns the scheduler, the KV manager (over the block pool) and the model runner; knows nothing of HTTP."""
 
     def __init__(
         self,
@@ -55,14 +39,16 @@ class Engine:
     ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size  # ids the tokenizer knows; logit columns past them (padding) are never sampled
-        self.pool = pool
+        self.pool = pool  # read for stats; its blocks change only through self.kv
+        self.kv = KVManager(pool, runner.kv_cache)
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampling_defaults = dict(sampling_defaults or {})  # request fields' defaults for this model, by name
-        self.sessions = SessionKVStore(pool, runner.kv_cache)
+        self.sessions = SessionKVStore(self.kv)
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
-        self.scheduler = Scheduler(pool, max_num_seqs, max_num_batched_tokens, self.sessions)
+        self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
+        self.latest_stats = self.stats()  # replaced by every step (read by other threads)
 
     def add_request(
         self,
@@ -97,8 +83,15 @@ class Engine:
             for index in range(params.n)
         ]
         first.forks = forks
-        first.pending_pins = sorted(params.cache_pins, key=lambda pin: pin.num_tokens)
+        first.pending_cache_pins = sorted(params.cache_pins, key=lambda pin: pin.num_tokens)
         self.scheduler.add(first)
+
+    def add_embedding(self, request_id: str, prompt_ids: list[int], pooled: PooledRows) -> None:
+        """Queue a prompt whose hidden states are pooled into one vector; it samples nothing, and its KV is freed
+        when it ends (its full blocks stay in the prefix cache)."""
+        params = SamplingParams(max_tokens=1)
+        seq = Sequence(request_id, list(prompt_ids), params, self.eos_token_ids, self.max_model_len, pooled=pooled)
+        self.scheduler.add(seq)
 
     def _seeded_generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         """Choice `index`'s own generator when the request has a seed (and samples); unseeded rows use the engine's."""
@@ -130,12 +123,39 @@ class Engine:
         """True while any request waits or runs."""
         return self.scheduler.has_work()
 
-    def step(self) -> list[StepOutput]:
-        """Run one scheduling step; a model error fails that step's requests, a sampling error only its request."""
-        self.pool.expire_pins()
+    def stats(self) -> EngineStats:
+        """A snapshot of the queues, the KV pool, the prefix cache and the cache pins."""
+        pool = self.pool
+        return EngineStats(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_blocks_used=pool.num_used_blocks,
+            kv_blocks_free=pool.num_free_blocks,
+            kv_blocks_pinned=pool.cache_pins.num_pinned_blocks,
+            prefix_queried_tokens=pool.queried_tokens,
+            prefix_hit_tokens=pool.hit_tokens,
+            cache_pins=dataclasses.replace(pool.cache_pins.counters),
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; a model error fails that step's requests, a sampling error only its request.
+
+        `latest_stats` is taken once the step's batch is chosen (its sequences count as running during the
+        forward) and again at its end, which every output carries.
+        """
+        self.kv.expire_cache_pins()
         chunks = self.scheduler.schedule()
+        self.latest_stats = self.stats()
         if not chunks:
             return []
+        outputs = self._run(chunks)
+        self.latest_stats = stats = self.stats()
+        for output in outputs:
+            output.stats = stats
+        return outputs
+
+    def _run(self, chunks: list[ScheduledChunk]) -> list[RequestOutput]:
+        """Run the chunks through the model and sample where a token is due."""
         started = time.perf_counter()
         try:
             result = self.runner.execute(chunks)
@@ -151,22 +171,33 @@ class Engine:
             seq.num_computed_tokens += chunk.num_tokens
             # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
             published = min(seq.num_computed_tokens, len(seq.prompt_ids))
-            self.pool.register_full_blocks(seq.tokens, seq.block_table, seq.block_hashes, published)
-            if seq.pending_pins:
-                self._place_pins(seq)
+            self.kv.publish(seq.block_table, seq.tokens, published)
+            if seq.pending_cache_pins:
+                self.kv.pin_published(seq.block_table, seq.pending_cache_pins)
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
                 self.sessions.finish_refresh(seq)
+        embedded = [self._embedded(chunk.seq) for chunk in chunks if chunk.seq.pooled is not None]
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
         logits = result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits
         sampled = sample(logits[:, : self.vocab_size], seqs, self.generator)
-        return self._record(seqs, sampled, time.perf_counter())
+        return [output for output in embedded if output is not None] + self._record(seqs, sampled, time.perf_counter())
 
-    def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[StepOutput]:
+    def _embedded(self, seq: Sequence) -> RequestOutput | None:
+        """An embedding's output once its whole prompt has run (its vector pooled), else None."""
+        if seq.num_uncomputed_tokens or seq.pooled is None:
+            return None
+        seq.finish(FinishReason.STOP)
+        self.scheduler.finish(seq)
+        output = self._output(seq, [], None, time.perf_counter())
+        output.embedding = seq.pooled.result()
+        return output
+
+    def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[RequestOutput]:
         """Append sampled tokens and start the forks of first samples; a row that failed fails its request."""
-        outputs: list[StepOutput] = []
+        outputs: list[RequestOutput] = []
         failed: set[str] = set()
         for seq, outcome in zip(seqs, sampled, strict=True):
             if outcome.error is not None and seq.request_id not in failed:
@@ -184,32 +215,16 @@ class Engine:
         self.scheduler.add_forks([fork for fork in forks if not fork.is_finished])
         return outputs
 
-    def _place_pins(self, seq: Sequence) -> None:
-        """Pin each prefix seq asked for whose whole blocks are now in the cache (computed or found there)."""
-        size = self.pool.block_size
-        while seq.pending_pins and seq.pending_pins[0].num_tokens // size <= len(seq.block_hashes):
-            request = seq.pending_pins.pop(0)
-            self.pool.pin(seq.block_hashes[: request.num_tokens // size], request.ttl_s, request.owner)
-
     def _start_forks(self, seq: Sequence) -> list[Sequence]:
         """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""
         forks, seq.forks = seq.forks, []
-        full, partial = divmod(len(seq.prompt_ids), self.pool.block_size)
         for fork in forks:
-            fork.block_table = list(seq.block_table[:full])
-            fork.block_hashes = list(seq.block_hashes[:full])
-            self.pool.retain(fork.block_table)
-            fork.num_computed_tokens = full * self.pool.block_size
-            if partial and self.pool.num_free_blocks:
-                (copy,) = self.pool.allocate(1)
-                self.runner.kv_cache.copy_block(seq.block_table[full], copy)
-                fork.block_table.append(copy)
-                fork.num_computed_tokens = len(seq.prompt_ids)
+            fork.num_computed_tokens = self.kv.start_from(fork.block_table, seq.block_table, len(seq.prompt_ids))
             fork.num_cached_prompt_tokens = seq.num_cached_prompt_tokens
             fork.first_scheduled_at = seq.first_scheduled_at
         return forks
 
-    def _fail(self, seq: Sequence, message: str) -> StepOutput:
+    def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End seq's whole request with an error."""
         self.scheduler.abort(seq.request_id)
         if seq.prefill_only:
@@ -221,8 +236,8 @@ class Engine:
     @staticmethod
     def _output(
         seq: Sequence, new_tokens: list[int], logprobs: list[TokenLogprob] | None, produced_at: float
-    ) -> StepOutput:
-        return StepOutput(
+    ) -> RequestOutput:
+        return RequestOutput(
             request_id=seq.request_id,
             new_token_ids=new_tokens,
             finished=seq.is_finished,

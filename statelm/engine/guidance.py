@@ -15,13 +15,14 @@ import enum
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from statelm.engine.grammar import GrammarMatcher
 from statelm.engine.repetition import RepetitionDetector
 
 if TYPE_CHECKING:
-    from statelm.engine.sequence import SamplingParams
+    from statelm.engine.grammar import CompiledGrammar
+    from statelm.engine.repetition import RepetitionConfig
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +49,30 @@ class ReasoningBudget:
             raise ValueError("a reasoning budget needs the end tag's token ids")
         if not self.opened_by_prompt and not self.start_ids:
             raise ValueError("a reasoning budget needs the start tag's token ids unless the prompt opened the block")
+
+
+class GuidedParams(Protocol):
+    """What a guide reads of a request's sampling parameters (SamplingParams has it)."""
+
+    @property
+    def grammar(self) -> CompiledGrammar | None:
+        """The grammar the output must match."""
+        ...
+
+    @property
+    def grammar_start_after(self) -> tuple[int, ...]:
+        """Output ids after which the grammar starts."""
+        ...
+
+    @property
+    def reasoning(self) -> ReasoningBudget | None:
+        """The think block's budget."""
+        ...
+
+    @property
+    def repetition(self) -> RepetitionConfig | None:
+        """When a loop in the output ends it."""
+        ...
 
 
 class GuideStop(enum.Enum):
@@ -103,7 +128,7 @@ class _ReasoningBlock:
 class OutputGuide:
     """One sequence's constraints on its output: grammar matcher, reasoning budget, forced tokens, loop detector."""
 
-    def __init__(self, params: SamplingParams) -> None:
+    def __init__(self, params: GuidedParams) -> None:
         grammar = params.grammar
         self.matcher = None if grammar is None else GrammarMatcher(grammar, start_after=params.grammar_start_after)
         self._reasoning = None if params.reasoning is None else _ReasoningBlock(params.reasoning)
@@ -112,7 +137,7 @@ class OutputGuide:
         self._force_end_if_due()
 
     @classmethod
-    def for_params(cls, params: SamplingParams) -> OutputGuide | None:
+    def for_params(cls, params: GuidedParams) -> OutputGuide | None:
         """A guide if the parameters ask for a grammar, a reasoning budget or repetition detection, else None."""
         wanted = params.grammar is not None or params.reasoning is not None or params.repetition is not None
         return cls(params) if wanted else None

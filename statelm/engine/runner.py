@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 from statelm.engine.cuda_graphs import DecodeGraphs
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.scheduler import ScheduledChunk
@@ -57,7 +57,7 @@ class ModelRunner:
             logits = self.graphs.replay(
                 [seq.tokens[seq.num_computed_tokens] for seq in seqs],
                 [seq.num_computed_tokens for seq in seqs],
-                [seq.block_table for seq in seqs],
+                [seq.block_table.blocks for seq in seqs],
                 [seq.num_computed_tokens + 1 for seq in seqs],
             )
             return ForwardResult(seqs, logits)
@@ -79,7 +79,7 @@ class ModelRunner:
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
-            if end == seq.num_tokens and not seq.prefill_only:
+            if end == seq.num_tokens and seq.samples:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_seqs.append(seq)
         position_tensor = torch.tensor(positions, dtype=torch.int64)
@@ -102,6 +102,9 @@ class ModelRunner:
             meta,
             prompt_rows,
         )
+        for chunk, start in zip(chunks, query_start, strict=False):
+            if chunk.seq.pooled is not None:
+                chunk.seq.pooled.add(hidden[start : start + chunk.num_tokens], chunk.seq.num_computed_tokens)
         rows = torch.tensor(sample_rows, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[rows.to(self.device)], prompt_rows[rows])
         return ForwardResult(sampling_seqs, logits)
@@ -124,8 +127,9 @@ class ModelRunner:
 
     @staticmethod
     def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        width = max(len(chunk.seq.block_table) for chunk in chunks)
+        width = max(len(chunk.seq.block_table.blocks) for chunk in chunks)
         tables = torch.zeros((len(chunks), width), dtype=torch.int64)
         for i, chunk in enumerate(chunks):
-            tables[i, : len(chunk.seq.block_table)] = torch.tensor(chunk.seq.block_table, dtype=torch.int64)
+            blocks = chunk.seq.block_table.blocks
+            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
         return tables

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
-from statelm.engine.block_pool import BlockPool
+from statelm.engine.kv_manager import KVManager
 from statelm.engine.sequence import FinishReason, Sequence, SequenceStatus
 from statelm.engine.session_kv import SessionKVStore
 
@@ -22,9 +22,9 @@ class Scheduler:
     """Waiting and running queues; each step packs running sequences first, then new prefill chunks."""
 
     def __init__(
-        self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, sessions: SessionKVStore | None = None
+        self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, sessions: SessionKVStore | None = None
     ) -> None:
-        self.pool = pool
+        self.kv = kv
         self.sessions = sessions
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -78,11 +78,11 @@ class Scheduler:
             seq = self.waiting[0]
             if self.sessions is not None and self.sessions.holds_back(seq):
                 break
-            if not seq.block_table:
+            if not seq.block_table.blocks:
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
             if not self._grow(seq, seq.num_computed_tokens + count):
-                self._free(seq)
+                self.kv.free(seq.block_table)
                 seq.num_computed_tokens = 0
                 break
             self.waiting.popleft()
@@ -99,15 +99,15 @@ class Scheduler:
         self._retire(seq)
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
-        """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens."""
-        blocks, hashes = self.pool.match_prefix(seq.tokens)
-        cached = len(blocks) * self.pool.block_size
+        """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens (an embedding
+        that pools every token's state starts from nothing)."""
+        if seq.pooled is not None and seq.pooled.pooling.needs_every_row:
+            return
+        cached = self.kv.start_from_cache(seq.block_table, seq.tokens)
         session_length = self.sessions.reusable_length(seq) if self.sessions is not None else 0
         if session_length > cached:
-            self.pool.release(blocks)
+            self.kv.free(seq.block_table)
             cached = self.sessions.attach(seq, session_length)
-        else:
-            seq.block_table, seq.block_hashes = blocks, hashes
         seq.num_computed_tokens = cached
         if seq.num_output_tokens == 0:
             seq.num_cached_prompt_tokens = seq.num_computed_tokens
@@ -124,28 +124,22 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it to be recomputed first."""
         self.running.remove(seq)
-        self._free(seq)
+        self.kv.free(seq.block_table)
         seq.num_computed_tokens = 0
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table hold num_tokens, spilling idle sessions if the pool is short."""
-        if self.pool.grow(seq.block_table, num_tokens):
+        if self.kv.grow(seq.block_table, num_tokens):
             return True
-        missing = self.pool.blocks_needed(num_tokens) - len(seq.block_table)
-        return (
-            self.sessions is not None and self.sessions.reclaim(missing) and self.pool.grow(seq.block_table, num_tokens)
-        )
+        missing = self.kv.missing_blocks(seq.block_table, num_tokens)
+        spilled = self.sessions is not None and self.sessions.reclaim(missing)
+        return spilled and self.kv.grow(seq.block_table, num_tokens)
 
     def _retire(self, seq: Sequence) -> None:
         """Let go of an ended sequence's blocks: a session turn parks them, anything else frees them."""
         if seq.session_id is not None and self.sessions is not None:
             self.sessions.park(seq)
         else:
-            self._free(seq)
-
-    def _free(self, seq: Sequence) -> None:
-        self.pool.release(seq.block_table)
-        seq.block_table = []
-        seq.block_hashes = []
+            self.kv.free(seq.block_table)

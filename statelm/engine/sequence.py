@@ -8,10 +8,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.engine.cache_pins import CachePinRequest
 from statelm.engine.grammar import CompiledGrammar
 from statelm.engine.guidance import GuideStop, OutputGuide, ReasoningBudget
-from statelm.engine.pins import PinRequest
+from statelm.engine.kv_manager import BlockTable
 from statelm.engine.repetition import RepetitionConfig
+from statelm.models.pooling import PooledRows
 
 SEED_MODULUS = 2**64  # torch generators take seeds in [0, 2**64); negative seeds wrap around
 GREEDY_TEMPERATURE = 1e-5  # below it, sampling is greedy (as in vLLM): logits / temperature would overflow
@@ -42,7 +44,7 @@ class SamplingParams:
     reasoning: ReasoningBudget | None = None  # caps the think block; its end tag is forced when the budget is spent
     repetition: RepetitionConfig | None = None  # ends the sequence (STOP) when its output falls into a loop
     priority: int = 0  # waiting sequences of a higher priority are scheduled first (OpenAI's service_tier)
-    cache_pins: tuple[PinRequest, ...] = ()  # prompt prefixes to pin in the prefix cache once computed (or found)
+    cache_pins: tuple[CachePinRequest, ...] = ()  # prompt prefixes to pin in the prefix cache once computed (or found)
 
     @property
     def greedy(self) -> bool:
@@ -81,13 +83,13 @@ class Sequence:
     max_total_tokens: int
     session_id: str | None = None  # a session turn starts from, and parks its KV for, this session
     prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a session refresh)
+    pooled: PooledRows | None = None  # an embedding: its prompt's hidden states are pooled; it ends without sampling
     index: int = 0  # which of the request's n choices this is
     forks: list[Sequence] = field(default_factory=list)  # the other choices, started from this one's prompt KV
-    block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)  # chained hashes of the full blocks published so far
+    block_table: BlockTable = field(default_factory=BlockTable)  # its KV blocks, which the KVManager changes
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
-    pending_pins: list[PinRequest] = field(default_factory=list)  # shortest first, pinned once their blocks are
+    pending_cache_pins: list[CachePinRequest] = field(default_factory=list)  # shortest first, pinned once computed
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # a seeded choice's own; unseeded ones draw from the engine's
@@ -100,6 +102,11 @@ class Sequence:
     def __post_init__(self) -> None:
         self.tokens = list(self.prompt_ids)
         self.guide = None if self.prefill_only else OutputGuide.for_params(self.params)
+
+    @property
+    def samples(self) -> bool:
+        """True for a sequence that samples tokens (not a session refresh, not an embedding)."""
+        return not self.prefill_only and self.pooled is None
 
     @property
     def num_output_tokens(self) -> int:

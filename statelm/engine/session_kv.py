@@ -1,4 +1,4 @@
-"""KV caches that sessions pin between turns: attach to a turn by longest common prefix, park, commit, spill.
+"""KV caches that sessions hold between turns: attach to a turn by longest common prefix, park, commit, spill.
 
 A session's KV is described by its token list and the blocks that hold those tokens, nothing else. A
 turn's sequence starts from the longest common prefix (LCP) of its prompt with the session's tokens:
@@ -22,13 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from statelm.engine.block_pool import BlockPool
-from statelm.engine.kv_cache import KVCache
+from statelm.attention.kv_format import KVFormat, format_of_rows
+from statelm.engine.kv_manager import BlockTable, KVManager
 from statelm.engine.sequence import SamplingParams, Sequence
 
 
 class SessionKVData:
-    """A session's KV outside the pool: its tokens and, per layer, K and V of shape [tokens, heads, dim].
+    """A session's KV outside the pool: its tokens and, per layer, K and V rows [tokens, heads, width] in the pool's
+    format (statelm.attention.kv_format: [tokens, heads, head_dim] of a float dtype, or q8_0 blocks as uint8).
 
     K and V exported from a GPU are still being copied to pinned host memory when export returns; `ready`
     fires when they are complete. Reading `keys` or `values` waits for it, so nothing sees half-copied
@@ -60,6 +61,11 @@ class SessionKVData:
         self.wait()
         return self._values
 
+    @property
+    def kv_format(self) -> KVFormat | None:
+        """The format of the rows (known before they are complete); None without layers."""
+        return format_of_rows(self._keys[0]) if self._keys else None
+
     def wait(self) -> None:
         """Block until keys and values are complete; returns at once for CPU data or a finished copy."""
         ready = self.ready
@@ -71,7 +77,7 @@ class SessionKVData:
         """K, V and the event that completes them, without waiting: for a GPU stream that waits on the event."""
         return self._keys, self._values, self.ready
 
-    def pin(self) -> None:
+    def pin_host_memory(self) -> None:
         """Move keys and values into pinned host memory, so that loading them onto a GPU copies asynchronously."""
         if all(tensor.is_pinned() for tensor in (*self._keys, *self._values)):
             return  # a GPU export's are: nothing to copy, nor to wait for
@@ -81,12 +87,11 @@ class SessionKVData:
 
 
 @dataclass
-class PinnedKV:
-    """Tokens whose K/V a session holds, and the blocks (each referenced once by it) that hold them."""
+class SessionBlocks:
+    """Tokens whose K/V a session holds, and the table of blocks (each referenced once by it) that hold them."""
 
     tokens: list[int]
-    block_table: list[int]
-    block_hashes: list[int]
+    table: BlockTable
     exact: int  # leading tokens whose K/V were computed as prompt rows; the rest await a refresh
     last_used: float = field(default_factory=time.monotonic)
     users: int = 0  # sequences of running turns attached to it; only unused sessions may spill
@@ -109,102 +114,85 @@ SpillHandler = Callable[[str, SessionKVData], None]
 
 
 class SessionKVStore:
-    """The pinned KV of every resident session, plus the parked KV of turns that have ended."""
+    """The KV blocks of every resident session, plus the parked KV of turns that have ended."""
 
-    def __init__(self, pool: BlockPool, kv_cache: KVCache) -> None:
-        self.pool = pool
-        self.kv_cache = kv_cache
-        self.pinned: dict[str, PinnedKV] = {}
-        self.parked: dict[str, PinnedKV] = {}
+    def __init__(self, kv: KVManager) -> None:
+        self.kv = kv
+        self.resident: dict[str, SessionBlocks] = {}
+        self.parked: dict[str, SessionBlocks] = {}
         self.spill_handler: SpillHandler | None = None  # receives the KV of sessions spilled under pressure
-        self.refreshing: dict[str, tuple[Sequence, PinnedKV]] = {}  # session → refresh and the KV it extends
-
-    @property
-    def block_size(self) -> int:
-        """Tokens per block."""
-        return self.pool.block_size
+        self.refreshing: dict[str, tuple[Sequence, SessionBlocks]] = {}  # session → refresh and the KV it extends
 
     def num_tokens(self, session_id: str) -> int | None:
         """Tokens a resident session holds; None if it is not resident."""
-        pinned = self.pinned.get(session_id)
-        return None if pinned is None else len(pinned.tokens)
+        held = self.resident.get(session_id)
+        return None if held is None else len(held.tokens)
 
     def acquire(self, session_id: str, restore: SessionKVData | None) -> None:
         """Mark a resident session as used by a new turn; restore spilled KV first if it is given."""
-        if session_id not in self.pinned and restore is not None:
+        if session_id not in self.resident and restore is not None:
             try:
                 self.load(session_id, restore)
             except SessionKVError:
                 return  # the turn recomputes the prefix instead; nothing is lost
-        pinned = self.pinned.get(session_id)
-        if pinned is not None:
-            pinned.users += 1
-            pinned.last_used = time.monotonic()
+        held = self.resident.get(session_id)
+        if held is not None:
+            held.users += 1
+            held.last_used = time.monotonic()
 
     def reusable_length(self, seq: Sequence) -> int:
         """Tokens of seq its session's KV can serve: the LCP, keeping at least one token to compute."""
-        pinned = self.pinned.get(seq.session_id or "")
-        if pinned is None:
+        held = self.resident.get(seq.session_id or "")
+        if held is None:
             return 0
-        return min(common_prefix_length(pinned.tokens, seq.tokens), pinned.exact, seq.num_tokens - 1)
+        return min(common_prefix_length(held.tokens, seq.tokens), held.exact, seq.num_tokens - 1)
 
     def attach(self, seq: Sequence, length: int) -> int:
         """Start seq from the first length tokens of its session's KV; returns the tokens actually attached."""
-        pinned = self.pinned[seq.session_id or ""]
-        full, partial = divmod(length, self.block_size)
-        if partial and not (self.pool.num_free_blocks or self.reclaim(1, keep=seq.session_id)):
-            length, partial = full * self.block_size, 0
-        seq.block_table = list(pinned.block_table[:full])
-        self.pool.retain(seq.block_table)
-        seq.block_hashes = list(pinned.block_hashes[:full])
-        if partial:
-            (copy,) = self.pool.allocate(1)
-            self.kv_cache.copy_block(pinned.block_table[full], copy)
-            seq.block_table.append(copy)
-        seq.num_computed_tokens = length
-        return length
+        held = self.resident[seq.session_id or ""]
+        if length % self.kv.block_size and not self.kv.num_free_blocks:
+            self.reclaim(1, keep=seq.session_id)  # room for the copy of the partly filled block, if a spill makes it
+        seq.num_computed_tokens = self.kv.start_from(seq.block_table, held.table, length)
+        return seq.num_computed_tokens
 
     def park(self, seq: Sequence) -> None:
         """Keep the KV of a session turn that ended (finished, stopped or aborted) until commit or discard."""
-        pinned = self.pinned.get(seq.session_id or "")
-        if pinned is not None:
-            pinned.users -= 1
+        held = self.resident.get(seq.session_id or "")
+        if held is not None:
+            held.users -= 1
         computed = seq.num_computed_tokens
-        keep = self.pool.blocks_needed(computed)
-        self.pool.release(seq.block_table[keep:])
         exact = min(computed, len(seq.prompt_ids))
-        self.parked[seq.request_id] = PinnedKV(seq.tokens[:computed], seq.block_table[:keep], seq.block_hashes, exact)
-        seq.block_table, seq.block_hashes = [], []
+        table = self.kv.park(seq.block_table, computed)
+        self.parked[seq.request_id] = SessionBlocks(seq.tokens[:computed], table, exact)
 
     def commit(self, request_id: str, session_id: str) -> int | None:
         """Make a parked turn's KV the session's; returns the session's token count, None if nothing was parked."""
         parked = self.parked.pop(request_id, None)
         if parked is None:
             return None
-        previous = self.pinned.get(session_id)
+        previous = self.resident.get(session_id)
         if previous is not None:
             parked.users = previous.users
-            self.kv_cache.fence_reads(previous.block_table)
-            self.pool.release(previous.block_table)
-        self.pinned[session_id] = parked
+            self.kv.free(previous.table, exported=True)
+        self.resident[session_id] = parked
         return len(parked.tokens)
 
     def refresh_sequence(self, session_id: str) -> Sequence | None:
         """A prefill-only sequence that recomputes the session's decoded tail as prompt rows; None if none is due."""
-        pinned = self.pinned.get(session_id)
-        if pinned is None or pinned.exact >= len(pinned.tokens) or session_id in self.refreshing:
+        held = self.resident.get(session_id)
+        if held is None or held.exact >= len(held.tokens) or session_id in self.refreshing:
             return None
         seq = Sequence(
-            request_id=f"refresh:{session_id}:{len(pinned.tokens)}",
-            prompt_ids=list(pinned.tokens),
+            request_id=f"refresh:{session_id}:{len(held.tokens)}",
+            prompt_ids=list(held.tokens),
             params=SamplingParams(max_tokens=1),
             eos_token_ids=frozenset(),
-            max_total_tokens=len(pinned.tokens) + 1,
+            max_total_tokens=len(held.tokens) + 1,
             session_id=session_id,
             prefill_only=True,
         )
         self.acquire(session_id, None)
-        self.refreshing[session_id] = (seq, pinned)
+        self.refreshing[session_id] = (seq, held)
         return seq
 
     def finish_refresh(self, seq: Sequence) -> None:
@@ -212,7 +200,7 @@ class SessionKVStore:
         session_id = seq.session_id or ""
         _, base = self.refreshing.pop(session_id)
         parked = self.parked.get(seq.request_id)
-        if parked is not None and self.pinned.get(session_id) is base and parked.exact == len(base.tokens):
+        if parked is not None and self.resident.get(session_id) is base and parked.exact == len(base.tokens):
             self.commit(seq.request_id, session_id)
         else:
             self.discard(seq.request_id)
@@ -225,61 +213,52 @@ class SessionKVStore:
         """Free a parked turn's KV; the session keeps what it had."""
         parked = self.parked.pop(request_id, None)
         if parked is not None:
-            self.pool.release(parked.block_table)
+            self.kv.free(parked.table)
 
     def release(self, session_id: str) -> None:
         """Forget a session's KV (its full blocks stay in the prefix cache until reused)."""
-        pinned = self.pinned.pop(session_id, None)
-        if pinned is not None:
-            self.kv_cache.fence_reads(pinned.block_table)  # an export of them may still be copying (a spill's is)
-            self.pool.release(pinned.block_table)
+        held = self.resident.pop(session_id, None)
+        if held is not None:
+            self.kv.free(held.table, exported=True)  # an export of them may still be copying (a spill's is)
 
     def fork(self, source_id: str, target_id: str) -> bool:
         """Give target the same KV as source, sharing its blocks; False if source is not resident."""
-        source = self.pinned.get(source_id)
+        source = self.resident.get(source_id)
         if source is None:
             return False
         self.release(target_id)
-        self.pool.retain(source.block_table)
-        self.pinned[target_id] = PinnedKV(
-            list(source.tokens), list(source.block_table), list(source.block_hashes), source.exact
-        )
+        self.resident[target_id] = SessionBlocks(list(source.tokens), self.kv.share(source.table), source.exact)
         return True
 
     def export(self, session_id: str) -> SessionKVData | None:
         """Copy a resident session's exact K/V (not a decoded tail awaiting refresh) out of the pool; None if absent."""
-        pinned = self.pinned.get(session_id)
-        if pinned is None:
+        held = self.resident.get(session_id)
+        if held is None:
             return None
-        keys, values, ready = self.kv_cache.gather(pinned.block_table, pinned.exact)
-        return SessionKVData(pinned.tokens[: pinned.exact], keys, values, ready)
+        keys, values, ready = self.kv.gather(held.table, held.exact)
+        return SessionKVData(held.tokens[: held.exact], keys, values, ready)
 
     def load(self, session_id: str, data: SessionKVData) -> None:
         """Write a session's K/V into newly allocated blocks, spilling idle sessions if the pool is short."""
-        needed = self.pool.blocks_needed(len(data.tokens))
-        if needed > self.pool.num_free_blocks and not self.reclaim(needed):
-            raise SessionKVError(
-                f"the KV pool has {self.pool.num_free_blocks} free blocks; this session needs {needed}"
-            )
+        needed = self.kv.blocks_needed(len(data.tokens))
+        if needed > self.kv.num_free_blocks and not self.reclaim(needed):
+            raise SessionKVError(f"the KV pool has {self.kv.num_free_blocks} free blocks; this session needs {needed}")
         self.release(session_id)
-        blocks = self.pool.allocate(needed)
-        self.kv_cache.scatter(blocks, *data.in_flight())
-        hashes: list[int] = []
-        self.pool.register_full_blocks(data.tokens, blocks, hashes, len(data.tokens))
-        self.pinned[session_id] = PinnedKV(list(data.tokens), blocks, hashes, len(data.tokens))
+        table = self.kv.load(data.tokens, *data.in_flight())
+        self.resident[session_id] = SessionBlocks(list(data.tokens), table, len(data.tokens))
 
     def reclaim(self, needed_blocks: int, keep: str | None = None) -> bool:
         """Spill least recently used idle sessions (but keep) until needed_blocks are free; False if impossible."""
         if self.spill_handler is None:
-            return needed_blocks <= self.pool.num_free_blocks
-        idle = sorted((p.last_used, sid) for sid, p in self.pinned.items() if p.users == 0 and sid != keep)
+            return needed_blocks <= self.kv.num_free_blocks
+        idle = sorted((p.last_used, sid) for sid, p in self.resident.items() if p.users == 0 and sid != keep)
         for _, session_id in idle:
-            if self.pool.num_free_blocks >= needed_blocks:
+            if self.kv.num_free_blocks >= needed_blocks:
                 break
-            if not self.pool.num_sole_references(self.pinned[session_id].block_table):
+            if not self.kv.num_sole_references(self.resident[session_id].table):
                 continue  # every block is shared with a fork or a running turn: spilling frees nothing
             data = self.export(session_id)
             self.release(session_id)  # on a GPU, later forwards wait for the export's copy before reusing the blocks
             if data is not None:
                 self.spill_handler(session_id, data)
-        return self.pool.num_free_blocks >= needed_blocks
+        return self.kv.num_free_blocks >= needed_blocks

@@ -10,8 +10,7 @@ from statelm.kernels.quant import ARITHMETICS
 from statelm.models.packed import PackedLinear
 
 if TYPE_CHECKING:
-    from statelm.engine.attention.base import AttentionMetadata
-    from statelm.engine.kv_cache import KVCache
+    from statelm.attention.base import AttentionMetadata, KVView
     from statelm.models.layers import RopeInputs
     from statelm.models.llama import LlamaForCausalLM
 
@@ -35,7 +34,7 @@ class FusedDecoder:
     ) -> None:
         self.model = model
         self.tensors = tensors
-        self.blocks = blocks
+        self.block_data = blocks
         self.block_types = block_types
         self.parts = parts
         config = model.config
@@ -68,7 +67,7 @@ class FusedDecoder:
         return cls(model, tensors, blocks, block_types, parts)
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVCache, meta: AttentionMetadata, arithmetic: str
+        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
     ) -> torch.Tensor:
         """Hidden states after the final norm, from the embeddings x [T, hidden]."""
         return torch.ops.statelm.decoder_layers(
@@ -76,11 +75,13 @@ class FusedDecoder:
             rope.positions,
             rope.table,
             self.tensors,
-            self.blocks,
+            self.block_data,
             self.block_types,
             self.parts,
             kv_cache.k,
             kv_cache.v,
+            kv_cache.k_scale,
+            kv_cache.v_scale,
             meta.slot_mapping,
             meta.block_tables,
             meta.seq_lens_tensor,

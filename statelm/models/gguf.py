@@ -115,18 +115,12 @@ class GGUFModel:
                 yield hf_tensor_name(info.name), self._convert(info)
 
     def _convert(self, info: TensorInfo) -> torch.Tensor:
-        if info.qtype in BLOCK_TYPES and len(info.shape) == 2 and kernels_available():
-            value = self._in_place(info).dequantize().to(self.dtype)  # gguf-py's values, on every core
-        else:
-            value = torch.from_numpy(_dequantize(self.file, info)).to(self.dtype)
+        value = dequantized(self.file, info).to(self.dtype)
         heads = None if self.config.rope_interleaved else self._permuted_heads(info.name)
         return value if heads is None else unpermute_qk(value, heads)
 
     def _in_place(self, info: TensorInfo) -> PackedWeight:
-        from statelm.kernels.quant import BlockMatrix, PackedWeight
-
-        rows, in_features = info.shape
-        return PackedWeight([BlockMatrix.of(info.qtype, self.file.raw(info), (rows, in_features))])
+        return in_place(self.file, info)
 
     def _permuted_heads(self, name: str) -> int | None:
         """The head count llama.cpp permuted this tensor's rows by, or None when it did not."""
@@ -179,6 +173,22 @@ def _check_tensors(path: Path, file: GGUFFile) -> None:
                 hf_tensor_name(tensor.name)
             except GGUFError as exc:
                 raise GGUFError(f"{path}: {exc}") from exc
+
+
+def in_place(file: GGUFFile, info: TensorInfo) -> PackedWeight:
+    """A 2-D tensor in a block format as a packed weight viewing the mapped file (no copy)."""
+    from statelm.kernels.quant import BlockMatrix, PackedWeight
+
+    rows, in_features = info.shape
+    return PackedWeight([BlockMatrix.of(info.qtype, file.raw(info), (rows, in_features))])
+
+
+def dequantized(file: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    """A tensor of the file in float32, gguf-py's values: a block matrix by statelm's kernel (on every core) where
+    the kernels are built, anything else by gguf-py; a float32 tensor views the mapped file."""
+    if info.qtype in BLOCK_TYPES and len(info.shape) == 2 and kernels_available():
+        return in_place(file, info).dequantize()
+    return torch.from_numpy(_dequantize(file, info))
 
 
 def _dequantize(file: GGUFFile, info: TensorInfo) -> np.ndarray:

@@ -1,24 +1,24 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache."""
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over the paged KV cache: its layers and its weight map.
+
+Which kernels run it (attention backend, layer ops, packed linears, fused decoder, activations) is set by the
+compute-path pass (compute_path.py), not chosen here.
+"""
 
 from __future__ import annotations
 
-import importlib.util
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
-from statelm.engine.attention.reference import TorchAttentionBackend
-from statelm.engine.kv_cache import KVCache
-from statelm.kernels.build import kernels_available
+from statelm.attention.base import AttentionBackend, AttentionMetadata, KVView
+from statelm.attention.layer_kv import LayerKV
+from statelm.attention.reference import TorchAttentionBackend
 from statelm.models.config import ModelConfig
-from statelm.models.fused_decoder import FusedDecoder
 from statelm.models.layers import (
     GatedMLP,
-    KernelLayerOps,
     LayerOps,
     RMSNorm,
     RopeInputs,
@@ -27,13 +27,22 @@ from statelm.models.layers import (
     RowChunking,
     chunked_linear,
 )
-from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
+from statelm.models.packed import ACTIVATIONS, PackedLinear
 
 if TYPE_CHECKING:
-    from statelm.engine.invariance import InvarianceReport
     from statelm.kernels.quant import PackedWeight
 
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class DecoderStack(Protocol):
+    """Every decoder layer and the final norm in one call (the compute-path pass sets one: FusedDecoder)."""
+
+    def __call__(
+        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
+    ) -> torch.Tensor:
+        """Hidden states after the final norm, from the embeddings x [T, hidden]."""
+        ...
 
 
 @dataclass
@@ -70,7 +79,7 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
 
-    def forward(self, x: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, step: ForwardStep) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cache: LayerKV, step: ForwardStep) -> torch.Tensor:
         """Project [T, hidden], write K/V to the cache, attend, and project back."""
         tokens = x.shape[0]
         q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -81,7 +90,7 @@ class LlamaAttention(nn.Module):
             q = step.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
             k = step.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
         q, k = step.ops.rope(q, k, step.rope)
-        out = step.backend.forward(q, k, v, k_cache, v_cache, step.meta, self.scale)
+        out = step.backend.forward(q, k, v, cache, step.meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -102,8 +111,7 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         step: ForwardStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the block on the flat batch [T, hidden]: x is the previous block's output, not yet added to residual.
@@ -115,7 +123,7 @@ class LlamaDecoderLayer(nn.Module):
             residual, h = x, step.ops.rms_norm(x, norm.weight, norm.eps)
         else:
             h = step.ops.add_rms_norm(residual, x, norm.weight, norm.eps)
-        attention = self.self_attn(h, k_cache, v_cache, step)
+        attention = self.self_attn(h, cache, step)
         norm = self.post_attention_layernorm
         h = step.ops.add_rms_norm(residual, attention, norm.weight, norm.eps)
         return self.mlp(h, step.ops), residual
@@ -138,12 +146,12 @@ class LlamaForCausalLM(nn.Module):
         self.batch_invariant = chunking.enabled
         self.config = config
         self.device = torch.device(device)
+        # how it runs, until the compute-path pass (compute_path.py) sets it otherwise
         self.backend: AttentionBackend = TorchAttentionBackend(sliding_window=config.sliding_window)
         self.compute_path = "torch"
         self.ops = LayerOps()
-        self.invariance: InvarianceReport | None = None  # set by the start-up self-check
-        self.activations = "float32"  # of the packed linears (use_activations)
-        self.fused: FusedDecoder | None = None  # all layers in one C++ call (kernels path, all linears packed)
+        self.activations = "float32"  # of the packed linears
+        self.fused: DecoderStack | None = None  # all layers in one C++ call (kernels path, all linears packed)
         self.dtype = dtype
         meta = torch.device("meta")
         # an explicit empty weight skips nn.Embedding's random init, whose first call on meta costs seconds
@@ -171,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        kv_cache: KVCache,
+        kv_cache: KVView,
         meta: AttentionMetadata,
         is_prompt: torch.Tensor | None = None,
     ) -> torch.Tensor:
@@ -191,7 +199,7 @@ class LlamaForCausalLM(nn.Module):
         if self.fused is not None and arithmetic is not None:
             return self.fused(x, step.rope, kv_cache, meta, arithmetic)
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, kv_cache.k[i], kv_cache.v[i], step)
+            x, residual = layer(x, residual, kv_cache.layers[i], step)
         assert residual is not None
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
 
@@ -202,59 +210,6 @@ class LlamaForCausalLM(nn.Module):
         if prompt == generated or self.chunking.prompt_rows is None:
             return generated
         return prompt if self.chunking.generated_rows is None else None
-
-    def compute_paths(self) -> list[str]:
-        """The compute paths this model can run, fastest first (the start-up self-check picks one).
-
-        `kernels`: statelm's C++ kernels (float32 on the CPU); `triton`: statelm's Triton attention over the
-        paged KV and torch's matmuls in fixed row chunks (CUDA; its forward is capturable in a CUDA graph);
-        `torch`: torch's kernels in fixed row chunks; `torch-per-row`: every row its own call, invariant on any
-        CPU but slow for prompts.
-        """
-        paths = ["torch", "torch-per-row"]
-        on_cpu = self.device.type == "cpu"
-        if on_cpu and self.dtype == torch.float32 and kernels_available():
-            paths.insert(0, "kernels")
-        if self.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
-            paths.insert(0, "triton")
-        return paths
-
-    def use_compute_path(self, path: str) -> None:
-        """Run the model's attention (and, once chosen, its linears) through one of compute_paths()."""
-        window = self.config.sliding_window
-        if path == "kernels":
-            from statelm.engine.attention.cpu_kernel import CpuKernelAttentionBackend
-
-            self.backend = CpuKernelAttentionBackend(sliding_window=window)
-            self.ops = KernelLayerOps()
-        elif path == "triton":
-            from statelm.engine.attention.triton_backend import TritonAttentionBackend
-
-            self.backend = TritonAttentionBackend(sliding_window=window)
-            self.ops = LayerOps()
-        else:
-            self.ops = LayerOps()
-            self.backend = TorchAttentionBackend(sliding_window=window, per_row=path == "torch-per-row")
-        for module in self.modules():
-            if isinstance(module, PackedLinear):
-                module.use(kernel=path == "kernels")
-        self.fused = FusedDecoder.build(self) if path == "kernels" else None
-        if self.batch_invariant:
-            sizes = RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant(self.device)
-            self.chunking.resize(sizes)
-        self.compute_path = path
-
-    def use_activations(self, activations: str) -> int:
-        """How packed linears on the kernels path treat activations, prompt rows and generated rows (a key of
-        ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`); returns how many packed
-        linears there are (none: the setting changes nothing)."""
-        if activations not in ACTIVATIONS:
-            raise ValueError(f"unknown activations {activations!r}; choose {', '.join(ACTIVATIONS)}")
-        packed = [module for module in self.modules() if isinstance(module, PackedLinear)]
-        for module in packed:
-            module.activations = activations
-        self.activations = activations
-        return len(packed)
 
     def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample; is_prompt ([N] bool) marks last prompt tokens' rows
@@ -269,8 +224,9 @@ class LlamaForCausalLM(nn.Module):
             weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head
         return chunked_linear(hidden, weight, None, self.chunking.generated).float()
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> None:
-        """Copy Hugging Face-named tensors into the (fused) parameters; packed weights replace their layers."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> dict[str, PackedWeight]:
+        """Copy Hugging Face-named tensors into the (fused) parameters; returns the packed weights, checked against
+        the shapes they fill, for `install_packed` (compute_path.py) to put in place."""
         pending = set(self._targets)
         unknown: list[str] = []
         packed: dict[str, PackedWeight] = {}
@@ -296,11 +252,15 @@ class LlamaForCausalLM(nn.Module):
                 f"checkpoint does not match {self.config.architecture}: "
                 f"unknown weights {sorted(unknown)}, missing weights {sorted(pending)}"
             )
-        if packed:
-            self._install_packed(packed)
+        return packed
 
-    def _install_packed(self, packed: dict[str, PackedWeight]) -> None:
-        """Swap in packed layers; a fused group with a float member is dequantized whole instead."""
+    def copy_weight(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy one Hugging Face-named tensor into the parameter rows it fills."""
+        param, start, end = self._targets[name]
+        param.data[start:end].copy_(tensor)
+
+    def linear_groups(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
+        """Each linear layer and the Hugging Face weights fused into it: (owning module, attribute, weight names)."""
         for i, layer in enumerate(self.layers):
             prefix = f"model.layers.{i}."
             attn, mlp = layer.self_attn, layer.mlp
@@ -311,27 +271,7 @@ class LlamaForCausalLM(nn.Module):
                 "down_proj": (mlp, ["mlp.down_proj"]),
             }
             for attribute, (owner, parts) in groups.items():
-                names = [f"{prefix}{part}.weight" for part in parts]
-                members = [packed.get(name) for name in names]
-                if all(member is not None for member in members):
-                    fused = type(members[0]).concat(members) if len(members) > 1 else members[0]
-                    linear = getattr(owner, attribute)
-                    setattr(owner, attribute, PackedLinear(fused, linear.bias, self.chunking))
-                else:
-                    self._dequantize_into(packed, names)
-        embed = packed.get("model.embed_tokens.weight")
-        if embed is not None:
-            self.embed_tokens = PackedEmbedding(embed)
-        head = packed.get("lm_head.weight", embed if self.lm_head is None else None)
-        if head is not None:
-            self.packed_head = PackedLinear(head, None, self.chunking)
-            self.lm_head = None
-
-    def _dequantize_into(self, packed: dict[str, PackedWeight], names: list[str]) -> None:
-        for name in names:
-            if name in packed:
-                param, start, end = self._targets[name]
-                param.data[start:end].copy_(packed[name].dequantize())
+                yield owner, attribute, [f"{prefix}{part}.weight" for part in parts]
 
     def init_dummy_weights(self, seed: int = 0) -> None:
         """Random weights for benchmarks and tests: normal(0, 0.02) matrices, zero biases, unit norms.

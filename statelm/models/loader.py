@@ -19,6 +19,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from statelm.cpu import native_bf16
+from statelm.models.compute_path import install_packed
 from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.gguf import GGUFError
 from statelm.models.gguf_cache import load_converted_gguf
@@ -29,6 +30,7 @@ from statelm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
+    from statelm.models.invariance import InvarianceReport
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype
     generation_config: dict[str, Any] = field(default_factory=dict)  # the folder's generation_config.json, if any
+    invariance: InvarianceReport | None = None  # the start-up self-check's, when batch invariance is asked for
 
 
 def resolve_source(spec: str) -> ModelSource:
@@ -173,7 +176,7 @@ def load_model(
             weights = functools.partial(quantize_matrices, weights, quantization)
             weight_identity += f":{quantization}"
         try:
-            model.load_weights(weights())
+            install_packed(model, model.load_weights(weights()))
         except (KeyError, ValueError, RuntimeError) as exc:
             raise ModelLoadError(f"cannot load weights of {source.path}: {exc}") from exc
     model.eval()

@@ -11,12 +11,13 @@ from fastapi import FastAPI, Request, Response
 from fastapi.middleware.cors import CORSMiddleware
 
 from statelm.api.anthropic.service import MessagesService
-from statelm.api.chat import ChatService
+from statelm.api.embeddings.models import EmbeddingModels
+from statelm.api.embeddings.service import EmbeddingService
 from statelm.api.limits import GenerationLimits
+from statelm.api.openai.chat import ChatService
 from statelm.api.responses.service import ResponsesService
 from statelm.api.sessions import SessionService
-from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.invariance import InvarianceReport
+from statelm.engine.client import EngineClient
 from statelm.metrics import ServingMetrics
 from statelm.server.auth import AuthMiddleware, KeyRing
 from statelm.server.drain import DrainGate, DrainMiddleware
@@ -24,7 +25,7 @@ from statelm.server.errors import install_error_handlers
 from statelm.server.limits import RequestLimitMiddleware
 from statelm.server.openapi import install_openapi
 from statelm.server.request_id import RequestIdMiddleware
-from statelm.server.routes import anthropic, health, metrics, openai, sessions
+from statelm.server.routes import anthropic, embeddings, health, metrics, openai, sessions
 from statelm.server.routes import responses as responses_routes
 from statelm.server.webui import ASSETS_PREFIX, install_webui
 
@@ -54,15 +55,15 @@ class Guards:
 
 
 def create_app(
-    engine: AsyncEngine,
+    engine: EngineClient,
     chat: ChatService,
     session_service: SessionService,
     responses: ResponsesService,
     serving_metrics: ServingMetrics,
     guards: Guards,
     sse_keepalive: float = 10.0,
-    invariance: InvarianceReport | None = None,
     allowed_origins: list[str] | None = None,
+    embedding_service: EmbeddingService | None = None,
 ) -> FastAPI:
     """An app serving chat, responses and sessions on the given engine; sessions (response chains too) are saved
     and the engine stopped at exit.
@@ -70,6 +71,7 @@ def create_app(
     Streams get an SSE comment every `sse_keepalive` seconds (so that proxies keep a long prefill open).
     """
     manager = session_service.manager
+    embedding_service = embedding_service or EmbeddingService(EmbeddingModels([]))
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -79,6 +81,7 @@ def create_app(
             yield
         finally:
             await manager.close()
+            embedding_service.close()
             engine.shutdown()
 
     app = FastAPI(title="statelm", version="0.1.0", lifespan=lifespan)
@@ -92,11 +95,13 @@ def create_app(
     serving_metrics.watch_storage(manager.health, lambda: len(manager.owed()))
     app.state.drain = guards.drain
     app.state.sse_keepalive = sse_keepalive
-    app.state.invariance = invariance
+    app.state.invariance = engine.info.batch_invariance
+    app.state.embeddings = embedding_service
     install_error_handlers(app)
     app.include_router(health.router)
     app.include_router(metrics.router)
     app.include_router(openai.router)
+    app.include_router(embeddings.router)
     app.include_router(responses_routes.router)
     app.include_router(anthropic.router)
     app.include_router(sessions.router)

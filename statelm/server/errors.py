@@ -16,6 +16,7 @@ from starlette.routing import Match
 from statelm.api.anthropic.errors import anthropic_error, anthropic_status
 from statelm.api.errors import APIError
 from statelm.api.sessions import session_api_error
+from statelm.engine.client import EngineError
 from statelm.sessions.errors import SessionError
 
 log = logging.getLogger(__name__)
@@ -109,6 +110,10 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(SessionError)
     async def _session_error(request: Request, exc: SessionError) -> JSONResponse:
         return error_response(session_api_error(exc), request.url.path)
+
+    @app.exception_handler(EngineError)
+    async def _engine_error(request: Request, exc: EngineError) -> JSONResponse:
+        return error_response(APIError(str(exc), status=500, type="server_error"), request.url.path)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid_request(request: Request, exc: RequestValidationError) -> JSONResponse:

@@ -12,13 +12,14 @@ import uvicorn
 from fastapi import FastAPI
 from starlette.types import ASGIApp
 
-from statelm.api.chat import ChatService, ServedModel
+from statelm.api.conversation import ConversationService
 from statelm.api.limits import GenerationLimits
+from statelm.api.openai.chat import ChatService
+from statelm.api.openai.stored_completions import CompletionStore
 from statelm.api.responses.chains import ResponseRetention
 from statelm.api.responses.service import ResponsesService
-from statelm.api.serving import system_fingerprint
-from statelm.api.sessions import SessionService
-from statelm.api.stored_completions import CompletionStore
+from statelm.api.serving import ServedModel, ServingContext, sampling_defaults, system_fingerprint
+from statelm.api.sessions import KVFootprint, SessionService
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
 from statelm.metrics import ServingMetrics
@@ -26,6 +27,8 @@ from statelm.models.loader import ModelLoadError
 from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
+from statelm.server.embedding_models import embedding_service
+from statelm.server.memory_budget import available_host_memory
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.manager import SessionLimits, SessionManager
 from statelm.sessions.tally import KeyTally
@@ -50,18 +53,18 @@ def build_services(
     """Chat, session and responses services over a built engine, answering to the served name and the `--model`
     value (with tally, a key's limits count what it holds on every server sharing it)."""
     name = server_config.served_model_name or built.loaded.name
-    engine = built.engine.engine
+    info = built.engine.info
     output_settings = {
         "device": built.loaded.device.type,
         "quantization": engine_config.quantization,
         "activations": engine_config.activations,
         "batch_invariant": engine_config.batch_invariant,
-        "sampling_defaults": engine.sampling_defaults,
+        "sampling_defaults": info.sampling_defaults,
     }
     model = ServedModel(
         name=name,
         aliases=frozenset({engine_config.model, built.loaded.name} - {name}),
-        max_model_len=engine.max_model_len,
+        max_model_len=info.max_model_len,
         created=int(time.time()),
         system_fingerprint=system_fingerprint(built.loaded.fingerprint.digest, output_settings),
     )
@@ -78,21 +81,23 @@ def build_services(
         persist_idle_after=server_config.persist_idle_after,
     )
     try:
-        chat = ChatService(
+        context = ServingContext(
             built.engine,
             built.loaded.tokenizer,
             model,
             metrics,
-            manager,
-            limits=limits,
+            limits,
+            sampling_defaults(info.sampling_defaults),
             tool_parser=server_config.tool_parser,
             reasoning_parser=server_config.reasoning_parser,
-            completions=CompletionStore(server_config.max_stored_completions),
         )
     except ValueError as exc:  # an unknown --tool-parser or --reasoning-parser
         raise LaunchError(str(exc)) from None
+    conversations = ConversationService(context, manager)
+    chat = ChatService(conversations, CompletionStore(server_config.max_stored_completions))
     retention = ResponseRetention(server_config.max_stored_responses, server_config.response_retention)
-    return chat, SessionService(manager), ResponsesService(chat.conversations, retention)
+    footprint = KVFootprint(info.kv_format, info.kv_bytes_per_token)
+    return chat, SessionService(manager, footprint), ResponsesService(conversations, retention)
 
 
 def generation_limits(server_config: ServerConfig, context_length: int) -> GenerationLimits:
@@ -143,13 +148,19 @@ def build_app(
     """Load the model and build the application (and the gate its server drains through), without serving it; with
     tally, the per-key limits count over every server sharing it (a cluster's replicas)."""
     keys = key_ring(server_config)
+    host_memory = available_host_memory()  # before the models take theirs
     try:
         built = build_engine(engine_config)
     except (ModelLoadError, EngineConfigError) as exc:
         raise LaunchError(str(exc)) from None
-    metrics = ServingMetrics(built.engine.engine)
-    limits = generation_limits(server_config, built.engine.engine.max_model_len)
+    metrics = ServingMetrics(built.engine)
+    limits = generation_limits(server_config, built.engine.info.max_model_len)
     chat, session_service, responses = build_services(built, engine_config, server_config, metrics, limits, tally)
+    try:
+        embeddings = embedding_service(built, chat.context.model, engine_config, metrics, limits, host_memory)
+    except (ModelLoadError, ValueError) as exc:
+        built.engine.shutdown()
+        raise LaunchError(str(exc)) from None
     guards = Guards(
         keys=keys,
         public_metrics=not server_config.metrics_require_key,
@@ -166,8 +177,8 @@ def build_app(
         metrics,
         guards,
         server_config.sse_keepalive,
-        built.invariance,
         allowed_origins=server_config.allowed_origins,
+        embedding_service=embeddings,
     )
     app.state.model_name = built.loaded.name
     return app, guards.drain

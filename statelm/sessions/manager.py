@@ -1,9 +1,9 @@
 """Sessions on the event loop's side: create, list, turn bookkeeping, fork, rollback, spill, persist, snapshot.
 
-The engine thread owns the KV (SessionKVStore); this manager owns transcripts and settings, moves KV
+The engine owns the KV; this manager owns transcripts and settings, moves KV
 between the pool and the state store (statelm.sessions.state_store), and journals every change of a session
-(statelm.sessions.journal_store). Blocking store I/O runs in worker threads; engine work goes through
-AsyncEngine.call/submit, which the engine thread runs in order between steps.
+(statelm.sessions.journal_store). Blocking store I/O runs in worker threads; engine work goes through the
+EngineClient, which runs it in order between steps.
 
 Durable or refused: a change is made in memory at once, journalled, and answered once its record is durable
 (`settled`). If the record cannot be written (a full, read-only or vanished state store), the change is taken back,
@@ -28,8 +28,7 @@ from functools import partial
 from typing import Any, TypeVar
 
 from statelm.config import SessionDurability
-from statelm.engine.async_engine import AsyncEngine
-from statelm.engine.session_kv import SessionKVData, SessionKVError
+from statelm.engine.client import EngineClient, SessionKVData, SessionKVError
 from statelm.models.loader import ModelFingerprint
 from statelm.sessions.errors import (
     AlreadyExistsError,
@@ -97,7 +96,7 @@ class SessionManager:
 
     def __init__(
         self,
-        engine: AsyncEngine,
+        engine: EngineClient,
         model_name: str,
         fingerprint: ModelFingerprint,
         store: StateStore,
@@ -124,7 +123,6 @@ class SessionManager:
         )
         self._last_lsn = 0  # log sequence number of the latest change of any session
         self.snapshots = SnapshotStore(store, model_name, fingerprint, exclusive=resume)
-        self._kv = engine.engine.sessions
         self._disk_locks: dict[str, asyncio.Lock] = {}
         self._quota_locks: dict[str, asyncio.Lock] = {}
         self._writes: set[asyncio.Task[None]] = set()
@@ -143,8 +141,7 @@ class SessionManager:
 
     async def start(self) -> None:
         """Take spilled KV from the engine from now on, and resume the sessions the last run left."""
-        loop = asyncio.get_running_loop()
-        self._kv.spill_handler = lambda session_id, data: loop.call_soon_threadsafe(self._spilled, session_id, data)
+        self.engine.on_spill(self._spilled)
         if self.journal is None:  # nothing is kept: spills go to a private store, removed at close
             await asyncio.to_thread(self.saved.prepare, Area.SESSIONS, True)
         elif self.resume:
@@ -221,7 +218,7 @@ class SessionManager:
 
     async def close(self) -> None:
         """Save every session (when persisting) or remove the private spill store; the engine must still run."""
-        self._kv.spill_handler = None
+        self.engine.on_spill(None)
         for task in (self._idle_saver, self._storage_watch):
             if task is not None:
                 task.cancel()
@@ -339,7 +336,7 @@ class SessionManager:
 
     async def view(self, sessions: list[Session]) -> list[SessionView]:
         """Token counts and states of sessions, as the engine holds them now."""
-        resident = await self.engine.call(lambda: {sid: len(kv.tokens) for sid, kv in self._kv.pinned.items()})
+        resident = await self.engine.resident_sessions([session.id for session in sessions])
         views = []
         for session in sessions:
             in_pool = session.id in resident or not (session.on_disk or session.spilled_kv)
@@ -366,7 +363,7 @@ class SessionManager:
         self._changed_at.pop(session.id, None)
         self._unwritten_spills.discard(session.id)
         released = self._untally(session.id)
-        self.engine.submit(lambda: self._kv.release(session.id))
+        self.engine.release_session_kv(session.id)
         async with self._disk_lock(session.id):
             await asyncio.to_thread(self._delete_saved, session.id)
         if self.journal is not None:
@@ -402,7 +399,7 @@ class SessionManager:
             child = await self.create(child_id, settings, transcript, annotations=annotations)
             child.busy = True
             try:
-                if not await self.engine.call(lambda: self._kv.fork(parent.id, child.id)):
+                if not await self.engine.fork_session_kv(parent.id, child.id):
                     data = await self._kv_outside_pool(parent)
                     if data is not None:
                         self._hold_spilled(child, data)
@@ -423,11 +420,11 @@ class SessionManager:
 
     async def kv_to_restore(self, session: Session) -> SessionKVData | None:
         """The session's KV if it is outside the pool (spilled), for the turn to load; None if resident."""
-        if await self.engine.call(lambda: self._kv.num_tokens(session.id)) is not None:
+        if await self.engine.resident_sessions([session.id]):
             return None
         data = await self._kv_outside_pool(session)
         if data is not None:
-            await self._pin(data)
+            await self._pin_host_memory(data)
         return data
 
     def end_turn(self, session: Session | None, request_id: str, messages: list[dict[str, Any]] | None) -> None:
@@ -438,7 +435,7 @@ class SessionManager:
         messages are taken back (its KV stays: the next turn keeps what the transcript still matches, by LCP).
         """
         if session is None:
-            self.engine.submit(lambda: self.engine.engine.discard_turn(request_id))
+            self.engine.discard_turn(request_id)
             return
         last_used = session.last_used
         session.touch()
@@ -452,9 +449,9 @@ class SessionManager:
             session.transcript.extend(messages)
             session.spilled_kv = None
             self._changed(session, lambda changed: turn_record(changed, messages), undo)
-            self.engine.submit(lambda: self.engine.engine.commit_turn(request_id, session.id))
+            self.engine.commit_turn(request_id, session.id)
         else:
-            self.engine.submit(lambda: self.engine.engine.discard_turn(request_id))
+            self.engine.discard_turn(request_id)
 
         def idle() -> None:
             session.busy = False
@@ -559,7 +556,7 @@ class SessionManager:
     async def load_snapshot(self, snapshot_id: str, session_id: str | None, overwrite: bool) -> Session:
         """A session made from a snapshot, its KV placed in the pool (or held spilled if the pool is full)."""
         manifest, content = await asyncio.to_thread(self.snapshots.read, snapshot_id, current_principal())
-        await self._pin(content.kv)
+        await self._pin_host_memory(content.kv)
         target = check_id(session_id, "session_id") if session_id is not None else new_session_id()
         existing = self.sessions.get(target)
         if existing is not None:
@@ -573,7 +570,7 @@ class SessionManager:
         session = await self.create(target, settings, content.transcript, replacing=existing)
         if existing is not None:  # its KV and spills go; its saved bundle is superseded by the new session's record
             self._unwritten_spills.discard(target)
-            self.engine.submit(lambda: self._kv.release(target))
+            self.engine.release_session_kv(target)
         await self._place(session, content.kv)
         return session
 
@@ -593,17 +590,17 @@ class SessionManager:
     async def _place(self, session: Session, data: SessionKVData) -> None:
         """Put KV into the pool for session; if it cannot fit now, keep it spilled."""
         try:
-            await self.engine.call(lambda: self._kv.load(session.id, data))
+            await self.engine.load_session_kv(session.id, data)
         except SessionKVError as exc:
             log.info("session %s stays spilled: %s", session.id, exc)
             self._hold_spilled(session, data)
 
     async def _current_kv(self, session: Session) -> SessionKVData:
         """The session's KV wherever it is (an empty one for a session with no turns yet)."""
-        data = await self.engine.call(lambda: self._kv.export(session.id))
+        data = await self.engine.export_session_kv(session.id)
         if data is None:
             data = await self._kv_outside_pool(session)
-        return data if data is not None else self._empty_kv()
+        return data if data is not None else self.engine.empty_session_kv()
 
     async def _kv_outside_pool(self, session: Session) -> SessionKVData | None:
         """Spilled KV, from memory if it is not written yet, else from the session's saved bundle."""
@@ -621,10 +618,10 @@ class SessionManager:
                 return None
         return content.kv
 
-    async def _pin(self, data: SessionKVData) -> None:
+    async def _pin_host_memory(self, data: SessionKVData) -> None:
         """Pin KV bound for a GPU pool in a worker thread, so that loading it copies asynchronously."""
-        if self._kv.kv_cache.device.type == "cuda":
-            await asyncio.to_thread(data.pin)
+        if self.engine.info.device == "cuda":
+            await asyncio.to_thread(data.pin_host_memory)
 
     def _spilled(self, session_id: str, data: SessionKVData) -> None:
         """The engine spilled a session's KV under memory pressure: keep it and write it to the store."""
@@ -660,12 +657,12 @@ class SessionManager:
 
     async def _save(self, session: Session) -> bool:
         """Write a session for the next run if its saved bundle is not current; True if written."""
-        data = await self.engine.call(lambda: self._kv.export(session.id))
+        data = await self.engine.export_session_kv(session.id)
         if data is None and (session.spilled_kv is not None or (session.on_disk and session.disk_stale)):
             data = await self._kv_outside_pool(session)
         if data is None and session.on_disk and not session.disk_stale:
             return False
-        return await self._write_session(session, data if data is not None else self._empty_kv())
+        return await self._write_session(session, data if data is not None else self.engine.empty_session_kv())
 
     def _delete_saved(self, session_id: str) -> None:
         """Remove a session's saved bundle, if it has one; blocks."""
@@ -820,9 +817,6 @@ class SessionManager:
     def _next_lsn(self) -> int:
         self._last_lsn += 1
         return self._last_lsn
-
-    def _empty_kv(self) -> SessionKVData:
-        return SessionKVData([], *self._kv.kv_cache.gather([], 0))
 
     def _idle(self, session_id: str, kind: SessionKind = SessionKind.SESSION) -> Session:
         session = self.get(session_id, kind)

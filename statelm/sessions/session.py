@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from statelm.engine.session_kv import SessionKVData
+from statelm.engine.client import SessionKVData
 from statelm.sessions.errors import SessionError
 from statelm.sessions.ownership import LOCAL_OWNER, recorded_owner
 

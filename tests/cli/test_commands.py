@@ -134,3 +134,15 @@ def test_docs_beyond_the_context_answers_from_excerpts(tmp_path: Path, cli_env: 
     out = ok([*args, "-p", "What is the launch code of the Zephyr project?"], cli_env)
     assert "would overflow the context" in out and "excerpts" in out
     assert "Sources: " in out and "archive.txt" in out.split("Sources: ", 1)[1]
+
+
+def test_the_client_embeds_with_the_served_model_and_finds_no_embedding_model_beside_it(server_url: str) -> None:
+    from statelm.cli.client import StatelmClient
+
+    client = StatelmClient(server_url)
+    assert client.embedding_model() is None  # `statelm docs` then retrieves with BM25 alone
+    answer = client.embed(client.model()["id"], ["The capital of France is Paris.", "Cats sleep."])
+    vectors = answer.vectors
+    assert answer.fingerprint.startswith("fp_")
+    assert len(vectors) == 2 and len(vectors[0]) == 576  # SmolLM2-135M's hidden size, last-token pooled
+    assert abs(sum(value * value for value in vectors[0]) - 1) < 1e-4

@@ -6,8 +6,18 @@ from pathlib import Path
 
 import pytest
 
+from statelm.cli.client import Embeddings
 from statelm.cli.extract import ExtractError, expand, extract_text
-from statelm.cli.retrieval import MAX_PASSAGE_CHARS, PassageIndex, split_passages
+from statelm.cli.retrieval import (
+    MAX_PASSAGE_CHARS,
+    EmbeddingFailed,
+    HybridIndex,
+    PassageIndex,
+    PassageVectors,
+    passage_key,
+    reciprocal_rank_fusion,
+    split_passages,
+)
 from statelm.cli.turns import ThinkSplitter
 
 
@@ -85,3 +95,80 @@ def test_think_splitter_handles_tags_cut_across_chunks() -> None:
     answer = "".join(a for a, _ in pieces)
     reasoning = "".join(r for _, r in pieces)
     assert (answer, reasoning) == ("It is 4.<b> <", "plan: add 2+2")
+
+
+def test_reciprocal_rank_fusion_rewards_agreement_between_rankings() -> None:
+    fused = reciprocal_rank_fusion([[3, 1, 2], [1, 4]], k=60)
+    assert [item for item, _ in fused] == [1, 3, 4, 2]
+    assert fused[0][1] == pytest.approx(1 / 62 + 1 / 61)
+    assert reciprocal_rank_fusion([]) == []
+
+
+def test_hybrid_retrieval_goes_on_with_bm25_when_the_embeddings_fail() -> None:
+    def refuse(texts: list[str]) -> Embeddings:
+        raise EmbeddingFailed("context_length_exceeded")
+
+    documents = {"pets.md": "The office cat is named Biscuit.", "travel.txt": "The train to Lyon leaves at 9:15."}
+    index = HybridIndex(documents, refuse)
+    assert index.search("Lyon train", k=2) == PassageIndex(documents).search("Lyon train", k=2)
+    assert index.failure == "context_length_exceeded"
+
+
+class WordEmbedder:
+    """Unit vectors of texts' word counts over a fixed vocabulary, as a model of some fingerprint; it counts the
+    texts it embeds."""
+
+    VOCABULARY = ("cat", "biscuit", "train", "lyon", "printer", "platform", "deploy", "staging")
+
+    def __init__(self, fingerprint: str) -> None:
+        self.fingerprint = fingerprint
+        self.texts: list[str] = []
+
+    def __call__(self, texts: list[str]) -> Embeddings:
+        self.texts += texts
+        vectors = []
+        for text in texts:
+            counts = [text.lower().count(word) + 0.01 for word in self.VOCABULARY]
+            norm = sum(c * c for c in counts) ** 0.5
+            vectors.append([c / norm for c in counts])
+        return Embeddings(vectors, self.fingerprint)
+
+
+def test_passage_vectors_are_kept_and_embedded_again_only_for_new_passages_or_another_model(tmp_path: Path) -> None:
+    documents = {"pets.md": "The office cat is named Biscuit. " * 7 + "\n\n" + "She sleeps on the printer. " * 12,
+                 "travel.txt": "The train to Lyon leaves at 9:15 from platform 4."}  # fmt: skip
+    store = PassageVectors(tmp_path / "embeddings.npz")
+    first = WordEmbedder("fp_a")
+    fresh = HybridIndex(documents, first, store)
+    fresh.prepare()
+    assert fresh.embedded == len(fresh.passages) == 3 and store.path.is_file()
+    ranked = fresh.search("which train goes to Lyon", k=3)
+
+    again = WordEmbedder("fp_a")
+    kept = HybridIndex(documents, again, store)
+    assert kept.search("which train goes to Lyon", k=3) == ranked and kept.embedded == 0
+    assert again.texts == ["which train goes to Lyon"]  # the query alone
+
+    grown = {**documents, "deploy.py": "def deploy(): push to staging"}
+    added = WordEmbedder("fp_a")
+    index = HybridIndex(grown, added, store)
+    index.prepare()
+    assert index.embedded == 1 and added.texts[-1] == "def deploy(): push to staging"
+    assert set(store.load("fp_a")) == {passage_key(p.text) for p in index.passages}
+
+    other = WordEmbedder("fp_b")
+    switched = HybridIndex(grown, other, store)
+    switched.prepare()
+    assert switched.embedded == 4 and store.load("fp_a") == {} and len(store.load("fp_b")) == 4
+
+
+def test_a_model_changing_while_passages_are_embedded_leaves_bm25_and_keeps_nothing(tmp_path: Path) -> None:
+    answers = iter(["fp_a", "fp_b"])
+
+    def changing(texts: list[str]) -> Embeddings:
+        return Embeddings([[1.0, 0.0] for _ in texts], next(answers))
+
+    store = PassageVectors(tmp_path / "embeddings.npz")
+    index = HybridIndex({"a.md": "alpha beta"}, changing, store)
+    index.prepare()
+    assert index.failure is not None and "changed" in index.failure and not store.path.exists()

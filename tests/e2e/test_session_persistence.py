@@ -9,7 +9,7 @@ import openai
 
 from tests.e2e.conftest import start_server, stop_server
 
-BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 4  # SmolLM2-135M, float32 KV: layers × (K, V) × block × kv heads × dim × 4 B
+BYTES_PER_BLOCK = 30 * 2 * 16 * 3 * 64 * 2  # SmolLM2-135M, 16-bit KV: layers × (K, V) × block × kv heads × dim × 2 B
 POOL_BLOCKS = 20
 NAMES = ["Ada", "Bob", "Cleo", "Dan", "Eve", "Finn"]
 

@@ -23,7 +23,7 @@ STEPS = (
     "statelm.models.loader: loading model SmolLM2-135M-Instruct from",
     "statelm.models.gguf_cache: parsing SmolLM2-135M-Instruct.Q4_1.gguf's header once into the model cache",
     "statelm.kernels.build: loading statelm's kernels for",
-    "statelm.engine.invariance: self-check: probing the compute paths",
+    "statelm.models.invariance: self-check: probing the compute paths",
     "statelm.engine.builder: allocating the KV cache",
     "statelm.sessions.manager: resuming the sessions the last run left in",
 )

@@ -17,8 +17,9 @@ from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 
 BLOCK_SIZE = 16
 POOL_BLOCKS = 64
-# float32 on every CPU (auto is bfloat16 where the CPU computes it natively): 8 KiB a tiny-model block
-SMALL_POOL = ["--dtype", "float32", "--kv-cache-memory", "512KiB", "--pinned-kv-fraction-per-key", "0.5"]
+# float32 KV on every CPU (auto is 16-bit): 8 KiB a tiny-model block
+SMALL_POOL = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--kv-cache-memory", "512KiB",
+              "--pinned-kv-fraction-per-key", "0.5"]  # fmt: skip
 BURST = [f"Question {n}: tell me everything about topic number {n}. " * 12 for n in range(8)]  # all over the pool
 
 

@@ -22,7 +22,8 @@ SNAPSHOT_QUOTA = 24 * 1024  # a session of about 30 tokens takes about 17 KB (51
 @pytest.fixture(scope="module")
 def limited(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[InProcessServer]:
     """An app with small limits and two keys."""
-    args = ["--dtype", "float32", "--api-key", KEYS[0], "--api-key", KEYS[1], "--max-request-bytes", str(MAX_BODY)]
+    args = ["--dtype", "float32", "--kv-cache-dtype", "float32", "--max-request-bytes", str(MAX_BODY)]
+    args += ["--api-key", KEYS[0], "--api-key", KEYS[1]]
     args += ["--max-messages", "4", "--max-completion-tokens", "8", "--max-prompt-tokens", str(MAX_PROMPT_TOKENS)]
     args += ["--max-sessions-per-key", "2", "--snapshot-quota", str(SNAPSHOT_QUOTA)]
     with serve_in_process(tiny_args(tiny_model, tmp_path_factory.mktemp("limits") / "state", *args)) as running:

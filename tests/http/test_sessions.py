@@ -7,6 +7,7 @@ generated, which a random model's do not, so that only there a history re-render
 from __future__ import annotations
 
 import json
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from statelm.cpu import native_bf16
 from tests.e2e.conftest import delete_state
 from tests.e2e.test_sessions import SYSTEM, create_session, turn
 from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
@@ -61,6 +63,58 @@ def test_corrupt_snapshot_gives_422_and_foreign_one_409(api: httpx.Client, state
     kv_file.write_bytes(bytes(data[:100]))
     assert api.post(f"/v1/snapshots/{corrupt}/load", json={}).status_code == 422
     assert api.get("/health").status_code == 200
+
+
+def test_sessions_and_metrics_show_the_kv_format_and_its_bytes_per_token(
+    api: httpx.Client, client: openai.OpenAI, model_name: str
+) -> None:
+    create_session(api, session_id="sized", system=SYSTEM)
+    turn(client, model_name, "sized", "Hello there.")
+    (listed,) = [entry for entry in api.get("/v1/sessions").json()["data"] if entry["id"] == "sized"]
+    auto = "bfloat16" if native_bf16() else "float16"  # the model's own bfloat16 where native, else float16
+    per_token = 2 * 2 * 2 * 16 * 2  # layers, K and V, KV heads, head dim, bytes
+    assert (listed["kv_cache_dtype"], listed["kv_bytes_per_token"]) == (auto, per_token)
+    assert listed["num_tokens"] > 0 and listed["kv_bytes"] == listed["num_tokens"] * per_token
+    assert api.get("/v1/sessions/sized").json()["kv_bytes"] == listed["kv_bytes"]
+    metrics = api.get("/metrics").text
+    assert f'statelm_kv_cache_bytes_per_token{{dtype="{auto}"}} {per_token}.0' in metrics
+    assert "statelm_kv_cache_capacity_tokens " in metrics
+
+
+def test_a_snapshot_of_another_kv_format_is_refused_with_409_naming_the_setting(
+    api: httpx.Client, tiny_model: Path, state_dir: Path, tmp_path: Path
+) -> None:
+    float32_args = tiny_args(tiny_model, tmp_path, "--kv-cache-dtype", "float32")
+    with serve_in_process(float32_args) as float32_server, float32_server.http() as other:
+        create_session(other, session_id="wide", system=SYSTEM)
+        snapshot = other.post("/v1/sessions/wide/snapshot", json={}).json()
+    assert snapshot["kv_cache_dtype"] == "float32"
+    shutil.copytree(tmp_path / "snapshots" / snapshot["id"], state_dir / "snapshots" / snapshot["id"])
+    response = api.post(f"/v1/snapshots/{snapshot['id']}/load", json={})
+    assert response.status_code == 409, response.text
+    error = response.json()["error"]
+    assert error["code"] == "fingerprint_mismatch" and "--kv-cache-dtype float32 loads it" in error["message"]
+    assert api.get("/health").status_code == 200
+
+
+def test_a_saved_session_resumes_on_a_server_of_another_kv_format_and_recomputes_its_kv(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    first_args = tiny_args(tiny_model, state, "--kv-cache-dtype", "float32")
+    with serve_in_process(first_args) as first, first.http() as http:
+        create_session(http, session_id="moved", system=SYSTEM)
+        body = {"model": "default", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4}
+        assert http.post("/v1/chat/completions", json={**body, "session_id": "moved"}).status_code == 200
+        before = http.get("/v1/sessions/moved").json()
+    assert before["kv_cache_dtype"] == "float32" and before["num_tokens"] > 0
+    with serve_in_process(tiny_args(tiny_model, state)) as second, second.http() as http:  # 16-bit KV
+        resumed = http.get("/v1/sessions/moved").json()
+        assert resumed["num_messages"] == before["num_messages"] and resumed["kv_cache_dtype"] != "float32"
+        reply = http.post("/v1/chat/completions", json={**body, "session_id": "moved"})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0  # its float32 KV is not used
+        assert http.get("/v1/sessions/moved").json()["num_messages"] == before["num_messages"] + 2
 
 
 @pytest.mark.parametrize("bad_id", ["../escape", "/etc/passwd", "a/b", "..", ".hidden", "x" * 200, "sp ace"])

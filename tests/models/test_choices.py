@@ -38,8 +38,8 @@ def test_choices_share_the_prompt_and_equal_single_requests_with_consecutive_see
     assert [fork.index for fork in forks] == [1, 2]
     for fork in forks:  # the prompt was computed once: full blocks shared, the partial one copied
         assert fork.num_computed_tokens == len(prompt)
-        assert fork.block_table[:full_blocks] == parent.block_table[:full_blocks]
-        assert fork.block_table[full_blocks] != parent.block_table[full_blocks]
+        assert fork.block_table.blocks[:full_blocks] == parent.block_table.blocks[:full_blocks]
+        assert fork.block_table.blocks[full_blocks] != parent.block_table.blocks[full_blocks]
     choices: dict[int, list[int]] = {index: [] for index in range(3)}
     for output in first_step:
         choices[output.index] += output.new_token_ids

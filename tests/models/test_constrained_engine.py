@@ -13,7 +13,8 @@ import torch
 
 from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine
-from statelm.engine.engine import Engine, StepOutput
+from statelm.engine.client import RequestOutput
+from statelm.engine.engine import Engine
 from statelm.engine.grammar import GrammarBackend
 from statelm.engine.guidance import ReasoningBudget
 from statelm.engine.repetition import RepetitionConfig
@@ -37,7 +38,7 @@ class Choice:
     """One choice's generated tokens and its last step output."""
 
     tokens: list[int]
-    last: StepOutput | None = None
+    last: RequestOutput | None = None
 
 
 @pytest.fixture(scope="module")

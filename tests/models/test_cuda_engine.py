@@ -39,7 +39,7 @@ def prompts(loaded: LoadedModel, count: int) -> dict[str, list[int]]:
 
 def test_the_compute_path_is_triton_and_verified_batch_invariant(loaded: LoadedModel) -> None:
     engine_for(loaded)
-    report = loaded.model.invariance
+    report = loaded.invariance
     assert report is not None and report.path == "triton" and report.verified, report and report.summary()
 
 

@@ -22,8 +22,9 @@ from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine
 from statelm.engine.cuda_graphs import DecodeGraphs, batch_buckets, context_bound
 from statelm.engine.engine import Engine
-from statelm.engine.invariance import InvarianceReport
 from statelm.engine.sequence import SamplingParams
+from statelm.models.compute_path import use_compute_path
+from statelm.models.invariance import InvarianceReport
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.engine_run import generate
@@ -46,8 +47,8 @@ class EagerReplays(DecodeGraphs):
 @pytest.fixture(scope="module")
 def loaded(qwen2_dir: Path) -> LoadedModel:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
-    model.model.use_compute_path("triton")
-    model.model.invariance = InvarianceReport(path="triton", verified=False, cpu="test: Triton's interpreter")
+    use_compute_path(model.model, "triton")
+    model.invariance = InvarianceReport(path="triton", verified=False, cpu="test: Triton's interpreter")
     return model
 
 

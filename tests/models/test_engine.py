@@ -10,9 +10,10 @@ import torch
 
 from statelm.config import EngineConfig
 from statelm.engine.async_engine import DEGRADED_AFTER_FAILED_STEPS, AsyncEngine
-from statelm.engine.builder import create_engine
+from statelm.engine.builder import create_engine, kv_cache_format
+from statelm.engine.cache_pins import CachePinRequest
 from statelm.engine.engine import Engine
-from statelm.engine.pins import PinRequest
+from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.engine_run import generate
@@ -67,7 +68,7 @@ def test_tiny_pool_preempts_and_still_gives_the_same_outputs(loaded: LoadedModel
     work = prompts(loaded, 8, words=60)
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
     roomy = generate(engine_for(loaded), work, params)
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, block size, kv heads, head dim, float32
+    block_bytes = KVCache.bytes_per_block(2, 16, 2, 16, kv_cache_format("auto", loaded))  # layers, size, heads, dim
     tight = engine_for(loaded, kv_cache_memory=24 * block_bytes)  # 384 tokens for 8 x ~130
     preemptions = 0
     original = tight.scheduler._preempt
@@ -89,10 +90,10 @@ def test_a_pinned_prefix_outlives_a_burst_and_gives_way_to_requests_that_need_it
     pinned_tokens = len(prefix) - len(prefix) % 16
     assert pinned_tokens >= 64
     expected = generate(engine_for(loaded, enable_prefix_caching=False), {"q": question}, GREEDY)["q"]
-    block_bytes = 2 * 2 * 16 * 2 * 16 * 4  # k+v, layers, block size, kv heads, head dim, float32
+    block_bytes = KVCache.bytes_per_block(2, 16, 2, 16, kv_cache_format("auto", loaded))  # layers, size, heads, dim
     engine = engine_for(loaded, kv_cache_memory=24 * block_bytes, pinned_kv_fraction_per_key=0.5)
-    pins = engine.pool.pins
-    generate(engine, {"first": question}, replace(GREEDY, cache_pins=(PinRequest(pinned_tokens, 300.0, "key"),)))
+    pins = engine.pool.cache_pins
+    generate(engine, {"first": question}, replace(GREEDY, cache_pins=(CachePinRequest(pinned_tokens, 300.0, "key"),)))
     assert pins.num_pinned_blocks == pinned_tokens // 16
     burst = prompts(loaded, 6, words=60)
     for request_id, prompt_ids in burst.items():  # one at a time: more blocks in all than the pool has

@@ -8,14 +8,17 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.kv_format import Q8_GROUP
 from statelm.engine.kv_cache import KVCache
 from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.models.compute_path import use_activations, use_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from statelm.models.packed import ACTIVATIONS
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.models.tiny_model_dir import make_tiny_model_dir
+from tests.unit.paged_cases import fill_with_noise
 
 try:
     load_kernels()
@@ -39,19 +42,16 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
         source = make_tiny_model_dir(request.param, folder, **overrides)
     model = load_model(str(source), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
                        quantization="int8")  # fmt: skip
-    model.model.use_compute_path("kernels")
+    use_compute_path(model.model, "kernels")
     assert model.model.fused is not None
     return model
 
 
-def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[torch.Tensor, KVCache]:
+def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor, kv: str) -> tuple[torch.Tensor, KVCache]:
     """A step of a 9-token prompt chunk over 4 cached tokens beside two decodes, on fresh KV filled the same way."""
     model, config = loaded.model, loaded.config
-    cache = KVCache(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, config.head_dim,
-                    torch.float32, "cpu")  # fmt: skip
-    for layer in range(config.num_hidden_layers):
-        for tensor in (cache.k[layer], cache.v[layer]):
-            tensor.copy_(torch.randn(tensor.shape, generator=torch.Generator().manual_seed(layer)))
+    cache = KVCache(config.num_hidden_layers, 8, BLOCK, config.num_key_value_heads, config.head_dim, kv, "cpu")
+    fill_with_noise(cache, torch.Generator().manual_seed(0))
     positions = torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 12, 20, 33])
     tables = torch.tensor([[1, 2, 0], [3, 4, 0], [5, 6, 7]])
     seqs = torch.tensor([0] * 9 + [1, 2])
@@ -66,9 +66,12 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor) -> tuple[
         model.fused = saved
 
 
+@pytest.mark.parametrize("kv", ["float32", "float16", "q8_0"])
 @pytest.mark.parametrize("activations", list(ACTIVATIONS))
-def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str) -> None:
-    loaded.model.use_activations(activations)
+def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str, kv: str) -> None:
+    if kv == "q8_0" and loaded.config.head_dim % Q8_GROUP:
+        pytest.skip(f"q8_0 needs a head dim that is a multiple of {Q8_GROUP}")
+    use_activations(loaded.model, activations)
     kinds = {
         "generated": torch.zeros(11, dtype=torch.bool),
         "prompt": torch.ones(11, dtype=torch.bool),
@@ -76,16 +79,17 @@ def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations:
     }
     try:
         for is_prompt in kinds.values():
-            expected, expected_cache = forward(loaded, False, is_prompt)
-            got, cache = forward(loaded, True, is_prompt)
+            expected, expected_cache = forward(loaded, False, is_prompt, kv)
+            got, cache = forward(loaded, True, is_prompt, kv)
             assert torch.equal(got, expected)
-            written = zip(cache.k + cache.v, expected_cache.k + expected_cache.v, strict=True)
-            assert all(torch.equal(a, b) for a, b in written)
+            planes = [(a, b) for x, y in zip(cache.layers, expected_cache.layers, strict=True)
+                      for (a, _), (b, _) in zip(x.planes(), y.planes(), strict=True)]  # fmt: skip
+            assert all(torch.equal(a, b) for a, b in planes)
     finally:
-        loaded.model.use_activations("float32")
+        use_activations(loaded.model, "float32")
 
 
 def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
-    model.model.use_compute_path("kernels")
+    use_compute_path(model.model, "kernels")
     assert model.model.fused is None

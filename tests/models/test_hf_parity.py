@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
 from statelm.engine.kv_cache import KVCache
 from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.llama import LlamaForCausalLM

@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from statelm.config import EngineConfig
 from statelm.engine.builder import EngineConfigError, create_engine
-from statelm.engine.invariance import probe_model, select_compute_path
 from statelm.models import layers
+from statelm.models.compute_path import compute_paths
+from statelm.models.invariance import probe_model, select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 
@@ -33,7 +34,7 @@ def test_every_path_offered_here_is_probed_and_the_chosen_one_passes(qwen2_dir: 
     loaded = tiny_model(qwen2_dir)
     report = select_compute_path(loaded.model)
     assert report.verified
-    assert report.path == loaded.model.compute_path == loaded.model.compute_paths()[len(report.rejected)]
+    assert report.path == loaded.model.compute_path == compute_paths(loaded.model)[len(report.rejected)]
     assert probe_model(loaded.model) == []
     health = report.as_dict()
     assert health["path"] == report.path and health["verified"] is True and "torch" in str(health["cpu"])
@@ -52,7 +53,7 @@ def test_a_row_count_dependent_kernel_is_caught_and_the_engine_falls_back(
     monkeypatch.setattr(layers, "F", SimpleNamespace(linear=row_count_dependent_linear))
     loaded.model.compute_paths = lambda: ["torch", "torch-per-row"]  # type: ignore[method-assign]
     create_engine(loaded, EngineConfig(kv_cache_memory=8 << 20))
-    report = loaded.model.invariance
+    report = loaded.invariance
     assert report is not None and report.verified
     assert report.path == loaded.model.compute_path == "torch-per-row"
     assert any("qkv_proj" in failure and "differs inside" in failure for failure in report.rejected["torch"])

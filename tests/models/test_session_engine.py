@@ -1,6 +1,7 @@
 """The default model as the server runs it: batch invariance, and exactness of session reuse and restore.
 
-Each test runs with the default settings and with llama.cpp's arithmetic (int8 activations, float16 KV cache).
+Each test runs in every KV cache format: the default (float16 for this float32 model), float32, bfloat16, q8_0, and
+llama.cpp's arithmetic (int8 activations, float16 KV cache).
 """
 
 from __future__ import annotations
@@ -24,7 +25,13 @@ from tests.models.engine_run import generate
 pytestmark = [pytest.mark.invariance, pytest.mark.slow]
 
 
-SETTINGS = {"default": {}, "int8-fp16kv": {"activations": "int8", "kv_cache_dtype": "float16"}}
+SETTINGS = {
+    "default": {},
+    "float32-kv": {"kv_cache_dtype": "float32"},
+    "bfloat16-kv": {"kv_cache_dtype": "bfloat16"},
+    "q8_0-kv": {"kv_cache_dtype": "q8_0"},
+    "int8-fp16kv": {"activations": "int8", "kv_cache_dtype": "float16"},
+}
 
 
 @pytest.fixture(scope="module", params=list(SETTINGS))
@@ -57,15 +64,26 @@ def run_until_idle(engine: Engine) -> list[int]:
     return generated
 
 
-def run_turn(engine: Engine, session_id: str, prompt: list[int], max_tokens: int) -> list[int]:
-    """One greedy session turn, committed, and the refresh of its decoded tail; returns the generated tokens."""
+def run_turn(
+    engine: Engine, session_id: str, prompt: list[int], max_tokens: int, cached: int | None = None
+) -> list[int]:
+    """One greedy session turn, committed, and the refresh of its decoded tail; returns the generated tokens.
+
+    cached: the prompt tokens the turn must find in the session's KV (unchecked if None).
+    """
     request_id = f"{session_id}-{len(prompt)}"
     engine.add_request(request_id, prompt, SamplingParams(0.0, max_tokens=max_tokens, ignore_eos=True), session_id)
-    generated = run_until_idle(engine)
+    generated: list[int] = []
+    while engine.has_work():
+        for output in engine.step():
+            assert output.error is None
+            generated += output.new_token_ids
+            if output.request_id == request_id and cached is not None:
+                assert output.num_cached_tokens == cached
     assert engine.commit_turn(request_id, session_id) == len(prompt) + len(generated) - 1
-    assert engine.sessions.pinned[session_id].exact == len(prompt)
+    assert engine.sessions.resident[session_id].exact == len(prompt)
     assert run_until_idle(engine) == []
-    assert engine.sessions.pinned[session_id].exact == len(prompt) + len(generated) - 1
+    assert engine.sessions.resident[session_id].exact == len(prompt) + len(generated) - 1
     return generated
 
 
@@ -73,10 +91,10 @@ def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> tor
     """Logits after prompt, computed from the session's KV (attached by LCP), without sampling."""
     seq = Sequence("probe", prompt, SamplingParams(0.0), frozenset(), 4096, session_id=session_id)
     attached = engine.sessions.attach(seq, engine.sessions.reusable_length(seq))
-    assert attached == len(engine.sessions.pinned[session_id].tokens)
-    assert engine.pool.grow(seq.block_table, seq.num_tokens)
+    assert attached == len(engine.sessions.resident[session_id].tokens)
+    assert engine.kv.grow(seq.block_table, seq.num_tokens)
     logits = engine.runner.execute([ScheduledChunk(seq, seq.num_uncomputed_tokens)]).logits
-    engine.pool.release(seq.block_table)
+    engine.kv.free(seq.block_table)
     return logits
 
 
@@ -90,6 +108,24 @@ def test_refreshed_session_kv_equals_a_prefill_of_the_same_tokens(loaded: Loaded
     assert prefilled.tokens[:count] == decoded.tokens
     for ours, theirs in zip(decoded.keys + decoded.values, prefilled.keys + prefilled.values, strict=True):
         assert torch.equal(ours, theirs[:count])
+
+
+def test_a_session_turn_equals_the_stateless_request(
+    loaded: LoadedModel, engine: Engine, settings: dict[str, str]
+) -> None:
+    first = chat_prompt(loaded, "Name three rivers of Europe.")
+    generated = run_turn(engine, "chat", first, 24)
+    second = (
+        first
+        + generated
+        + loaded.tokenizer.encode(
+            "<|im_end|>\n<|im_start|>user\nWhich of them is the longest?<|im_end|>\n<|im_start|>assistant\n"
+        )
+    )
+    turn = run_turn(engine, "chat", second, 16, cached=len(first) + len(generated) - 1)
+    fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False, **settings))
+    stateless = generate(fresh, {"stateless": second}, SamplingParams(0.0, max_tokens=16, ignore_eos=True))
+    assert turn == stateless["stateless"]
 
 
 def test_snapshot_restore_gives_identical_next_token_logits(

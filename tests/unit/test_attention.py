@@ -5,82 +5,29 @@ from __future__ import annotations
 import pytest
 import torch
 
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.reference import TorchAttentionBackend
 from statelm.cpu import cpu_flags, describe, native_bf16
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.reference import TorchAttentionBackend
-
-
-def naive_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
-) -> torch.Tensor:
-    """Dense attention of the last len(q) positions of a context k/v [ctx, kv_heads, dim], in float64."""
-    query_len, heads, _ = q.shape
-    ctx, kv_heads, _ = k.shape
-    k = k.double().repeat_interleave(heads // kv_heads, dim=1)
-    v = v.double().repeat_interleave(heads // kv_heads, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
-    query_pos = torch.arange(ctx - query_len, ctx).view(-1, 1)
-    key_pos = torch.arange(ctx).view(1, -1)
-    visible = key_pos <= query_pos
-    if window is not None:
-        visible &= key_pos > query_pos - window
-    scores = scores.masked_fill(~visible, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+from statelm.engine.kv_cache import KVCache
+from tests.unit.paged_cases import KV_FORMATS, paged_case, stored, stored_rows
 
 
 def run_case(
     query_lens: list[int],
     seq_lens: list[int],
     *,
-    heads: int = 6,
-    kv_heads: int = 2,
-    head_dim: int = 16,
-    block_size: int = 5,
     window: int | None = None,
-    dtype: torch.dtype = torch.float32,
     per_row: bool = False,
+    **case: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(backend output, naive output) for one flat batch; cached prefixes hold random K/V."""
-    gen = torch.Generator().manual_seed(sum(seq_lens) + len(query_lens))
-    blocks_per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(blocks_per_seq) + 3
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = [[order.pop() for _ in range(n)] for n in blocks_per_seq]
-    k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=dtype)
-    v_cache = torch.zeros_like(k_cache)
-    contexts = [
-        (
-            torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype),
-            torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype),
-        )
-        for n in seq_lens
-    ]
-    slots, new_k, new_v, expected = [], [], [], []
-    queries = torch.randn(sum(query_lens), heads, head_dim, generator=gen).to(dtype)
-    start = 0
-    for table, (k, v), query_len, seq_len in zip(tables, contexts, query_lens, seq_lens, strict=True):
-        seq_slots = [table[p // block_size] * block_size + p % block_size for p in range(seq_len)]
-        cached = seq_len - query_len
-        k_cache.view(-1, kv_heads, head_dim)[seq_slots[:cached]] = k[:cached]
-        v_cache.view(-1, kv_heads, head_dim)[seq_slots[:cached]] = v[:cached]
-        slots += seq_slots[cached:]
-        new_k.append(k[cached:])
-        new_v.append(v[cached:])
-        expected.append(naive_attention(queries[start : start + query_len], k, v, 0.25, window))
-        start += query_len
-    width = max(blocks_per_seq)
-    meta = AttentionMetadata(
-        slot_mapping=torch.tensor(slots),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables]),
-        query_lens=query_lens,
-        seq_lens=seq_lens,
-        query_start=[sum(query_lens[:i]) for i in range(len(query_lens) + 1)],
-    )
-    k_flat, v_flat = torch.cat(new_k), torch.cat(new_v)
-    out = TorchAttentionBackend(window, per_row).forward(queries, k_flat, v_flat, k_cache, v_cache, meta, 0.25)
-    assert torch.equal(k_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping], k_flat)
-    assert torch.equal(v_cache.view(-1, kv_heads, head_dim)[meta.slot_mapping], v_flat)
-    return out, torch.cat(expected)
+    """(backend output, float64 output over the K/V as stored) for one flat batch; the step's K/V are stored too."""
+    batch = paged_case(query_lens, seq_lens, **case)  # type: ignore[arg-type]
+    backend = TorchAttentionBackend(window, per_row)
+    out = backend.forward(batch.queries, batch.new_k, batch.new_v, batch.layer, batch.meta, 0.25)
+    kv = str(case.get("kv", "float32"))
+    keys, values = stored_rows(batch.cache, batch.meta.slot_mapping)
+    assert torch.equal(keys, stored(batch.new_k, kv)) and torch.equal(values, stored(batch.new_v, kv))
+    return out, batch.expected(0.25, window)
 
 
 CASES = {
@@ -109,26 +56,33 @@ def test_sliding_window_matches_naive_attention(case: str, per_row: bool) -> Non
 
 
 def test_bfloat16_is_close_to_exact() -> None:
-    out, expected = run_case(*CASES["mixed"], dtype=torch.bfloat16)
+    out, expected = run_case(*CASES["mixed"], dtype=torch.bfloat16, kv="bfloat16")
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.double(), expected, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.parametrize("kv", KV_FORMATS)
+@pytest.mark.parametrize("per_row", [False, True], ids=["sdpa-rows", "per-row"])
+def test_every_kv_format_matches_naive_attention_over_what_it_stores(kv: str, per_row: bool) -> None:
+    out, expected = run_case(*CASES["mixed"], head_dim=32, kv=kv, per_row=per_row)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_plan_is_rebuilt_for_a_new_step() -> None:
     backend = TorchAttentionBackend()
     q = torch.randn(2, 2, 8)
     kv = torch.randn(2, 2, 8)
-    cache = torch.zeros(4, 4, 2, 8)
     first = AttentionMetadata(torch.tensor([0, 1]), torch.tensor([[0]]), [2], [2], [0, 2])
     second = AttentionMetadata(torch.tensor([4, 8]), torch.tensor([[1], [2]]), [1, 1], [1, 1], [0, 1, 2])
-    backend.forward(q, kv, kv, cache, cache.clone(), first, 1.0)
-    out = backend.forward(q, kv, kv, cache, cache.clone(), second, 1.0)
+    backend.forward(q, kv, kv, KVCache(1, 4, 4, 2, 8, "float32", "cpu").layers[0], first, 1.0)
+    out = backend.forward(q, kv, kv, KVCache(1, 4, 4, 2, 8, "float32", "cpu").layers[0], second, 1.0)
     torch.testing.assert_close(out, kv)
 
 
 @pytest.mark.invariance
+@pytest.mark.parametrize("kv", KV_FORMATS)
 @pytest.mark.parametrize("per_row", [True, False], ids=["per-row", "sdpa-rows"])
-def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_call(per_row: bool) -> None:
+def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_call(per_row: bool, kv: str) -> None:
     """Per-row mode holds on every CPU; several rows per SDPA call hold where torch's bf16 SDPA runs on AMX.
 
     Elsewhere (AVX2, and AVX512-BF16 without AMX, as on AMD Zen 4/5: row 119 of 150 differs) torch's kernel
@@ -146,13 +100,11 @@ def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_ca
 
     def attend(first: int, last: int) -> torch.Tensor:
         """Rows first..last-1 as one query chunk over keys 0..last-1."""
-        k_cache = torch.zeros(num_blocks, block_size, kv_heads, head_dim, dtype=torch.bfloat16)
-        v_cache = torch.zeros_like(k_cache)
-        k_cache.view(-1, kv_heads, head_dim)[:first] = keys[:first]
-        v_cache.view(-1, kv_heads, head_dim)[:first] = values[:first]
+        cache = KVCache(1, num_blocks, block_size, kv_heads, head_dim, kv, "cpu").layers[0]
+        cache.store(keys[:first], values[:first], torch.arange(first))
         meta = AttentionMetadata(torch.arange(first, last), table, [last - first], [last], [0, last - first])
         backend = TorchAttentionBackend(per_row=per_row)
-        return backend.forward(queries[first:last], keys[first:last], values[first:last], k_cache, v_cache, meta, 0.125)
+        return backend.forward(queries[first:last], keys[first:last], values[first:last], cache, meta, 0.125)
 
     prefill = attend(0, length)
     mismatched = [row for row in range(100, length) if not torch.equal(attend(row, row + 1)[0], prefill[row])]

@@ -1,4 +1,4 @@
-"""The KV block pool: allocation, reference counts, growth."""
+"""The KV block pool: allocation, reference counts, and the prefix cache's index (no model)."""
 
 from __future__ import annotations
 
@@ -22,15 +22,6 @@ def test_allocating_too_many_raises_and_takes_nothing() -> None:
     assert pool.num_free_blocks == 2
 
 
-def test_grow_covers_the_token_count_or_changes_nothing() -> None:
-    pool = BlockPool(num_blocks=3, block_size=16)
-    table: list[int] = []
-    assert pool.grow(table, 17) and len(table) == 2
-    assert pool.grow(table, 32) and len(table) == 2
-    assert not pool.grow(table, 64)
-    assert len(table) == 2 and pool.num_free_blocks == 1
-
-
 def test_blocks_needed_rounds_up() -> None:
     pool = BlockPool(num_blocks=1, block_size=16)
     assert [pool.blocks_needed(n) for n in (0, 1, 16, 17)] == [0, 1, 1, 2]
@@ -38,8 +29,7 @@ def test_blocks_needed_rounds_up() -> None:
 
 def cache_prompt(pool: BlockPool, tokens: list[int]) -> list[int]:
     """Allocate blocks for tokens as if a sequence had computed them all, and publish them."""
-    table: list[int] = []
-    assert pool.grow(table, len(tokens))
+    table = pool.allocate(pool.blocks_needed(len(tokens)))
     pool.register_full_blocks(tokens, table, [], len(tokens))
     return table
 

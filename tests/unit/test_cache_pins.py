@@ -4,7 +4,7 @@ pool's eviction order (unpinned cached blocks first, then whole pins, the one cl
 from __future__ import annotations
 
 from statelm.engine.block_pool import BlockPool
-from statelm.engine.pins import PinTable
+from statelm.engine.cache_pins import CachePinTable
 
 FIVE_MINUTES = 300.0
 
@@ -19,9 +19,9 @@ class Clock:
         return self.now
 
 
-def table(clock: Clock, max_blocks: int = 100, per_owner: int = 100) -> PinTable:
+def table(clock: Clock, max_blocks: int = 100, per_owner: int = 100) -> CachePinTable:
     """A pin table on clock with the given caps."""
-    return PinTable(max_blocks=max_blocks, max_blocks_per_owner=per_owner, clock=clock)
+    return CachePinTable(max_blocks=max_blocks, max_blocks_per_owner=per_owner, clock=clock)
 
 
 def test_a_pin_expires_after_its_ttl_and_not_before() -> None:
@@ -99,17 +99,15 @@ def test_pressure_releases_the_pin_closest_to_expiry_that_frees_a_block() -> Non
 
 def pinned_pool(clock: Clock, num_blocks: int, max_pinned: int = 100) -> BlockPool:
     """A pool of two-token blocks whose pins run on clock."""
-    return BlockPool(num_blocks, block_size=2, pins=table(clock, max_blocks=max_pinned, per_owner=max_pinned))
+    return BlockPool(num_blocks, block_size=2, cache_pins=table(clock, max_blocks=max_pinned, per_owner=max_pinned))
 
 
 def cache_and_pin(pool: BlockPool, tokens: list[int], pin: bool = True) -> list[int]:
     """Compute tokens into new blocks, publish them, pin their whole blocks if asked, and let go of them."""
-    table: list[int] = []
-    hashes: list[int] = []
-    assert pool.grow(table, len(tokens))
-    pool.register_full_blocks(tokens, table, hashes, len(tokens))
+    table = pool.allocate(pool.blocks_needed(len(tokens)))
+    hashes = pool.register_full_blocks(tokens, table, [], len(tokens))
     if pin:
-        assert pool.pin(hashes, FIVE_MINUTES, "a")
+        assert pool.pin_prefix(hashes, FIVE_MINUTES, "a")
     pool.release(table)
     return table
 
@@ -130,7 +128,7 @@ def test_unpinned_cached_blocks_are_evicted_before_pinned_ones() -> None:
     held = pool.allocate(5)  # the three never used, then the two unpinned cached ones, never the pinned three
     assert cached_tokens(pool, [*system, 9]) == 6 and cached_tokens(pool, [5, 5, 6, 6, 9]) == 0
     pool.release(held)
-    assert pool.pins.counters.released_under_pressure == 0
+    assert pool.cache_pins.counters.released_under_pressure == 0
 
 
 def test_pressure_releases_a_pin_only_when_no_unpinned_block_is_free_and_its_tail_goes_first() -> None:
@@ -138,9 +136,9 @@ def test_pressure_releases_a_pin_only_when_no_unpinned_block_is_free_and_its_tai
     system = [1, 1, 2, 2, 3, 3]
     cache_and_pin(pool, system)
     first = pool.allocate(1)
-    assert pool.pins.counters.released_under_pressure == 0
+    assert pool.cache_pins.counters.released_under_pressure == 0
     second = pool.allocate(1)  # no unpinned block left: the pin goes, and its last block is handed out first
-    assert pool.pins.counters.released_under_pressure == 1 and pool.pins.num_pinned_blocks == 0
+    assert pool.cache_pins.counters.released_under_pressure == 1 and pool.cache_pins.num_pinned_blocks == 0
     assert cached_tokens(pool, [*system, 9]) == 4  # the head of the prefix is still cached
     pool.release(first + second)
 
@@ -148,9 +146,9 @@ def test_pressure_releases_a_pin_only_when_no_unpinned_block_is_free_and_its_tai
 def test_a_request_gets_the_blocks_of_pins_rather_than_waiting() -> None:
     pool = pinned_pool(Clock(), num_blocks=3)
     cache_and_pin(pool, [1, 1, 2, 2, 3, 3])
-    table: list[int] = []
-    assert pool.grow(table, 6) and len(table) == 3
-    assert pool.num_free_blocks == 0 and len(pool.pins) == 0
+    assert pool.num_free_blocks == 3  # the pinned blocks nobody uses count as free: a request may have them
+    assert len(pool.allocate(3)) == 3
+    assert pool.num_free_blocks == 0 and len(pool.cache_pins) == 0
 
 
 def test_blocks_in_use_stay_pinned_when_released() -> None:
@@ -161,7 +159,7 @@ def test_blocks_in_use_stay_pinned_when_released() -> None:
     assert pool.num_free_blocks == 1
     pool.release(blocks)
     other = pool.allocate(1)
-    assert cached_tokens(pool, [*system, 9]) == 6 and pool.pins.counters.hits == 2
+    assert cached_tokens(pool, [*system, 9]) == 6 and pool.cache_pins.counters.hits == 2
     pool.release(other)
 
 
@@ -172,8 +170,8 @@ def test_expired_pins_are_evicted_before_other_cached_blocks() -> None:
     cache_and_pin(pool, system)
     cache_and_pin(pool, [5, 5, 6, 6], pin=False)  # released after the pinned prefix
     clock.now = FIVE_MINUTES
-    pool.expire_pins()
-    assert pool.pins.counters.expired == 1 and pool.pins.num_pinned_blocks == 0
+    pool.expire_cache_pins()
+    assert pool.cache_pins.counters.expired == 1 and pool.cache_pins.num_pinned_blocks == 0
     held = pool.allocate(2)
     assert cached_tokens(pool, [*system, 9]) == 0 and cached_tokens(pool, [5, 5, 6, 6, 9]) == 4
     pool.release(held)
@@ -187,31 +185,27 @@ def test_a_hit_through_the_pool_refreshes_the_pin() -> None:
     clock.now = 250.0
     assert cached_tokens(pool, [*system, 9]) == 4
     clock.now = 500.0
-    pool.expire_pins()
-    assert pool.pins.num_pinned_blocks == 2
+    pool.expire_cache_pins()
+    assert pool.cache_pins.num_pinned_blocks == 2
     clock.now = 550.0
-    pool.expire_pins()
-    assert pool.pins.num_pinned_blocks == 0
+    pool.expire_cache_pins()
+    assert pool.cache_pins.num_pinned_blocks == 0
 
 
 def test_a_pin_over_the_cap_leaves_the_prefix_cached_unpinned() -> None:
     pool = pinned_pool(Clock(), num_blocks=4, max_pinned=1)
-    table: list[int] = []
-    hashes: list[int] = []
     tokens = [1, 1, 2, 2, 3]
-    assert pool.grow(table, len(tokens))
-    pool.register_full_blocks(tokens, table, hashes, len(tokens))
-    assert not pool.pin(hashes, FIVE_MINUTES, "a")
+    table = pool.allocate(pool.blocks_needed(len(tokens)))
+    hashes = pool.register_full_blocks(tokens, table, [], len(tokens))
+    assert not pool.pin_prefix(hashes, FIVE_MINUTES, "a")
     pool.release(table)
-    assert cached_tokens(pool, tokens) == 4 and pool.pins.counters.refused == 1
+    assert cached_tokens(pool, tokens) == 4 and pool.cache_pins.counters.refused == 1
     pool.allocate(4)
     assert cached_tokens(pool, tokens) == 0
 
 
 def test_a_pool_without_a_pin_table_pins_nothing() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
-    table: list[int] = []
-    hashes: list[int] = []
-    assert pool.grow(table, 4)
-    pool.register_full_blocks([1, 1, 2, 2], table, hashes, 4)
-    assert not pool.pin(hashes, FIVE_MINUTES, "a")
+    table = pool.allocate(2)
+    hashes = pool.register_full_blocks([1, 1, 2, 2], table, [], 4)
+    assert not pool.pin_prefix(hashes, FIVE_MINUTES, "a")

@@ -7,7 +7,7 @@ from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from statelm.api.generation import ChoiceText, TextDelta
-from statelm.engine.engine import StepOutput
+from statelm.engine.client import RequestOutput
 from statelm.engine.sampler import TokenLogprob
 from statelm.engine.sequence import FinishReason
 from statelm.tokenizer import Tokenizer
@@ -37,7 +37,7 @@ def run(
         last = position == len(ids) - 1
         reason = (FinishReason.STOP if ending else FinishReason.LENGTH) if last else None
         logprob = TokenLogprob(token_id, -0.5, ())
-        output = StepOutput("r", [token_id], last, reason, 3, 0, logprobs=[logprob], ended_by_token=last and ending)
+        output = RequestOutput("r", [token_id], last, reason, 3, 0, logprobs=[logprob], ended_by_token=last and ending)
         deltas.append(choice.add(output))
         if choice.finish_reason is not None:
             break

@@ -1,10 +1,10 @@
-"""Scheduler: token budget, chunked prefill, preemption of the newest sequence, abort."""
+"""Scheduler, with no model: token budget, chunked prefill, preemption of the newest sequence, abort."""
 
 from __future__ import annotations
 
-from statelm.engine.block_pool import BlockPool
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from tests.unit.kv_managers import kv_manager
 
 
 def make_seq(request_id: str, prompt_len: int, priority: int = 0) -> Sequence:
@@ -28,7 +28,7 @@ def run_step(scheduler: Scheduler) -> dict[str, int]:
 
 
 def test_long_prompt_is_prefilled_in_chunks_next_to_running_decodes() -> None:
-    scheduler = Scheduler(BlockPool(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
+    scheduler = Scheduler(kv_manager(64, 16), max_num_seqs=8, max_num_batched_tokens=32)
     scheduler.add(make_seq("short", 5))
     assert run_step(scheduler) == {"short": 5}
     scheduler.add(make_seq("long", 70))
@@ -39,7 +39,7 @@ def test_long_prompt_is_prefilled_in_chunks_next_to_running_decodes() -> None:
 
 
 def test_max_num_seqs_caps_the_running_queue() -> None:
-    scheduler = Scheduler(BlockPool(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
+    scheduler = Scheduler(kv_manager(64, 16), max_num_seqs=2, max_num_batched_tokens=512)
     for i in range(3):
         scheduler.add(make_seq(f"s{i}", 4))
     assert set(run_step(scheduler)) == {"s0", "s1"}
@@ -47,17 +47,17 @@ def test_max_num_seqs_caps_the_running_queue() -> None:
 
 
 def test_newest_sequence_is_preempted_when_blocks_run_out_and_recomputed_later() -> None:
-    pool = BlockPool(4, 4)  # 16 tokens in all
-    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    kv = kv_manager(4, 4)  # 16 tokens in all
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     old, new = make_seq("old", 7), make_seq("new", 7)
     scheduler.add(old)
     scheduler.add(new)
     run_step(scheduler)  # both prefilled: 2 blocks each, pool full
-    assert pool.num_free_blocks == 0
+    assert kv.num_free_blocks == 0
     assert run_step(scheduler) == {"old": 1, "new": 1}  # token 8 still fits in two blocks
     assert run_step(scheduler) == {"old": 1}  # old needs a third block for token 9: new is preempted
     assert old.status is SequenceStatus.RUNNING
-    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table == []
+    assert new.status is SequenceStatus.WAITING and new.num_computed_tokens == 0 and new.block_table.blocks == []
     assert scheduler.waiting[0] is new
     scheduler.abort("old")
     prompt_and_output = new.num_tokens
@@ -65,20 +65,20 @@ def test_newest_sequence_is_preempted_when_blocks_run_out_and_recomputed_later()
 
 
 def test_abort_frees_blocks_and_marks_the_sequence() -> None:
-    pool = BlockPool(8, 16)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    kv = kv_manager(8, 16)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     seq = make_seq("a", 20)
     scheduler.add(seq)
     run_step(scheduler)
-    assert pool.num_free_blocks == 6
+    assert kv.num_free_blocks == 6
     assert scheduler.abort("a") == [seq]
-    assert pool.num_free_blocks == 8 and seq.finish_reason is FinishReason.ABORT
+    assert kv.num_free_blocks == 8 and seq.finish_reason is FinishReason.ABORT
     assert not scheduler.has_work() and scheduler.abort("a") == []
 
 
 def test_abort_of_one_choice_keeps_the_others() -> None:
-    pool = BlockPool(8, 16)
-    scheduler = Scheduler(pool, max_num_seqs=8, max_num_batched_tokens=64)
+    kv = kv_manager(8, 16)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
     first, second = make_seq("a", 4), make_seq("a", 4)
     second.index = 1
     scheduler.add(first)
@@ -87,11 +87,11 @@ def test_abort_of_one_choice_keeps_the_others() -> None:
     assert scheduler.waiting[0] is second
     assert scheduler.abort("a", index=1) == [second]
     assert scheduler.running == [first] and not scheduler.waiting
-    assert scheduler.abort("a") == [first] and pool.num_free_blocks == 8
+    assert scheduler.abort("a") == [first] and kv.num_free_blocks == 8
 
 
 def test_waiting_sequences_are_ordered_by_priority_then_arrival() -> None:
-    scheduler = Scheduler(BlockPool(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
+    scheduler = Scheduler(kv_manager(8, 4), max_num_seqs=4, max_num_batched_tokens=64)
     for request_id, priority in [("a", 0), ("b", -1), ("c", 1), ("d", 0), ("e", 1)]:
         scheduler.add(make_seq(request_id, 3, priority))
     assert [seq.request_id for seq in scheduler.waiting] == ["c", "e", "a", "d", "b"]

@@ -16,7 +16,6 @@ from statelm.config import SETTING, ClusterConfig, EngineConfig, ServerConfig, S
 from statelm.server import launch
 
 FIELDS = [(config, field) for config in CONFIGS for field in dataclasses.fields(config)]
-CLI_ONLY = {"persist_sessions"}  # --no-persist-sessions: the old spelling of --session-durability off
 KEY_VARIABLES = {"STATELM_API_KEY": None, "STATELM_ADMIN_KEY": None}
 
 
@@ -46,9 +45,11 @@ def test_every_field_is_a_serve_option_or_marked_not_one(config: type, field: da
         assert parameter is None
 
 
-def test_every_serve_option_is_a_field() -> None:
+def test_every_serve_option_is_a_field_or_a_fields_switch() -> None:
     fields = {option.name for config in CONFIGS for option in options(config)}
-    assert set(serve_parameters()) == fields | CLI_ONLY
+    switches = {option.switch_name for config in CONFIGS for option in options(config) if option.switch_name}
+    assert switches == {"persist_sessions"}  # --no-persist-sessions: the old spelling of --session-durability off
+    assert set(serve_parameters()) == fields | switches
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import torch
 
-from statelm.engine.block_pool import BlockPool
-from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore, common_prefix_length
+from tests.unit.kv_managers import kv_manager
 
 BLOCK = 4
 
 
 def make_store(num_blocks: int = 16) -> SessionKVStore:
-    pool = BlockPool(num_blocks, BLOCK)
-    return SessionKVStore(pool, KVCache(2, num_blocks, BLOCK, 1, 2, torch.float32, "cpu"))
+    return SessionKVStore(kv_manager(num_blocks, BLOCK, layers=2, head_dim=2))
 
 
 def data_for(tokens: list[int]) -> SessionKVData:
@@ -29,7 +27,7 @@ def turn(store: SessionKVStore, session_id: str, prompt: list[int], request_id: 
     store.acquire(session_id, None)
     if length := store.reusable_length(seq):
         store.attach(seq, length)
-    assert store.pool.grow(seq.block_table, seq.num_tokens)
+    assert store.kv.grow(seq.block_table, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     return seq
 
@@ -43,15 +41,15 @@ def test_common_prefix_length() -> None:
 def test_turn_shares_full_blocks_copies_the_partial_one_and_leaves_the_session_untouched() -> None:
     store = make_store()
     store.load("s", data_for(list(range(10))))  # blocks: [0-3] [4-7] [8,9]
-    session_blocks = list(store.pinned["s"].block_table)
+    session_blocks = list(store.resident["s"].table.blocks)
     seq = turn(store, "s", [*range(10), 99, 98])
-    assert seq.block_table[:2] == session_blocks[:2]
-    assert seq.block_table[2] != session_blocks[2]  # the partly filled block was copied, not shared
-    keys = store.kv_cache.k[0]
-    assert torch.equal(keys[seq.block_table[2], :2], keys[session_blocks[2], :2])
-    keys[seq.block_table[2], 2:] = -1.0  # the turn writes its new tokens into its own copy
-    assert store.pinned["s"].tokens == list(range(10))
-    assert keys[session_blocks[2], :2, 0, 0].tolist() == [8.0, 9.0]
+    assert seq.block_table.blocks[:2] == session_blocks[:2]
+    assert seq.block_table.blocks[2] != session_blocks[2]  # the partly filled block was copied, not shared
+    keys = store.kv.kv_cache.k[0]  # [blocks, heads, dim, block_size]
+    assert torch.equal(keys[seq.block_table.blocks[2], ..., :2], keys[session_blocks[2], ..., :2])
+    keys[seq.block_table.blocks[2], ..., 2:] = -1.0  # the turn writes its new tokens into its own copy
+    assert store.resident["s"].tokens == list(range(10))
+    assert keys[session_blocks[2], 0, 0, :2].tolist() == [8.0, 9.0]
 
 
 def test_lcp_stops_at_the_first_differing_token_and_keeps_one_token_to_compute() -> None:
@@ -66,17 +64,17 @@ def test_lcp_stops_at_the_first_differing_token_and_keeps_one_token_to_compute()
 def test_commit_replaces_the_session_kv_and_discard_keeps_it() -> None:
     store = make_store()
     store.load("s", data_for([1, 2, 3, 4, 5]))
-    free_before = store.pool.num_free_blocks
+    free_before = store.kv.pool.num_free_blocks
     seq = turn(store, "s", [1, 2, 3, 4, 5, 6, 7, 8, 9], "dropped")
     store.park(seq)
     store.discard("dropped")
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5]
-    assert store.pool.num_free_blocks == free_before
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5]
+    assert store.kv.pool.num_free_blocks == free_before
     seq = turn(store, "s", [1, 2, 3, 4, 5, 6, 7, 8, 9], "kept")
     store.park(seq)
     assert store.commit("kept", "s") == 9
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
-    assert store.pool.num_used_blocks == 3
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    assert store.kv.pool.num_used_blocks == 3
     assert store.commit("kept", "s") is None
 
 
@@ -84,16 +82,16 @@ def test_fork_shares_blocks_and_each_side_writes_its_own_copy() -> None:
     store = make_store()
     store.load("parent", data_for(list(range(6))))
     assert store.fork("parent", "child")
-    assert store.pinned["child"].block_table == store.pinned["parent"].block_table
-    used = store.pool.num_used_blocks
+    assert store.resident["child"].table.blocks == store.resident["parent"].table.blocks
+    used = store.kv.pool.num_used_blocks
     child_turn = turn(store, "child", [*range(6), 50, 51], "c")
     store.park(child_turn)
     store.commit("c", "child")
-    assert store.pinned["parent"].tokens == list(range(6))
-    assert store.pinned["child"].block_table[0] == store.pinned["parent"].block_table[0]
-    assert store.pinned["child"].block_table[1] != store.pinned["parent"].block_table[1]
+    assert store.resident["parent"].tokens == list(range(6))
+    assert store.resident["child"].table.blocks[0] == store.resident["parent"].table.blocks[0]
+    assert store.resident["child"].table.blocks[1] != store.resident["parent"].table.blocks[1]
     store.release("child")
-    assert store.pool.num_used_blocks == used
+    assert store.kv.pool.num_used_blocks == used
     assert not store.fork("missing", "other")
 
 
@@ -117,7 +115,7 @@ def test_reclaim_spills_least_recently_used_idle_sessions_only() -> None:
     store.acquire("busy", None)
     store.load("new", data_for(list(range(200, 204))))
     assert store.reclaim(3)
-    assert spilled == ["old"] and "old" not in store.pinned and "busy" in store.pinned
+    assert spilled == ["old"] and "old" not in store.resident and "busy" in store.resident
     assert not store.reclaim(6)  # only "new" was idle: spilled, and "busy" still holds its blocks
     assert spilled == ["old", "new"]
 
@@ -126,7 +124,7 @@ def test_a_spilled_session_is_restored_when_its_turn_acquires_it() -> None:
     store = make_store()
     data = data_for([1, 2, 3, 4, 5])
     store.acquire("s", data)
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5] and store.pinned["s"].users == 1
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5] and store.resident["s"].users == 1
 
 
 def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
@@ -136,7 +134,7 @@ def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
     seq.num_computed_tokens = 7
     store.park(seq)
     store.commit("t", "s")
-    assert store.pinned["s"].tokens == [1, 2, 3, 4, 5, 6, 7] and store.pinned["s"].exact == 5
+    assert store.resident["s"].tokens == [1, 2, 3, 4, 5, 6, 7] and store.resident["s"].exact == 5
     follow_up = Sequence("u", [1, 2, 3, 4, 5, 6, 7, 8, 9], SamplingParams(), frozenset(), 100, session_id="s")
     assert store.reusable_length(follow_up) == 5
     assert store.export("s").tokens == [1, 2, 3, 4, 5]
@@ -145,11 +143,11 @@ def test_decoded_tail_is_not_reused_until_a_refresh_has_recomputed_it() -> None:
     assert store.refresh_sequence("s") is None  # one at a time
     assert store.holds_back(follow_up) and not store.holds_back(refresh)
     store.attach(refresh, store.reusable_length(refresh))
-    assert store.pool.grow(refresh.block_table, refresh.num_tokens)
+    assert store.kv.grow(refresh.block_table, refresh.num_tokens)
     refresh.num_computed_tokens = refresh.num_tokens
     store.park(refresh)
     store.finish_refresh(refresh)
-    assert store.pinned["s"].exact == 7 and not store.holds_back(follow_up)
+    assert store.resident["s"].exact == 7 and not store.holds_back(follow_up)
     assert store.reusable_length(follow_up) == 7
 
 
@@ -165,6 +163,6 @@ def test_a_refresh_overtaken_by_a_change_of_the_session_is_dropped() -> None:
     store.release("s")  # the session was deleted (or replaced) while the refresh ran
     refresh.num_computed_tokens = 0
     store.park(refresh)
-    used = store.pool.num_used_blocks
+    used = store.kv.pool.num_used_blocks
     store.finish_refresh(refresh)
-    assert "s" not in store.pinned and store.pool.num_used_blocks <= used and not store.refreshing
+    assert "s" not in store.resident and store.kv.pool.num_used_blocks <= used and not store.refreshing

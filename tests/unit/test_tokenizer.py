@@ -176,6 +176,23 @@ def test_chat_template_file_takes_precedence_and_bos_inferred(hf_dir: Path, tmp_
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == "hi"
 
 
+def test_padding_and_truncation_in_tokenizer_json_are_off(hf_dir: Path, byte_tok: Tokenizer, tmp_path: Path) -> None:
+    """A tokenizer.json that pads to and truncates at a fixed length (as sentence-transformers ship) does neither."""
+    backend = Backend.from_file(str(hf_dir / "tokenizer.json"))
+    backend.enable_padding(pad_id=0, pad_token="<|endoftext|>", length=64)
+    backend.enable_truncation(max_length=3)
+    backend.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text((hf_dir / "tokenizer_config.json").read_text())
+    assert len(backend.encode("hello world").ids) == 64  # what the file asks for
+    tok = Tokenizer.from_hf_dir(tmp_path)
+    assert tok.backend.padding is None and tok.backend.truncation is None
+    text = "hello world tokens stream hello world"
+    assert tok.encode(text) == byte_tok.encode(text) and len(tok.encode(text)) > 3
+    assert tok.encode(text, add_special_tokens=True) == byte_tok.encode(text, add_special_tokens=True)
+    prompt = tok.apply_chat_template([{"role": "user", "content": text}])
+    assert tok.encode(prompt) == byte_tok.encode(prompt)
+
+
 def test_content_hash(hf_dir: Path, byte_tok: Tokenizer, spm_tok: Tokenizer) -> None:
     assert byte_tok.content_hash() == Tokenizer.from_hf_dir(hf_dir).content_hash()
     assert len({byte_tok.content_hash(), spm_tok.content_hash()}) == 2

@@ -20,9 +20,12 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 pytest.importorskip("triton")
 
-from statelm.engine.attention import triton_backend
-from statelm.engine.attention.base import AttentionMetadata
-from statelm.engine.attention.triton_backend import TritonAttentionBackend
+from statelm.attention import triton_backend
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.kv_format import kv_format
+from statelm.attention.triton_backend import TritonAttentionBackend
+from statelm.engine.kv_cache import KVCache
+from tests.unit.paged_cases import fill_with_noise, stored
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICES = [
@@ -99,22 +102,22 @@ class Sequences:
         head_dim: int = 16,
         block_size: int = 16,
         dtype: torch.dtype = torch.float32,
-        cache_dtype: torch.dtype | None = None,
+        kv: str | None = None,
         device: str = "cpu",
         seed: int = 0,
     ) -> None:
         gen = torch.Generator().manual_seed(seed)
-        self.dtype, self.cache_dtype, self.device = dtype, cache_dtype or dtype, device
-        self.block_size = block_size
+        self.dtype, self.kv, self.device = dtype, kv or kv_format(dtype).name, device
+        self.block_size, self.kv_heads, self.head_dim = block_size, kv_heads, head_dim
         blocks = [-(-n // block_size) for n in lengths]
         self.num_blocks = sum(blocks) + 2
         order = torch.randperm(self.num_blocks, generator=gen).tolist()
         self.tables = [[order.pop() for _ in range(n)] for n in blocks]
         self.queries = [torch.randn(n, heads, head_dim, generator=gen).to(dtype) for n in lengths]
-        # keys and values exactly representable in the cache dtype, so that storing them is exact
-        self.keys = [torch.randn(n, kv_heads, head_dim, generator=gen).to(self.cache_dtype) for n in lengths]
-        self.values = [torch.randn(n, kv_heads, head_dim, generator=gen).to(self.cache_dtype) for n in lengths]
-        self.cache_shape = (self.num_blocks, block_size, kv_heads, head_dim)
+        # keys and values the cache holds exactly, so that storing them is exact (the interpreter rounds
+        # float32 to bfloat16 by truncation; the GPU to nearest even, as torch does)
+        self.keys = [stored(torch.randn(n, kv_heads, head_dim, generator=gen), self.kv) for n in lengths]
+        self.values = [stored(torch.randn(n, kv_heads, head_dim, generator=gen), self.kv) for n in lengths]
 
     def slots(self, seq: int, first: int, last: int) -> list[int]:
         """Cache slots of positions [first, last) of a sequence."""
@@ -132,15 +135,19 @@ class Sequences:
     ) -> list[torch.Tensor]:
         """One step over the spans (query rows [first, last) of sequence seq over keys [0, last)); outputs per span.
 
-        The cache starts as NaN with each span's prefix [0, first) stored: values read from any other slot show.
+        The cache starts as NaN (its scales, for q8_0) with each span's prefix [0, first) stored: values read from
+        any other slot show.
         padding_after: a CUDA-graph padding sequence (one query row, context 0, slot -1) after that many spans.
         """
-        k_cache = torch.full(self.cache_shape, float("nan"), dtype=self.cache_dtype)
-        v_cache = torch.full(self.cache_shape, float("nan"), dtype=self.cache_dtype)
+        cache = KVCache(1, self.num_blocks, self.block_size, self.kv_heads, self.head_dim, self.kv, "cpu")
+        for plane, _ in cache.layers[0].planes():
+            if plane.dtype != torch.int8:
+                plane.fill_(float("nan"))
+        layer = cache.layers[0]
         rows = []
         for seq, first, last in spans:
-            k_cache.view(-1, *self.cache_shape[2:])[self.slots(seq, 0, first)] = self.keys[seq][:first]
-            v_cache.view(-1, *self.cache_shape[2:])[self.slots(seq, 0, first)] = self.values[seq][:first]
+            slots = torch.tensor(self.slots(seq, 0, first), dtype=torch.int64)
+            layer.store(self.keys[seq][:first], self.values[seq][:first], slots)
             rows.append((self.queries[seq][first:last], self.keys[seq][first:last], self.values[seq][first:last]))
         slots = [self.slots(seq, first, last) for seq, first, last in spans]
         tables = [self.tables[seq] for seq, _, _ in spans]
@@ -177,10 +184,8 @@ class Sequences:
             max_seq_len=max_seq_len or max(seq_lens),
         )
         q, k, v = (torch.cat([row[i] for row in rows]).to(self.device) for i in range(3))
-        k_cache, v_cache = k_cache.to(self.device), v_cache.to(self.device)
-        out = TritonAttentionBackend(window).forward(
-            q, k.to(self.dtype), v.to(self.dtype), k_cache, v_cache, meta, SCALE
-        )
+        on_device = type(layer)(*(None if t is None else t.to(self.device) for t in layer))
+        out = TritonAttentionBackend(window).forward(q, k.to(self.dtype), v.to(self.dtype), on_device, meta, SCALE)
         assert out.dtype == self.dtype and out.shape == q.shape
         out = out.cpu()
         if padding_after is not None:
@@ -228,19 +233,23 @@ def test_matches_dense_attention(device: str, mode: str, heads: int, kv_heads: i
 
 
 @pytest.mark.parametrize(
-    ("dtype", "cache_dtype", "window", "atol"),
+    ("dtype", "kv", "window", "atol"),
     [
-        (torch.float16, torch.float16, None, 1e-2),
-        (torch.bfloat16, torch.bfloat16, None, 3e-2),
-        (torch.bfloat16, torch.bfloat16, 70, 3e-2),
-        (torch.float32, torch.bfloat16, 70, 1e-5),  # a 16-bit cache under a float32 model: widened exactly
-        (torch.bfloat16, torch.float32, None, 3e-2),
+        (torch.float16, "float16", None, 1e-2),
+        (torch.bfloat16, "bfloat16", None, 3e-2),
+        (torch.bfloat16, "bfloat16", 70, 3e-2),
+        (torch.float32, "bfloat16", 70, 1e-5),  # a 16-bit cache under a float32 model: widened exactly
+        (torch.float32, "float16", None, 1e-5),
+        (torch.bfloat16, "float32", None, 3e-2),
+        (torch.float32, "q8_0", None, 1e-5),  # scale * value, exact in float32
+        (torch.float32, "q8_0", 70, 1e-5),
+        (torch.bfloat16, "q8_0", None, 3e-2),
     ],
 )
-def test_half_precision(
-    device: str, dtype: torch.dtype, cache_dtype: torch.dtype, window: int | None, atol: float
+def test_kv_formats_and_half_precision(
+    device: str, dtype: torch.dtype, kv: str, window: int | None, atol: float
 ) -> None:
-    seqs = Sequences(MIXED_LENGTHS, dtype=dtype, cache_dtype=cache_dtype, device=device)
+    seqs = Sequences(MIXED_LENGTHS, head_dim=32, dtype=dtype, kv=kv, device=device)
     check_against_dense(seqs, MIXED, window, atol=atol)
 
 
@@ -255,12 +264,15 @@ def test_int32_block_tables(device: str) -> None:
     check_against_dense(seqs, MIXED, None, atol=1e-5, index_dtype=torch.int32)
 
 
-@pytest.mark.parametrize(("dtype", "window"), [(torch.float32, None), (torch.bfloat16, 40)])
+@pytest.mark.parametrize(
+    ("dtype", "kv", "window"),
+    [(torch.float32, "float32", None), (torch.bfloat16, "bfloat16", 40), (torch.float32, "q8_0", 40)],
+)
 def test_a_row_is_bitwise_the_same_whatever_shares_its_step(
-    device: str, dtype: torch.dtype, window: int | None, monkeypatch: pytest.MonkeyPatch
+    device: str, dtype: torch.dtype, kv: str, window: int | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     length = 150
-    seqs = Sequences([length, 50, 140], heads=4, kv_heads=1, dtype=dtype, device=device, seed=7)
+    seqs = Sequences([length, 50, 140], heads=4, kv_heads=1, head_dim=32, dtype=dtype, kv=kv, device=device, seed=7)
 
     def rows(first: int, last: int, *others: Span, split: bool, padding_after: int | None = None) -> torch.Tensor:
         """Sequence 0's rows [first, last), computed in a step with other spans around it, split or folded."""
@@ -288,13 +300,19 @@ def test_grid_bounds_far_above_the_lengths_and_padding_sequences(device: str, mo
         assert all(torch.equal(a, b) for a, b in zip(outs, alone, strict=True)), padding_after
 
 
-def test_store_writes_only_real_slots(device: str) -> None:
-    kv_heads, head_dim, block_size = 2, 16, 8
-    k_cache = torch.randn(4, block_size, kv_heads, head_dim, device=device)
-    v_cache = torch.randn_like(k_cache)
-    before_k, before_v = k_cache.clone(), v_cache.clone()
-    k = torch.randn(4, kv_heads, head_dim, device=device)
-    v = torch.randn_like(k)
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "q8_0"])
+def test_store_writes_only_real_slots_as_the_reference_store_does(device: str, kv: str) -> None:
+    kv_heads, head_dim, block_size = 2, 64, 8
+    cache = KVCache(1, 4, block_size, kv_heads, head_dim, kv, "cpu")
+    fill_with_noise(cache, torch.Generator().manual_seed(0))
+    reference = KVCache(1, 4, block_size, kv_heads, head_dim, kv, "cpu")
+    for (plane, _), (noise, _) in zip(reference.layers[0].planes(), cache.layers[0].planes(), strict=True):
+        plane.copy_(noise)
+    gen = torch.Generator().manual_seed(1)
+    k = torch.randn(4, kv_heads, head_dim, generator=gen)
+    v = torch.randn(4, kv_heads, head_dim, generator=gen)
+    if kv == "bfloat16":  # the interpreter truncates to bfloat16: values it holds exactly
+        k, v = k.bfloat16().float(), v.bfloat16().float()
     slots = [3 * block_size + 5, -1, 1 * block_size + 0, -1]
     meta = AttentionMetadata(
         slot_mapping=torch.tensor(slots, device=device),
@@ -308,11 +326,11 @@ def test_store_writes_only_real_slots(device: str) -> None:
         max_seq_len=4,
     )
     q = torch.randn(4, 4, head_dim, device=device)
-    TritonAttentionBackend().forward(q, k, v, k_cache, v_cache, meta, SCALE)
-    for cache, before, new in ((k_cache, before_k, k), (v_cache, before_v, v)):
-        expected = before.view(-1, kv_heads, head_dim).clone()
-        expected[[slots[0], slots[2]]] = new[[0, 2]]
-        assert torch.equal(cache.view(-1, kv_heads, head_dim), expected)
+    layer = type(cache.layers[0])(*(None if t is None else t.to(device) for t in cache.layers[0]))
+    TritonAttentionBackend().forward(q, k.to(device), v.to(device), layer, meta, SCALE)
+    reference.layers[0].store(k[[0, 2]], v[[0, 2]], torch.tensor([slots[0], slots[2]]))
+    for (ours, _), (theirs, _) in zip(layer.planes(), reference.layers[0].planes(), strict=True):
+        assert torch.equal(ours.cpu().view(torch.uint8), theirs.view(torch.uint8))
 
 
 def test_strided_inputs_are_read_in_place(device: str) -> None:
@@ -331,10 +349,16 @@ def test_strided_inputs_are_read_in_place(device: str) -> None:
         max_query_len=length,
         max_seq_len=length,
     )
-    cache = torch.zeros(3, 16, kv_heads, head_dim, device=device)
-    strided = TritonAttentionBackend().forward(q, k, v, cache, cache.clone(), meta, SCALE)
+    strided = TritonAttentionBackend().forward(
+        q, k, v, KVCache(1, 3, 16, kv_heads, head_dim, "float32", device).layers[0], meta, SCALE
+    )
     contiguous = TritonAttentionBackend().forward(
-        q.contiguous(), k.contiguous(), v.contiguous(), cache, cache.clone(), meta, SCALE
+        q.contiguous(),
+        k.contiguous(),
+        v.contiguous(),
+        KVCache(1, 3, 16, kv_heads, head_dim, "float32", device).layers[0],
+        meta,
+        SCALE,
     )
     assert torch.equal(strided, contiguous)
 

@@ -16,7 +16,7 @@ from statelm.api.anthropic.protocol import MessageObject, Usage
 from statelm.api.chat_output import TOOL_CALLS_FINISH, ChoiceEvent
 from statelm.api.generation import GenerationStats
 from statelm.api.protocol import ToolCallMessage
-from statelm.engine.sequence import FinishReason
+from statelm.engine.client import FinishReason
 
 Event = dict[str, Any]
 STOP_REASONS = {FinishReason.LENGTH.value: "max_tokens", TOOL_CALLS_FINISH: "tool_use"}

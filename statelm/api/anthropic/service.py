@@ -21,9 +21,7 @@ from statelm.api.chat_prompt import RenderedPrompt
 from statelm.api.conversation import ConversationService
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
-from statelm.engine.async_engine import EngineError
-from statelm.engine.pins import PinRequest
-from statelm.engine.session_kv import common_prefix_length
+from statelm.engine.client import CachePinRequest, EngineError, common_prefix_length
 from statelm.sessions.ownership import current_principal
 
 
@@ -31,12 +29,12 @@ from statelm.sessions.ownership import current_principal
 class CachedPrefix:
     """The prompt's prefixes up to its breakpoints, in whole KV blocks, as the pins asked of the engine."""
 
-    pins: tuple[PinRequest, ...] = ()
+    cache_pins: tuple[CachePinRequest, ...] = ()
 
     @property
     def tokens(self) -> int:
         """The longest prefix, up to the last breakpoint (0 without a breakpoint)."""
-        return max((pin.num_tokens for pin in self.pins), default=0)
+        return max((pin.num_tokens for pin in self.cache_pins), default=0)
 
     def usage(self, stats: GenerationStats) -> Usage:
         """A finished generation's usage in Anthropic's terms."""
@@ -96,7 +94,7 @@ class MessagesService:
             self.conversations.admit(chat, message_id)
             prompt = await self.conversations.prompt(chat, chat.messages, translated.prefill)
             cached = await self._cached_prefix(translated, prompt)
-            generation = await self.conversations.generate_prompt(chat, message_id, prompt, cached.pins)
+            generation = await self.conversations.generate_prompt(chat, message_id, prompt, cached.cache_pins)
         skeleton = MessageObject(
             id=message_id, model=request.model, content=[], usage=Usage(input_tokens=len(prompt.ids), output_tokens=0)
         )
@@ -113,8 +111,8 @@ class MessagesService:
     async def _cached_prefix(self, translated: Conversation, prompt: RenderedPrompt) -> CachedPrefix:
         """The prompt's prefixes up to its breakpoints: each one's conversation rendered, matched by tokens, cut to
         whole blocks, and pinned for the longest TTL asked of it."""
-        pool = self.context.engine.engine.pool
-        if not translated.breakpoints or not pool.enable_prefix_caching:
+        engine = self.context.engine.info
+        if not translated.breakpoints or not engine.prefix_caching:
             return CachedPrefix()
         kwargs = self.context.prompter.template_kwargs(translated.chat, {})
         ttls: dict[int, float] = {}
@@ -124,8 +122,8 @@ class MessagesService:
             )
             shared = common_prefix_length(rendered.ids, prompt.ids)
             length = min(shared, len(prompt.ids) - 1)  # the cache leaves the prompt's last token to compute
-            length -= length % pool.block_size
+            length -= length % engine.block_size
             if length:
                 ttls[length] = max(ttls.get(length, 0.0), breakpoint.ttl_s)
         owner = current_principal().owner
-        return CachedPrefix(tuple(PinRequest(length, ttl, owner) for length, ttl in sorted(ttls.items())))
+        return CachedPrefix(tuple(CachePinRequest(length, ttl, owner) for length, ttl in sorted(ttls.items())))

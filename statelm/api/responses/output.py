@@ -41,7 +41,7 @@ from statelm.api.responses.objects import (
 )
 from statelm.api.responses.protocol import ItemStatus
 from statelm.api.serving import timings_of
-from statelm.engine.sequence import FinishReason
+from statelm.engine.client import FinishReason
 
 Event = dict[str, Any]  # one stream event: `type`, `sequence_number` and its fields
 DELTA_EVENTS = {

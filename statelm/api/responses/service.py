@@ -45,7 +45,7 @@ from statelm.api.responses.output import Event, ResponseBuilder
 from statelm.api.responses.protocol import ResponsesRequest, TextFormatText
 from statelm.api.responses.translate import chat_request, responses_errors
 from statelm.api.serving import effective_defaults, served_tier
-from statelm.engine.async_engine import EngineError
+from statelm.engine.client import EngineError
 from statelm.sessions.errors import SessionLimitError
 from statelm.sessions.ownership import LOCAL, acting_as, current_principal
 from statelm.sessions.session import Session, SessionKind, SessionSettings

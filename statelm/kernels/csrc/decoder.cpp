@@ -65,14 +65,30 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return op.call(gate_up);
 }
 
-at::Tensor attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-                     double scale, int64_t window) {
+// One layer's KV in the pool: keys, values and (q8_0) their scales.
+struct LayerKV {
+  at::Tensor k, v;
+  c10::optional<at::Tensor> k_scale, v_scale;
+};
+
+void kv_store(const at::Tensor& k, const at::Tensor& v, const LayerKV& cache, const at::Tensor& slot_mapping) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("statelm::kv_store", "")
+                       .typed<void(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                   const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                   const at::Tensor&)>();
+  op.call(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, slot_mapping);
+}
+
+at::Tensor attention(const at::Tensor& q, const LayerKV& cache, const at::Tensor& block_tables,
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale, int64_t window) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("statelm::paged_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const at::Tensor&, const at::Tensor&, double, int64_t)>();
-  return op.call(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window);
+                                         const at::Tensor&, const at::Tensor&, double, int64_t,
+                                         const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>();
+  return op.call(q, cache.k, cache.v, block_tables, seq_lens, query_start, scale, window, cache.k_scale,
+                 cache.v_scale);
 }
 
 // A head-wise RMSNorm of q or k [T, heads, D] (Qwen3), as the Python ops compute it: on a reshaped copy.
@@ -84,9 +100,10 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& rope_table,
                           const c10::List<c10::optional<at::Tensor>>& tensor_list, at::TensorList blocks,
                           at::IntArrayRef block_types, at::IntArrayRef parts, at::TensorList k_caches,
-                          at::TensorList v_caches, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                          const at::Tensor& seq_lens, const at::Tensor& query_start, const at::Tensor& final_norm,
-                          at::IntArrayRef dims, double eps, double scale, int64_t arithmetic, bool interleaved_rope) {
+                          at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start, const at::Tensor& final_norm, at::IntArrayRef dims,
+                          double eps, double scale, int64_t arithmetic, bool interleaved_rope) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   std::vector<at::Tensor> tensors;  // undefined where absent
   tensors.reserve(tensor_list.size());
@@ -106,6 +123,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
   }
   TORCH_CHECK(next == blocks.size(), "decoder_layers: more block matrices than parts counts");
   TORCH_CHECK(dims.size() == 4, "decoder_layers: dims must have 4 entries");
+  TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == k_caches.size()),
+              "decoder_layers: k_scales and v_scales hold one tensor per layer (q8_0) or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(), "x must be [T, H] float32");
   const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], window = dims[3];
   const int64_t tokens = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
@@ -131,11 +150,13 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     }
     rope(q, positions, rope_table, interleaved_rope);
     rope(k, positions, rope_table, interleaved_rope);
-    const at::Tensor& k_cache = k_caches[layer];
-    const at::Tensor& v_cache = v_caches[layer];
-    k_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, k.to(k_cache.scalar_type()));
-    v_cache.view({-1, kv_heads, head_dim}).index_copy_(0, slot_mapping, v.to(v_cache.scalar_type()));
-    at::Tensor out = attention(q, k_cache, v_cache, block_tables, seq_lens, query_start, scale, window);
+    LayerKV cache{k_caches[layer], v_caches[layer]};
+    if (!k_scales.empty()) {
+      cache.k_scale = k_scales[layer];
+      cache.v_scale = v_scales[layer];
+    }
+    kv_store(k, v, cache, slot_mapping);
+    at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, window);
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
     h = add_rms_norm(residual, o, w[kPostNorm], eps);
     at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
@@ -149,9 +170,9 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def(
       "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor?[] tensors, Tensor[] blocks, "
-      "int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor slot_mapping, "
-      "Tensor block_tables, Tensor seq_lens, Tensor query_start, Tensor final_norm, int[] dims, float eps, "
-      "float scale, int arithmetic, bool interleaved_rope) -> Tensor");
+      "int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
+      "Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
+      "Tensor final_norm, int[] dims, float eps, float scale, int arithmetic, bool interleaved_rope) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -1,20 +1,31 @@
-// Paged attention over the KV block pool, read in place, batch-invariant by construction.
+// Paged attention over the KV block pool, read in place, batch-invariant by construction, and the store of a
+// step's K/V into the pool.
 //
-// torch.ops.statelm.paged_attention(q [T, H, D], k_cache [blocks, block_size, KVH, D], v_cache (same),
-//     block_tables [B, W] int32/int64, seq_lens [B], query_start [B + 1], scale, sliding_window) -> [T, H, D]
+// torch.ops.statelm.paged_attention(q [T, H, D], k_cache, v_cache, block_tables [B, W] int32/int64, seq_lens [B],
+//     query_start [B + 1], scale, sliding_window, k_scale, v_scale) -> [T, H, D]
+// torch.ops.statelm.kv_store(k [T, KVH, D], v, k_cache, v_cache, k_scale, v_scale, slot_mapping [T])
+//
+// The pool's layout (statelm/engine/kv_cache.py), per block of S tokens: keys [blocks, KVH, D, S], transposed so
+// that one head's S keys of each dimension are contiguous (the score products read them as they lie, no
+// transpose), values [blocks, KVH, S, D]. The caches are float32, bfloat16, float16 (widened to float32 as they
+// are read) or int8 with float16 scales per 32 values of a token's head (q8_0: key scales [blocks, KVH, D/32, S],
+// value scales [blocks, KVH, S, D/32]), read as scale * value, which float32 holds exactly. q and the output are
+// float32, bfloat16 or float16 (the output has q's dtype).
 //
 // Query rows of sequence b are tokens query_start[b]..query_start[b + 1] - 1, the last positions of its
 // context of seq_lens[b] tokens; a row at position p sees keys 0..p (only keys > p - window with a window).
-// q and the output are float32, bfloat16 or float16 (the output has q's dtype); the caches are float32,
-// bfloat16 or float16 and are widened to float32 as they are read.
 //
 // Every (row, head) result comes out of one fixed sequence of float operations, whatever else is in the
 // call: keys are visited in position order in chunks of kChunk keys aligned to absolute positions, with an
 // online softmax per chunk; a score is an FMA chain over d in order, a value accumulator an FMA chain over
 // the keys in order, and the softmax denominator is kept as kChunk lane-wise partial sums added up in a fixed
-// tree at the end. Vector lanes only ever hold independent elements, so it does not matter which lanes or
-// register blocks a row's work lands in. Threads split the work over (sequence, KV head, query heads, query
-// rows) only, never over keys. Rows that see a whole chunk are processed together (one load of each K/V row
+// tree at the end. The keys are cut into partitions of kPartition positions (aligned too): each gives a fresh
+// (max, partial sums, accumulator) per row, folded into the row's running state partition by partition, in
+// increasing order, by one formula under which a partition the row sees nothing of is an exact no-op. Vector lanes
+// only ever hold independent elements, so it does not matter which lanes or register blocks a row's work lands in.
+// Threads split the work over (sequence, KV head, query heads, query rows), and, when that leaves threads idle (a
+// few long decodes), over partitions: each partition's state is then kept apart and folded, in the same order by the
+// same formula, once all are done, so a row's bits do not depend on the split. Rows that see a whole chunk are processed together (one load of each K/V row
 // for all of them); a row that sees part of a chunk (the diagonal, a window's start) is processed alone,
 // over exactly its own keys.
 
@@ -29,6 +40,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -38,7 +50,7 @@ namespace {
 constexpr int kChunk = 32;  // keys per online-softmax step, aligned to multiples of kChunk in position
 constexpr int64_t kMaxHeadDim = 256;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-alignas(64) const float kZeroRow[kMaxHeadDim] = {};  // stands in for keys a tile does not read (0 in every dtype)
+constexpr int kGroup = 32;  // values per q8_0 scale
 
 // ---------------------------------------------------------------------------------------------------------
 // Vector primitives. Every operation is lane-wise except the horizontal max (exact in any order) and the
@@ -152,20 +164,26 @@ inline Vec vexp(Vec x) { return std::exp(x); }
 #endif
 
 constexpr int kChunkVecs = kChunk / kLanes;
-static_assert(kChunk % kLanes == 0 && kChunk % 8 == 0, "a chunk is whole vectors and whole 8-key groups");
+static_assert(kChunk % kLanes == 0 && kGroup % kLanes == 0, "a chunk is whole vectors, a q8_0 group too");
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
 inline float to_float(at::Half x) { return static_cast<float>(x); }
+inline float to_float(int8_t x) { return static_cast<float>(x); }
 
-#if defined(__AVX2__)
-// Eight consecutive elements widened to float32.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const at::BFloat16* p) {
-  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+// One vector of consecutive elements widened to float32 (read in place from a narrower cache).
+inline Vec vload_widened(const float* p) { return vload(p); }
+#if defined(__AVX512F__)
+inline Vec vload_widened(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline Vec vload_widened(const at::BFloat16* p) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
-inline __m256 load8(const at::Half* p) {
+inline Vec vload_widened(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline Vec vload_widened(const at::Half* p) {
 #if defined(__F16C__)
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
@@ -174,103 +192,67 @@ inline __m256 load8(const at::Half* p) {
   return _mm256_load_ps(x);
 #endif
 }
-
-inline void transpose8(__m256 r[8]) {
-  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-  r[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
-  r[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
-  r[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
-  r[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
-  r[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
-  r[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
-  r[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
-  r[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
-}
-#endif
-
-// One vector of consecutive elements widened to float32 (values read in place from a narrower cache).
-inline Vec vload_widened(const float* p) { return vload(p); }
-#if defined(__AVX512F__)
-inline Vec vload_widened(const at::Half* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline Vec vload_widened(const at::BFloat16* p) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
 }
-#elif defined(__AVX2__) && defined(__FMA__)
-inline Vec vload_widened(const at::Half* p) { return load8(p); }
-inline Vec vload_widened(const at::BFloat16* p) { return load8(p); }
+inline Vec vload_widened(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 #else
 inline Vec vload_widened(const at::Half* p) { return to_float(*p); }
 inline Vec vload_widened(const at::BFloat16* p) { return to_float(*p); }
+inline Vec vload_widened(const int8_t* p) { return to_float(*p); }
 #endif
 
-// The cache lines of a later chunk's K/V rows, requested a few at a time between the current chunk's loads
-// so that the requests never pile up.
-struct Prefetcher {
-  const char* rows[2 * kChunk];
-  int num_rows = 0, row = 0;
-  int64_t row_bytes = 0, done = 0;  // bytes of the current row already requested
+// The cache's element types: float formats widen as they load; int8 (q8_0) carries float16 scales.
+template <typename T>
+constexpr bool kQuantized = std::is_same_v<T, int8_t>;
 
-  void issue(int64_t n) {
-    while (n > 0 && row < num_rows) {
-      const int64_t lines = std::min<int64_t>(n, (row_bytes - done + 63) / 64);
-      for (int64_t i = 0; i < lines; ++i) _mm_prefetch(rows[row] + done + 64 * i, _MM_HINT_T0);
-      done += 64 * lines;
-      n -= lines;
-      if (done >= row_bytes) {
-        done = 0;
-        ++row;
-      }
-    }
+// ---------------------------------------------------------------------------------------------------------
+// B operands of the products: element (k, j) of a [depth][cols] matrix, loaded kLanes columns at a time as
+// float32 (widened, or scale * value for q8_0).
+
+// A row pointer per k, its columns contiguous: the values of the chunk's keys (k = key, j = dimension), or
+// keys gathered into scratch (k = dimension, j = key). scales: per row, the float32 scale of each 32 columns.
+template <typename T>
+struct Rows {
+  const T* const* rows;
+  const float* scales = nullptr;  // q8_0: [k][cols / 32]
+  int64_t groups = 0;
+
+  Vec load(int64_t k, int64_t col) const {
+    const Vec x = vload_widened(rows[k] + col);
+    if constexpr (kQuantized<T>) return vmul(x, vset(scales[k * groups + col / kGroup]));
+    return x;
+  }
+  Rows from(int64_t k) const { return {rows + k, scales ? scales + k * groups : nullptr, groups}; }
+};
+
+// The chunk's keys in place in the transposed blocks (k = dimension, j = key): vector v of the chunk's columns
+// starts at columns[v], and dimension d of it lies d * stride elements further (stride = block size); q8_0 scales
+// likewise, one row per 32 dimensions.
+template <typename T>
+struct KeyColumns {
+  const T* columns[kChunkVecs];
+  const at::Half* scales[kChunkVecs];
+  int64_t stride;
+
+  Vec load(int64_t d, int64_t col) const {
+    const int64_t v = col / kLanes;
+    const Vec x = vload_widened(columns[v] + d * stride);
+    if constexpr (kQuantized<T>) return vmul(x, vload_widened(scales[v] + d / kGroup * stride));
+    return x;
   }
 };
 
-// kt[d][j] = float(rows[j][d]) for the chunk's kChunk key rows; prefetches `per_block` lines per 8x8 block.
-template <typename T>
-void transpose_keys(const T* const* rows, int64_t dim, float* kt, Prefetcher& prefetcher, int64_t per_block) {
-  int64_t d0 = 0;
-#if defined(__AVX2__)
-  for (; d0 + 8 <= dim; d0 += 8) {
-    for (int j0 = 0; j0 < kChunk; j0 += 8) {
-      __m256 r[8];
-      for (int i = 0; i < 8; ++i) r[i] = load8(rows[j0 + i] + d0);
-      prefetcher.issue(per_block);
-      transpose8(r);
-      for (int i = 0; i < 8; ++i) _mm256_storeu_ps(kt + (d0 + i) * kChunk + j0, r[i]);
-    }
-  }
-#endif
-  for (int64_t d = d0; d < dim; ++d) {
-    for (int j = 0; j < kChunk; ++j) kt[d * kChunk + j] = to_float(rows[j][d]);
-  }
-  prefetcher.issue(per_block * (kChunk / 8) * ((dim - d0 + 7) / 8));  // the 8x8 blocks done here
-}
-
-// out[0..dim) = float(row[0..dim)), zeros up to padded.
-template <typename T>
-void widen_row(const T* row, int64_t dim, int64_t padded, float* out) {
-  int64_t d = 0;
-#if defined(__AVX2__)
-  for (; d + 8 <= dim; d += 8) _mm256_storeu_ps(out + d, load8(row + d));
-#endif
-  for (; d < dim; ++d) out[d] = to_float(row[d]);
-  for (; d < padded; ++d) out[d] = 0.0f;
-}
-
 // ---------------------------------------------------------------------------------------------------------
 // C[i][j] = (accumulate ? C[i][j] : 0) + sum over k in order of A[i][k] * B[k][j]: one FMA chain per element,
-// so register blocking never changes a result. A is row-major (lda), B one row pointer per k (elements of TB,
-// widened to float32 as they are loaded), C row-major (ldc).
+// so register blocking never changes a result. A is row-major (lda), B an operand above (b.load(k, j) gives
+// kLanes float32 columns from j), C row-major (ldc).
 
-template <int MR, int NV, typename TB>
-inline void gemm_block(const float* a, int64_t lda, const TB* const* b, int64_t col, int64_t depth, float* c,
+template <int MR, int NV, typename B>
+inline void gemm_block(const float* a, int64_t lda, const B& b, int64_t col, int64_t depth, float* c,
                        int64_t ldc, bool accumulate) {
   Vec acc[MR][NV];
 #pragma GCC unroll 8
@@ -279,11 +261,10 @@ inline void gemm_block(const float* a, int64_t lda, const TB* const* b, int64_t 
     for (int j = 0; j < NV; ++j) acc[i][j] = accumulate ? vload(c + i * ldc + col + j * kLanes) : vset(0.0f);
   }
   for (int64_t k = 0; k < depth; ++k) {
-    const TB* bk = b[k] + col;
     if constexpr (NV + 1 + MR * NV <= kRegisters) {  // hold the B vectors, broadcast A one row at a time
       Vec bv[NV];
 #pragma GCC unroll 4
-      for (int j = 0; j < NV; ++j) bv[j] = vload_widened(bk + j * kLanes);
+      for (int j = 0; j < NV; ++j) bv[j] = b.load(k, col + j * kLanes);
 #pragma GCC unroll 8
       for (int i = 0; i < MR; ++i) {
         const Vec av = vset(a[i * lda + k]);
@@ -296,7 +277,7 @@ inline void gemm_block(const float* a, int64_t lda, const TB* const* b, int64_t 
       for (int i = 0; i < MR; ++i) av[i] = vset(a[i * lda + k]);
 #pragma GCC unroll 4
       for (int j = 0; j < NV; ++j) {
-        const Vec bv = vload_widened(bk + j * kLanes);
+        const Vec bv = b.load(k, col + j * kLanes);
 #pragma GCC unroll 8
         for (int i = 0; i < MR; ++i) acc[i][j] = vfma(av[i], bv, acc[i][j]);
       }
@@ -310,8 +291,8 @@ inline void gemm_block(const float* a, int64_t lda, const TB* const* b, int64_t 
 }
 
 // The last `vecs` (< NV + 1) column vectors of a row block in one register block.
-template <int MR, int NV, typename TB>
-void gemm_tail(int64_t vecs, const float* a, int64_t lda, const TB* const* b, int64_t col, int64_t depth, float* c,
+template <int MR, int NV, typename B>
+void gemm_tail(int64_t vecs, const float* a, int64_t lda, const B& b, int64_t col, int64_t depth, float* c,
                int64_t ldc, bool accumulate) {
   if constexpr (NV > 1) {
     if (vecs < NV) return gemm_tail<MR, NV - 1>(vecs, a, lda, b, col, depth, c, ldc, accumulate);
@@ -319,8 +300,8 @@ void gemm_tail(int64_t vecs, const float* a, int64_t lda, const TB* const* b, in
   gemm_block<MR, NV>(a, lda, b, col, depth, c, ldc, accumulate);
 }
 
-template <int MR, typename TB>
-void gemm_rows(const float* a, int64_t lda, const TB* const* b, int64_t cols, int64_t depth, float* c,
+template <int MR, typename B>
+void gemm_rows(const float* a, int64_t lda, const B& b, int64_t cols, int64_t depth, float* c,
                int64_t ldc, bool accumulate) {
   constexpr int kWide = std::min(4, std::max(1, kAccumulators / MR));
   int64_t col = 0;
@@ -333,8 +314,8 @@ void gemm_rows(const float* a, int64_t lda, const TB* const* b, int64_t cols, in
 }
 
 // Dispatches a block of at most MR rows to the kernel for exactly that many rows.
-template <int MR, typename TB>
-void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const TB* const* b, int64_t cols, int64_t depth,
+template <int MR, typename B>
+void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const B& b, int64_t cols, int64_t depth,
                    float* c, int64_t ldc, bool accumulate) {
   if constexpr (MR > 1) {
     if (rows < MR) return gemm_dispatch<MR - 1>(rows, a, lda, b, cols, depth, c, ldc, accumulate);
@@ -343,8 +324,8 @@ void gemm_dispatch(int64_t rows, const float* a, int64_t lda, const TB* const* b
 }
 
 // cols is a multiple of kLanes.
-template <typename TB>
-void gemm(int64_t rows, const float* a, int64_t lda, const TB* const* b, int64_t cols, int64_t depth, float* c,
+template <typename B>
+void gemm(int64_t rows, const float* a, int64_t lda, const B& b, int64_t cols, int64_t depth, float* c,
           int64_t ldc, bool accumulate) {
   for (int64_t i = 0; i < rows; i += kMaxRowBlock) {
     gemm_dispatch<kMaxRowBlock>(std::min<int64_t>(kMaxRowBlock, rows - i), a + i * lda, lda, b, cols, depth,
@@ -356,8 +337,10 @@ void gemm(int64_t rows, const float* a, int64_t lda, const TB* const* b, int64_t
 // The attention itself.
 
 constexpr int64_t kTileQueries = 48;  // query vectors (rows x heads) per KV head an item aims for: shared K/V loads
-constexpr int kAhead = 1;  // chunks between fetching a chunk's rows and using them
+constexpr int64_t kPartition = 512;   // keys per partition, a multiple of kChunk
+constexpr int64_t kSplitBelow = 2;    // split items over partitions when there are fewer than this many per thread
 constexpr int64_t kSerialCost = 16384;  // below this many head-key visits a call stays on the calling thread
+constexpr int64_t kMaxGroups = kMaxHeadDim / kGroup;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
@@ -369,18 +352,24 @@ struct Scratch {
   float* scores = nullptr;   // [m][kChunk] scores, then probabilities
   float* sums = nullptr;     // [m][kChunk] lane-wise partial softmax denominators
   float* maxes = nullptr;    // [m] running maxima
-  float* keys = nullptr;     // [dim][kChunk] the chunk's keys, transposed
+  float* keys = nullptr;     // [dim][kChunk] the chunk's keys, when they cannot be read in place
   float* values = nullptr;   // [kChunk][padded] the chunk's values widened to float32 (when not read in place)
+  float* scales = nullptr;   // [kChunk][kMaxGroups] the chunk's value scales (q8_0)
+  float* run_acc = nullptr;  // [m][padded] the running state over the partitions folded so far
+  float* run_sums = nullptr;  // [m][kChunk]
+  float* run_maxes = nullptr;  // [m]
 
   void reserve(int64_t m, int64_t padded, int64_t dim) {
-    const int64_t sizes[] = {m * padded, m * padded, m * kChunk, m * kChunk, m, dim * kChunk, kChunk * padded};
+    const int64_t sizes[] = {m * padded, m * padded, m * kChunk, m * kChunk, m, dim * kChunk,
+                             kChunk * padded, kChunk * kMaxGroups, m * padded, m * kChunk, m};
     int64_t total = 16;
     for (int64_t size : sizes) total += round_up(size, 16);
     if (static_cast<int64_t>(storage.size()) < total) storage.assign(total, 0.0f);
     const auto base = reinterpret_cast<std::uintptr_t>(storage.data());
     float* p = storage.data() + (round_up(base, 64) - base) / sizeof(float);
-    float** slots[] = {&queries, &acc, &scores, &sums, &maxes, &keys, &values};
-    for (int i = 0; i < 7; ++i) {
+    float** slots[] = {&queries, &acc, &scores, &sums, &maxes, &keys, &values, &scales, &run_acc, &run_sums,
+                       &run_maxes};
+    for (int i = 0; i < 11; ++i) {
       *slots[i] = p;
       p += round_up(sizes[i], 16);
     }
@@ -400,6 +389,24 @@ struct Tables {
   int64_t at(int64_t seq, int64_t i) const { return narrow ? narrow[seq * width + i] : wide[seq * width + i]; }
 };
 
+// Where one token's K and V of one KV head lie in the pool (element offsets, see the layout at the top).
+struct Layout {
+  int64_t kv_heads, dim, groups, block_size;
+
+  int64_t key(int64_t block, int64_t head, int64_t offset) const {  // dimension 0; dimension d is d * S further
+    return (block * kv_heads + head) * dim * block_size + offset;
+  }
+  int64_t key_scale(int64_t block, int64_t head, int64_t offset) const {  // group 0; group g is g * S further
+    return (block * kv_heads + head) * groups * block_size + offset;
+  }
+  int64_t value(int64_t block, int64_t head, int64_t offset) const {
+    return ((block * kv_heads + head) * block_size + offset) * dim;
+  }
+  int64_t value_scale(int64_t block, int64_t head, int64_t offset) const {
+    return ((block * kv_heads + head) * block_size + offset) * groups;
+  }
+};
+
 struct Problem {
   const char* q;  // [T, H, D] with q_row / q_head element strides
   int64_t q_row, q_head;
@@ -407,6 +414,9 @@ struct Problem {
   char* out;  // [T, H, D] contiguous, q_type
   const void* k_cache;
   const void* v_cache;
+  const at::Half* k_scale;  // q8_0 only
+  const at::Half* v_scale;
+  Layout layout;
   Tables tables;
   const int64_t* seq_lens;
   const int64_t* query_start;
@@ -418,7 +428,26 @@ struct Problem {
 struct Item {
   int64_t seq, kv_head0, kv_heads, head0, heads, row0, rows;
   double cost;
+  int64_t part = -1;           // >= 0: only this partition, its state written to partials (a split item)
+  float* partials = nullptr;   // [max, sums, accumulator] of every query vector (see partial_floats)
 };
+
+// Floats of one partition's state of an item's query vectors: a max, kChunk partial sums and the accumulator each.
+int64_t partial_floats(const Problem& pb, const Item& it) {
+  return it.kv_heads * it.rows * it.heads * (1 + kChunk + pb.padded);
+}
+
+// The key positions an item's rows read, [first, last), and the first query row's position.
+struct KeyRange {
+  int64_t first, last, first_pos;
+};
+
+KeyRange key_range(const Problem& pb, const Item& it) {
+  const int64_t qlen = pb.query_start[it.seq + 1] - pb.query_start[it.seq];
+  const int64_t first_pos = pb.seq_lens[it.seq] - qlen + it.row0;
+  const int64_t first = pb.window > 0 ? std::max<int64_t>(0, first_pos - pb.window + 1) : 0;
+  return {first, first_pos + it.rows, first_pos};
+}
 
 // Query row of pb.q, widened and scaled, zero-padded to pb.padded.
 template <typename Q>
@@ -450,12 +479,78 @@ void store_output(const Problem& pb, const float* acc, const float* sums, float*
   }
 }
 
+// The cache lines of the next chunk's K/V for one KV head, requested in two batches around this chunk's products so
+// that they arrive while it computes (the blocks of a sequence lie anywhere in the pool: no hardware prefetcher
+// follows a block table). A span is `count` runs of `bytes` bytes, `stride` bytes apart.
+struct Prefetcher {
+  static constexpr int kMaxSpans = 4 * (kChunk + 1);
+  struct Span {
+    const char* start;
+    int64_t bytes, stride, count;
+  };
+  Span spans[kMaxSpans];
+  int num_spans = 0, span = 0;
+  int64_t run = 0, line = 0;  // the run of the current span and the line in it to request next
+
+  void add(const void* start, int64_t bytes, int64_t stride = 0, int64_t count = 1) {
+    if (bytes == stride) bytes *= std::exchange(count, 1);  // contiguous runs: one
+    if (num_spans < kMaxSpans && bytes > 0) spans[num_spans++] = {static_cast<const char*>(start), bytes, stride, count};
+  }
+
+  int64_t lines() const {
+    int64_t total = 0;
+    for (int i = 0; i < num_spans; ++i) total += spans[i].count * ((spans[i].bytes + 127) / 64);
+    return total;
+  }
+
+  void issue(int64_t n) {
+    while (n > 0 && span < num_spans) {
+      const Span& sp = spans[span];
+      const auto first = reinterpret_cast<std::uintptr_t>(sp.start + run * sp.stride) / 64 * 64;
+      const auto last = reinterpret_cast<std::uintptr_t>(sp.start + run * sp.stride + sp.bytes - 1) / 64 * 64;
+      for (; n > 0 && first + 64 * line <= last; --n, ++line) {
+        _mm_prefetch(reinterpret_cast<const char*>(first + 64 * line), _MM_HINT_T0);
+      }
+      if (first + 64 * line > last) {
+        line = 0;
+        if (++run == sp.count) {
+          run = 0;
+          ++span;
+        }
+      }
+    }
+  }
+};
+
+// Requests for the keys at positions [begin, end) of one KV head: key columns, values and their scales.
+template <typename T>
+void plan_prefetch(const Problem& pb, int64_t seq, int64_t head, int64_t begin, int64_t end, Prefetcher& prefetcher) {
+  const Layout& layout = pb.layout;
+  const int64_t size = layout.block_size, sz = sizeof(T);
+  const T* k_cache = static_cast<const T*>(pb.k_cache);
+  const T* v_cache = static_cast<const T*>(pb.v_cache);
+  for (int64_t pos = begin; pos < end;) {
+    const int64_t block = pb.tables.at(seq, pos / size), first = pos % size;
+    const int64_t last = std::min(size, first + (end - pos));  // past the last key wanted in this block
+    const int64_t keys = last - first;
+    prefetcher.add(k_cache + layout.key(block, head, first), keys * sz, size * sz, layout.dim);
+    prefetcher.add(v_cache + layout.value(block, head, first), keys * layout.dim * sz);
+    if constexpr (kQuantized<T>) {
+      prefetcher.add(pb.k_scale + layout.key_scale(block, head, first), keys * 2, size * 2, layout.groups);
+      prefetcher.add(pb.v_scale + layout.value_scale(block, head, first), keys * layout.groups * 2);
+    }
+    pos += keys;
+  }
+}
+
 // One online-softmax step of query vectors [m0, m0 + count) over the chunk's keys [lo, hi) (chunk offsets).
-template <typename TV>
-void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, const TV* const* value_rows,
-                  int64_t m0, int64_t count, int lo, int hi) {
+// The rest of prefetcher's requests go out between its score and value products.
+template <typename KB, typename VB>
+void softmax_step(Scratch& s, const Problem& pb, const KB& keys, const VB& values, int64_t m0, int64_t count,
+                  int lo, int hi, Prefetcher& prefetcher) {
   float* scores = s.scores + m0 * kChunk;
-  gemm(count, s.queries + m0 * pb.padded, pb.padded, key_rows, kChunk, pb.dim, scores, kChunk, false);
+  gemm(count, s.queries + m0 * pb.padded, pb.padded, keys, kChunk, pb.dim, scores, kChunk, false);
+  prefetcher.issue(std::numeric_limits<int64_t>::max());
   for (int64_t m = 0; m < count; ++m) {
     float* row = scores + m * kChunk;
     for (int j = 0; j < lo; ++j) row[j] = kNegInf;
@@ -479,7 +574,88 @@ void softmax_step(Scratch& s, const Problem& pb, const float* const* key_rows, c
     }
     s.maxes[m0 + m] = new_max;
   }
-  gemm(count, scores + lo, kChunk, value_rows + lo, pb.padded, hi - lo, s.acc + m0 * pb.padded, pb.padded, true);
+  gemm(count, scores + lo, kChunk, values.from(lo), pb.padded, hi - lo, s.acc + m0 * pb.padded, pb.padded, true);
+}
+
+// out[0..dim) = float(row[0..dim)), zeros up to padded.
+template <typename T>
+void widen_row(const T* row, int64_t dim, int64_t padded, float* out) {
+  int64_t d = 0;
+  for (; d + kLanes <= dim; d += kLanes) vstore(out + d, vload_widened(row + d));
+  for (; d < dim; ++d) out[d] = to_float(row[d]);
+  for (; d < padded; ++d) out[d] = 0.0f;
+}
+
+// The chunk's keys [lo, hi) of one head as float32 rows s.keys[d][j] (zero outside): for a block size that does
+// not hold whole vectors, where they cannot be read in place. The same values KeyColumns loads.
+template <typename T>
+void gather_keys(const Problem& pb, const int64_t* blocks, int64_t head, int64_t c, int lo, int hi, float* keys) {
+  const Layout& layout = pb.layout;
+  const T* k_cache = static_cast<const T*>(pb.k_cache);
+  std::fill(keys, keys + pb.dim * kChunk, 0.0f);
+  for (int j = lo; j < hi; ++j) {
+    const int64_t pos = c + j, block = blocks[j], offset = pos % layout.block_size;
+    const T* src = k_cache + layout.key(block, head, offset);
+    for (int64_t d = 0; d < pb.dim; ++d) {
+      float x = to_float(src[d * layout.block_size]);
+      if constexpr (kQuantized<T>) x *= to_float(pb.k_scale[layout.key_scale(block, head, offset) + d / kGroup * layout.block_size]);
+      keys[d * kChunk + j] = x;
+    }
+  }
+}
+
+// Fold a partition's state (max, sums, acc) into the running state of `count` query vectors, in a fixed formula:
+// each side weighted by e^(its max - the new max), exactly 1 for the side holding the new max, so that an empty
+// partition (max -inf, sums and acc 0) leaves the running state as it was, bit for bit.
+void fold(int64_t count, int64_t padded, float* run_maxes, float* run_sums, float* run_acc, const float* maxes,
+          const float* sums, const float* acc) {
+  for (int64_t m = 0; m < count; ++m) {
+    const float new_max = std::max(run_maxes[m], maxes[m]);
+    const Vec run_weight = run_maxes[m] == new_max ? vset(1.0f) : vexp(vset(run_maxes[m] - new_max));
+    const Vec weight = maxes[m] == new_max ? vset(1.0f) : vexp(vset(maxes[m] - new_max));
+    float* rs = run_sums + m * kChunk;
+    const float* ps = sums + m * kChunk;
+    for (int v = 0; v < kChunkVecs; ++v) {
+      vstore(rs + v * kLanes, vfma(vload(rs + v * kLanes), run_weight, vmul(vload(ps + v * kLanes), weight)));
+    }
+    float* ra = run_acc + m * padded;
+    const float* pa = acc + m * padded;
+    for (int64_t d = 0; d < padded; d += kLanes) vstore(ra + d, vfma(vload(ra + d), run_weight, vmul(vload(pa + d), weight)));
+    run_maxes[m] = new_max;
+  }
+}
+
+// An item's output rows from its running state.
+void store_outputs(const Problem& pb, const Item& it, Scratch& s) {
+  const int64_t first_token = pb.query_start[it.seq] + it.row0;
+  for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+    for (int64_t r = 0; r < it.rows; ++r) {
+      for (int64_t h = 0; h < it.heads; ++h) {
+        const int64_t m = (kv * it.rows + r) * it.heads + h;
+        store_output(pb, s.run_acc + m * pb.padded, s.run_sums + m * kChunk, s.values, first_token + r,
+                     (it.kv_head0 + kv) * pb.group + it.head0 + h);
+      }
+    }
+  }
+}
+
+// Fresh running states for `count` query vectors (or, with maxes, a partition's).
+void clear_state(int64_t count, int64_t padded, float* maxes, float* sums, float* acc) {
+  std::fill(acc, acc + count * padded, 0.0f);
+  std::fill(sums, sums + count * kChunk, 0.0f);
+  std::fill(maxes, maxes + count, kNegInf);
+}
+
+// The outputs of an item whose partitions were computed apart (split items): their states folded in order.
+void combine_item(const Problem& pb, const Item& it, const float* partials, int64_t parts, Scratch& s) {
+  const int64_t count = it.kv_heads * it.rows * it.heads, stride = partial_floats(pb, it);
+  s.reserve(count, pb.padded, pb.dim);
+  clear_state(count, pb.padded, s.run_maxes, s.run_sums, s.run_acc);
+  for (int64_t p = 0; p < parts; ++p) {
+    const float* state = partials + p * stride;
+    fold(count, pb.padded, s.run_maxes, s.run_sums, s.run_acc, state, state + count, state + count * (1 + kChunk));
+  }
+  store_outputs(pb, it, s);
 }
 
 template <typename T>
@@ -505,115 +681,109 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
     }
   }
   const int64_t count = it.kv_heads * per_kv;
-  std::fill(s.acc, s.acc + count * padded, 0.0f);
-  std::fill(s.sums, s.sums + count * kChunk, 0.0f);
-  std::fill(s.maxes, s.maxes + count, kNegInf);
+  clear_state(count, padded, s.run_maxes, s.run_sums, s.run_acc);
 
+  const Layout& layout = pb.layout;
   const T* k_cache = static_cast<const T*>(pb.k_cache);
   const T* v_cache = static_cast<const T*>(pb.v_cache);
-  const bool values_in_place = dim % kLanes == 0;  // whole vectors: the PV products widen T as they load
-  const T* zero_row = reinterpret_cast<const T*>(kZeroRow);
-  const T* key_src[kChunk];
-  const float* key_rows[kMaxHeadDim];
+  const bool keys_in_place = layout.block_size % kLanes == 0;  // a vector of keys never straddles two blocks
+  const bool values_in_place = dim % kLanes == 0;          // whole vectors: the PV products widen T as they load
+  const T* value_src[kChunk];
   const float* value_rows[kChunk];  // values widened into s.values (not in place)
-  const T* value_src[kChunk];       // values in the cache (in place)
+  const float* key_rows[kMaxHeadDim];
   for (int64_t d = 0; d < dim; ++d) key_rows[d] = s.keys + d * kChunk;
 
   const auto first_key = [&](int64_t pos) { return pb.window > 0 ? std::max<int64_t>(0, pos - pb.window + 1) : 0; };
-  const int64_t tile_lo = first_key(first_pos), tile_hi = first_pos + it.rows;  // keys the tile reads
-  // Element offsets of the item's first KV head in the cache rows of keys [lo, hi), walking the block table.
-  const auto row_offsets = [&](int64_t lo, int64_t hi, int64_t* offsets) {
-    int64_t index = lo / pb.block_size, in_block = lo % pb.block_size;
-    int64_t block_start = pb.tables.at(it.seq, index) * pb.block_size;
-    for (int64_t pos = lo; pos < hi; ++pos) {
-      *offsets++ = ((block_start + in_block) * pb.kv_heads + it.kv_head0) * dim;
-      if (++in_block == pb.block_size && pos + 1 < hi) {
-        in_block = 0;
-        block_start = pb.tables.at(it.seq, ++index) * pb.block_size;
-      }
-    }
-  };
-  const int64_t row_bytes = it.kv_heads * dim * static_cast<int64_t>(sizeof(T));
-  // The rows of chunk i are at offsets[i % kRing]; those of chunk i + kAhead are fetched during chunk i.
-  constexpr int kRing = kAhead + 1;
-  int64_t offsets[kRing][kChunk];
-  const int64_t first_chunk = tile_lo / kChunk * kChunk;
-  for (int i = 0; i < kAhead && first_chunk + i * kChunk < tile_hi; ++i) {
-    const int64_t c = first_chunk + i * kChunk;
-    row_offsets(std::max(c, tile_lo), std::min(c + kChunk, tile_hi), offsets[i]);
-  }
-  for (int64_t i = 0, c = first_chunk; c < tile_hi; ++i, c += kChunk) {
-    const int64_t lo = std::max(c, tile_lo), hi = std::min(c + kChunk, tile_hi);
-    Prefetcher prefetcher;
-    if (const int64_t ahead = c + kAhead * kChunk; ahead < tile_hi) {
-      const int64_t ahead_hi = std::min(ahead + kChunk, tile_hi);
-      int64_t* rows = offsets[(i + kAhead) % kRing];
-      row_offsets(ahead, ahead_hi, rows);
-      for (int64_t j = 0; j < ahead_hi - ahead; ++j) {
-        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(k_cache + rows[j]);
-        prefetcher.rows[prefetcher.num_rows++] = reinterpret_cast<const char*>(v_cache + rows[j]);
-      }
-      prefetcher.row_bytes = row_bytes;
-    }
-    const int64_t blocks = it.kv_heads * (kChunk / 8) * ((dim + 7) / 8);
-    const int64_t per_block = (prefetcher.num_rows * ((row_bytes + 63) / 64) + blocks - 1) / blocks;
-    const int64_t* offset = offsets[i % kRing];
-    for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
-      for (int j = 0; j < kChunk; ++j) {
-        const int64_t pos = c + j;
-        if (pos < lo || pos >= hi) {
-          key_src[j] = zero_row;
-          value_rows[j] = kZeroRow;
-          value_src[j] = zero_row;
-          continue;
+  const KeyRange range = key_range(pb, it);
+  const int64_t tile_lo = range.first, tile_hi = range.last;  // keys the tile reads
+  const int64_t last_block = (pb.seq_lens[it.seq] - 1) / layout.block_size;  // the table's last block of the sequence
+  const int64_t part_lo = it.part >= 0 ? it.part : tile_lo / kPartition;
+  const int64_t part_hi = it.part >= 0 ? it.part + 1 : (tile_hi + kPartition - 1) / kPartition;
+  const int64_t fetch_hi = it.part >= 0 ? std::min(tile_hi, part_hi * kPartition) : tile_hi;  // keys it will read
+  int64_t blocks[kChunk];  // the block of each key of the chunk (past the sequence: its last block, never read)
+  for (int64_t part = part_lo; part < part_hi; ++part) {
+    clear_state(count, padded, s.maxes, s.sums, s.acc);
+    const int64_t keys_lo = std::max(tile_lo, part * kPartition), keys_hi = std::min(tile_hi, (part + 1) * kPartition);
+    for (int64_t c = keys_lo / kChunk * kChunk; c < keys_hi; c += kChunk) {
+      const int lo = static_cast<int>(std::max(c, keys_lo) - c), hi = static_cast<int>(std::min(c + kChunk, keys_hi) - c);
+      for (int j = 0; j < kChunk; ++j) blocks[j] = pb.tables.at(it.seq, std::min((c + j) / layout.block_size, last_block));
+      for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
+        const int64_t head = it.kv_head0 + kv;
+        Prefetcher prefetcher;
+        if (const int64_t next = c + kChunk; next < fetch_hi) {
+          plan_prefetch<T>(pb, it.seq, head, next, std::min(next + kChunk, fetch_hi), prefetcher);
         }
-        const int64_t row = offset[pos - lo] + kv * dim;
-        key_src[j] = k_cache + row;
-        if (values_in_place) {
-          value_src[j] = v_cache + row;
+        const int64_t half = (prefetcher.lines() + 1) / 2;
+        prefetcher.issue(half);
+        KeyColumns<T> columns;
+        columns.stride = layout.block_size;
+        if (keys_in_place) {
+          for (int v = 0; v < kChunkVecs; ++v) {
+            const int j = v * kLanes;
+            const int64_t offset = (c + j) % layout.block_size;
+            columns.columns[v] = k_cache + layout.key(blocks[j], head, offset);
+            if constexpr (kQuantized<T>) columns.scales[v] = pb.k_scale + layout.key_scale(blocks[j], head, offset);
+          }
         } else {
-          widen_row(v_cache + row, dim, padded, s.values + j * padded);
-          value_rows[j] = s.values + j * padded;
+          gather_keys<T>(pb, blocks, head, c, lo, hi, s.keys);
         }
-      }
-      transpose_keys(key_src, dim, s.keys, prefetcher, per_block);
-      const auto step = [&](int64_t m0, int64_t count, int lo, int hi) {
-        if (values_in_place) {
-          softmax_step(s, pb, key_rows, value_src, m0, count, lo, hi);
-        } else {
-          softmax_step(s, pb, key_rows, value_rows, m0, count, lo, hi);
+        for (int j = lo; j < hi; ++j) {
+          const int64_t offset = (c + j) % layout.block_size;
+          const T* row = v_cache + layout.value(blocks[j], head, offset);
+          if constexpr (kQuantized<T>) {
+            const at::Half* scales = pb.v_scale + layout.value_scale(blocks[j], head, offset);
+            for (int64_t g = 0; g < layout.groups; ++g) s.scales[j * layout.groups + g] = to_float(scales[g]);
+          }
+          if (values_in_place) {
+            value_src[j] = row;
+          } else {
+            widen_row(row, dim, padded, s.values + j * padded);
+            value_rows[j] = s.values + j * padded;
+          }
         }
-      };
-      // Rows that see the whole chunk go together; a row that sees part of it goes alone, over its own keys.
-      const int64_t base = kv * per_kv;
-      int64_t r = 0;
-      while (r < it.rows) {
-        const int64_t pos = first_pos + r;
-        const int64_t a = std::max(c, first_key(pos)), b = std::min(c + kChunk, pos + 1);
-        if (a >= b) {
-          ++r;
-        } else if (a == c && b == c + kChunk) {
-          int64_t end = r + 1;
-          while (end < it.rows && first_key(first_pos + end) <= c && first_pos + end >= c + kChunk - 1) ++end;
-          step(base + r * heads, (end - r) * heads, 0, kChunk);
-          r = end;
-        } else {
-          step(base + r * heads, heads, static_cast<int>(a - c), static_cast<int>(b - c));
-          ++r;
+        const auto step = [&](int64_t m0, int64_t n, int a, int b) {
+          const auto with_keys = [&](const auto& keys) {
+            if (values_in_place) {
+              softmax_step(s, pb, keys, Rows<T>{value_src, s.scales, layout.groups}, m0, n, a, b, prefetcher);
+            } else {
+              softmax_step(s, pb, keys, Rows<float>{value_rows}, m0, n, a, b, prefetcher);
+            }
+          };
+          if (keys_in_place) {
+            with_keys(columns);
+          } else {
+            with_keys(Rows<float>{key_rows});
+          }
+        };
+        // Rows that see the whole chunk go together; a row that sees part of it goes alone, over its own keys.
+        const int64_t base = kv * per_kv;
+        int64_t r = 0;
+        while (r < it.rows) {
+          const int64_t pos = first_pos + r;
+          const int64_t a = std::max(c, first_key(pos)), b = std::min(c + kChunk, pos + 1);
+          if (a >= b) {
+            ++r;
+          } else if (a == c && b == c + kChunk) {
+            int64_t end = r + 1;
+            while (end < it.rows && first_key(first_pos + end) <= c && first_pos + end >= c + kChunk - 1) ++end;
+            step(base + r * heads, (end - r) * heads, 0, kChunk);
+            r = end;
+          } else {
+            step(base + r * heads, heads, static_cast<int>(a - c), static_cast<int>(b - c));
+            ++r;
+          }
         }
       }
     }
-  }
-  float* tmp = s.values;  // free again: the output staging row
-  for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
-    for (int64_t r = 0; r < it.rows; ++r) {
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t m = (kv * it.rows + r) * heads + h;
-        store_output(pb, s.acc + m * padded, s.sums + m * kChunk, tmp, first_token + r,
-                     (it.kv_head0 + kv) * pb.group + it.head0 + h);
-      }
+    if (it.partials != nullptr) {  // a split item: this partition's state, folded later with the others'
+      std::copy(s.maxes, s.maxes + count, it.partials);
+      std::copy(s.sums, s.sums + count * kChunk, it.partials + count);
+      std::copy(s.acc, s.acc + count * padded, it.partials + count * (1 + kChunk));
+    } else {
+      fold(count, padded, s.run_maxes, s.run_sums, s.run_acc, s.maxes, s.sums, s.acc);
     }
   }
+  if (it.partials == nullptr) store_outputs(pb, it, s);
 }
 
 // Splits the call into items: query-row tiles per sequence over all its KV heads; when that leaves too few
@@ -651,39 +821,121 @@ std::vector<Item> plan_items(const Problem& pb, int64_t num_seqs, int64_t thread
   return items;
 }
 
+// Items over partitions, one each, when there are too few items to keep the threads busy: the partitions' states go
+// to a workspace, and each item's are folded in order once all are done. Empty if no item spans two partitions.
+std::vector<Item> split_items(const Problem& pb, const std::vector<Item>& items, int64_t threads,
+                              std::vector<float>& workspace, std::vector<int64_t>& first_part) {
+  std::vector<Item> parts;
+  if (threads <= 1 || static_cast<int64_t>(items.size()) >= kSplitBelow * threads) return parts;
+  int64_t floats = 0;
+  for (const Item& it : items) {
+    const KeyRange range = key_range(pb, it);
+    floats += ((range.last + kPartition - 1) / kPartition - range.first / kPartition) * partial_floats(pb, it);
+  }
+  workspace.resize(floats);
+  float* partials = workspace.data();
+  for (const Item& it : items) {
+    const KeyRange range = key_range(pb, it);
+    first_part.push_back(static_cast<int64_t>(parts.size()));
+    const double per_key = it.cost / static_cast<double>(range.last - range.first + kChunk);
+    for (int64_t p = range.first / kPartition; p * kPartition < range.last; ++p) {
+      Item part = it;
+      part.part = p;
+      part.partials = std::exchange(partials, partials + partial_floats(pb, it));
+      const int64_t keys = std::min(range.last, (p + 1) * kPartition) - std::max(range.first, p * kPartition);
+      part.cost = per_key * static_cast<double>(keys + kChunk);
+      parts.push_back(part);
+    }
+  }
+  first_part.push_back(static_cast<int64_t>(parts.size()));
+  if (static_cast<int64_t>(parts.size()) == static_cast<int64_t>(items.size())) parts.clear();  // nothing to split
+  return parts;
+}
+
+// Longest first, handed out one at a time: which thread runs an item never changes its result.
+template <typename Fn>
+void run_in_parallel(std::vector<int64_t>& order, const std::vector<double>& costs, Fn&& fn) {
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return costs[a] > costs[b]; });
+  statelm::parallel_for(static_cast<int64_t>(order.size()), 1, [&](int64_t begin, int64_t end) {
+    Scratch& scratch = thread_scratch();
+    for (int64_t i = begin; i < end; ++i) fn(order[i], scratch);
+  });
+}
+
 template <typename T>
 void run_items(const Problem& pb, std::vector<Item>& items, int64_t threads) {
   double total = 0.0;
   for (const Item& it : items) total += it.cost;
-  if (threads <= 1 || items.size() <= 1 || total < kSerialCost) {
+  if (threads <= 1 || total < kSerialCost) {
     for (const Item& it : items) run_item<T>(pb, it, thread_scratch());
     return;
   }
-  // Longest first, handed out one at a time: which thread runs an item never changes its result.
-  std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
-  statelm::parallel_for(static_cast<int64_t>(items.size()), 1, [&](int64_t begin, int64_t end) {
-    Scratch& scratch = thread_scratch();
-    for (int64_t i = begin; i < end; ++i) run_item<T>(pb, items[i], scratch);
+  std::vector<float> workspace;
+  std::vector<int64_t> first_part;
+  std::vector<Item> parts = split_items(pb, items, threads, workspace, first_part);
+  std::vector<Item>& work = parts.empty() ? items : parts;
+  std::vector<int64_t> order(work.size());
+  std::vector<double> costs(work.size());
+  for (size_t i = 0; i < work.size(); ++i) {
+    order[i] = static_cast<int64_t>(i);
+    costs[i] = work[i].cost;
+  }
+  run_in_parallel(order, costs, [&](int64_t i, Scratch& scratch) { run_item<T>(pb, work[i], scratch); });
+  if (parts.empty()) return;
+  order.resize(items.size());
+  costs.resize(items.size());
+  for (size_t i = 0; i < items.size(); ++i) {
+    order[i] = static_cast<int64_t>(i);
+    costs[i] = static_cast<double>(first_part[i + 1] - first_part[i]);
+  }
+  run_in_parallel(order, costs, [&](int64_t i, Scratch& scratch) {
+    combine_item(pb, items[i], parts[first_part[i]].partials, first_part[i + 1] - first_part[i], scratch);
   });
 }
 
 bool is_float_type(at::ScalarType t) { return t == at::kFloat || t == at::kBFloat16 || t == at::kHalf; }
 
+bool is_cache_type(at::ScalarType t) { return is_float_type(t) || t == at::kChar; }
+
+// The pool's layout of one layer's caches, checked: keys [blocks, KVH, D, S], values [blocks, KVH, S, D], scales
+// (defined for int8 caches only) [blocks, KVH, D/32, S] and [blocks, KVH, S, D/32] float16, all contiguous.
+Layout check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+                    const c10::optional<at::Tensor>& v_scale) {
+  TORCH_CHECK(k_cache.dim() == 4 && is_cache_type(k_cache.scalar_type()),
+              "k_cache must be [blocks, KVH, D, block_size] float32/bfloat16/float16/int8");
+  const int64_t blocks = k_cache.size(0), kv_heads = k_cache.size(1), dim = k_cache.size(2), size = k_cache.size(3);
+  TORCH_CHECK(v_cache.sizes() == at::IntArrayRef({blocks, kv_heads, size, dim}) &&
+                  v_cache.scalar_type() == k_cache.scalar_type(),
+              "v_cache must be [blocks, KVH, block_size, D] of k_cache's dtype");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
+  TORCH_CHECK(k_cache.device().is_cpu() && v_cache.device().is_cpu(), "the caches must be CPU tensors");
+  TORCH_CHECK(dim >= 1 && dim <= kMaxHeadDim, "head dim must be 1..", kMaxHeadDim);
+  const bool quantized = k_cache.scalar_type() == at::kChar;
+  TORCH_CHECK(k_scale.has_value() == quantized && v_scale.has_value() == quantized,
+              "int8 (q8_0) caches need k_scale and v_scale; float caches take none");
+  const int64_t groups = quantized ? dim / kGroup : 0;
+  if (quantized) {
+    TORCH_CHECK(dim % kGroup == 0, "a q8_0 cache needs a head dim that is a multiple of ", kGroup);
+    TORCH_CHECK(k_scale->sizes() == at::IntArrayRef({blocks, kv_heads, groups, size}) &&
+                    v_scale->sizes() == at::IntArrayRef({blocks, kv_heads, size, groups}) &&
+                    k_scale->scalar_type() == at::kHalf && v_scale->scalar_type() == at::kHalf &&
+                    k_scale->is_contiguous() && v_scale->is_contiguous(),
+                "k_scale must be [blocks, KVH, D/32, block_size] and v_scale [blocks, KVH, block_size, D/32], "
+                "contiguous float16");
+  }
+  return {kv_heads, dim, groups, size};
+}
+
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
-                           const at::Tensor& query_start_in, double scale, int64_t sliding_window) {
+                           const at::Tensor& query_start_in, double scale, int64_t sliding_window,
+                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q_in.dim() == 3 && is_float_type(q_in.scalar_type()), "q must be [T, H, D] float32/bfloat16/float16");
-  TORCH_CHECK(k_cache.dim() == 4 && is_float_type(k_cache.scalar_type()),
-              "k_cache must be [blocks, block_size, KVH, D] float32/bfloat16/float16");
-  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type(),
-              "v_cache must match k_cache in shape and dtype");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the caches must be contiguous");
-  TORCH_CHECK(q_in.device().is_cpu() && k_cache.device().is_cpu() && v_cache.device().is_cpu(),
-              "paged_attention runs on CPU tensors");
-  const int64_t heads = q_in.size(1), dim = q_in.size(2), kv_heads = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == dim, "q and the caches disagree on the head dim");
-  TORCH_CHECK(dim >= 1 && dim <= kMaxHeadDim, "head dim must be 1..", kMaxHeadDim);
-  TORCH_CHECK(kv_heads >= 1 && heads % kv_heads == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(q_in.device().is_cpu(), "paged_attention runs on CPU tensors");
+  const Layout layout = check_caches(k_cache, v_cache, k_scale, v_scale);
+  const int64_t heads = q_in.size(1), dim = q_in.size(2), kv_heads = layout.kv_heads;
+  TORCH_CHECK(layout.dim == dim, "q and the caches disagree on the head dim");
+  TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
   TORCH_CHECK(block_tables_in.dim() == 2 &&
                   (block_tables_in.scalar_type() == at::kInt || block_tables_in.scalar_type() == at::kLong),
@@ -705,6 +957,9 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   pb.out = static_cast<char*>(out.data_ptr());
   pb.k_cache = k_cache.data_ptr();
   pb.v_cache = v_cache.data_ptr();
+  pb.k_scale = k_scale.has_value() ? static_cast<const at::Half*>(k_scale->data_ptr()) : nullptr;
+  pb.v_scale = v_scale.has_value() ? static_cast<const at::Half*>(v_scale->data_ptr()) : nullptr;
+  pb.layout = layout;
   pb.tables.width = block_tables.size(1);
   if (block_tables.scalar_type() == at::kInt) {
     pb.tables.narrow = block_tables.data_ptr<int32_t>();
@@ -718,7 +973,6 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   pb.group = heads / kv_heads;
   pb.dim = dim;
   pb.padded = round_up(dim, kLanes);
-  pb.block_size = k_cache.size(1);
   pb.window = sliding_window;
   pb.scale = static_cast<float>(scale);
 
@@ -728,7 +982,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   for (int64_t b = 0; b < num_seqs; ++b) {
     const int64_t qlen = pb.query_start[b + 1] - pb.query_start[b], len = pb.seq_lens[b];
     TORCH_CHECK(qlen >= 0 && qlen <= len, "sequence ", b, ": query rows must be 0..seq_len");
-    const int64_t used = (len + pb.block_size - 1) / pb.block_size;
+    const int64_t used = (len + layout.block_size - 1) / layout.block_size;
     TORCH_CHECK(used <= pb.tables.width, "sequence ", b, ": block table too narrow for ", len, " tokens");
     for (int64_t i = 0; i < (qlen > 0 ? used : 0); ++i) {
       const int64_t block = pb.tables.at(b, i);
@@ -742,9 +996,111 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   switch (k_cache.scalar_type()) {
     case at::kBFloat16: run_items<at::BFloat16>(pb, items, threads); break;
     case at::kHalf: run_items<at::Half>(pb, items, threads); break;
+    case at::kChar: run_items<int8_t>(pb, items, threads); break;
     default: run_items<float>(pb, items, threads); break;
   }
   return out;
+}
+
+// ---------------------------------------------------------------------------------------------------------
+// The store of a step's K/V: each token's row rounded to the cache's dtype (to nearest even) or quantized
+// (q8_0: per 32 values d = fp16(max|x| / 127), q = x / d rounded to nearest even, clamped to +-127; 0 where d is
+// 0), exactly as statelm.engine.kv_format computes them, and written into its slot's block.
+
+// float32 x[0..n) of a row of K or V.
+template <typename X>
+void row_to_float(const X* src, int64_t n, float* dst) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
+}
+
+// One 32-value q8_0 group: int8 values and the float16 scale.
+at::Half quantize_group(const float* x, int8_t* q) {
+  float amax = 0.0f;
+  for (int i = 0; i < kGroup; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const at::Half scale(amax / 127.0f);
+  const float d = static_cast<float>(scale);
+  for (int i = 0; i < kGroup; ++i) {
+    q[i] = d == 0.0f ? 0 : static_cast<int8_t>(std::clamp(std::nearbyint(x[i] / d), -127.0f, 127.0f));
+  }
+  return scale;
+}
+
+template <typename T>
+void store_rows(const at::Tensor& rows, void* cache_ptr, at::Half* scales, const Layout& layout,
+                const int64_t* slots, bool keys) {
+  T* cache = static_cast<T*>(cache_ptr);
+  const int64_t tokens = rows.size(0), heads = layout.kv_heads, dim = layout.dim, size = layout.block_size;
+  statelm::parallel_for(tokens, 16, [&](int64_t begin, int64_t end) {
+    float x[kMaxHeadDim];
+    int8_t q[kMaxHeadDim];
+    at::Half scale[kMaxHeadDim / kGroup];
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // a padding row
+      const int64_t block = slot / size, offset = slot % size;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t src = t * rows.stride(0) + h * rows.stride(1);
+        switch (rows.scalar_type()) {
+          case at::kBFloat16: row_to_float(rows.const_data_ptr<at::BFloat16>() + src, dim, x); break;
+          case at::kHalf: row_to_float(rows.const_data_ptr<at::Half>() + src, dim, x); break;
+          default: row_to_float(rows.const_data_ptr<float>() + src, dim, x); break;
+        }
+        if constexpr (kQuantized<T>) {
+          for (int64_t g = 0; g < layout.groups; ++g) scale[g] = quantize_group(x + g * kGroup, q + g * kGroup);
+        }
+        const auto element = [&](int64_t d) {
+          if constexpr (kQuantized<T>) return q[d];
+          else return static_cast<T>(x[d]);
+        };
+        if (keys) {
+          T* dst = cache + layout.key(block, h, offset);
+          for (int64_t d = 0; d < dim; ++d) dst[d * size] = element(d);
+          if constexpr (kQuantized<T>) {
+            at::Half* s = scales + layout.key_scale(block, h, offset);
+            for (int64_t g = 0; g < layout.groups; ++g) s[g * size] = scale[g];
+          }
+        } else {
+          T* dst = cache + layout.value(block, h, offset);
+          for (int64_t d = 0; d < dim; ++d) dst[d] = element(d);
+          if constexpr (kQuantized<T>) {
+            std::copy(scale, scale + layout.groups, scales + layout.value_scale(block, h, offset));
+          }
+        }
+      }
+    }
+  });
+}
+
+void kv_store(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache, const at::Tensor& v_cache,
+              const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+              const at::Tensor& slot_mapping_in) {
+  const Layout layout = check_caches(k_cache, v_cache, k_scale, v_scale);
+  for (const at::Tensor* rows : {&k, &v}) {
+    TORCH_CHECK(rows->dim() == 3 && is_float_type(rows->scalar_type()) && rows->device().is_cpu(),
+                "k and v must be [T, KVH, D] float32/bfloat16/float16 CPU tensors");
+    TORCH_CHECK(rows->size(1) == layout.kv_heads && rows->size(2) == layout.dim && rows->stride(2) == 1,
+                "k and v must match the caches' KV heads and head dim, with contiguous rows");
+  }
+  const at::Tensor slot_mapping = slot_mapping_in.to(at::kLong).contiguous();
+  TORCH_CHECK(slot_mapping.numel() == k.size(0) && v.size(0) == k.size(0), "one slot per row of k and v");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  const int64_t capacity = k_cache.size(0) * layout.block_size;
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t) {
+    TORCH_CHECK(slots[t] < capacity, "slot ", slots[t], " is outside the cache");
+  }
+  at::Half* k_scales = k_scale.has_value() ? static_cast<at::Half*>(k_scale->data_ptr()) : nullptr;
+  at::Half* v_scales = v_scale.has_value() ? static_cast<at::Half*>(v_scale->data_ptr()) : nullptr;
+  const auto store = [&](auto element) {
+    using T = decltype(element);
+    store_rows<T>(k, k_cache.data_ptr(), k_scales, layout, slots, true);
+    store_rows<T>(v, v_cache.data_ptr(), v_scales, layout, slots, false);
+  };
+  switch (k_cache.scalar_type()) {
+    case at::kBFloat16: store(at::BFloat16()); break;
+    case at::kHalf: store(at::Half()); break;
+    case at::kChar: store(int8_t()); break;
+    default: store(0.0f); break;
+  }
 }
 
 }  // namespace
@@ -752,7 +1108,13 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start, float scale, int sliding_window=0) -> Tensor");
+      "Tensor query_start, float scale, int sliding_window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+  m.def(
+      "kv_store(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, "
+      "Tensor slot_mapping) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("paged_attention", &paged_attention); }
+TORCH_LIBRARY_IMPL(statelm, CPU, m) {
+  m.impl("paged_attention", &paged_attention);
+  m.impl("kv_store", &kv_store);
+}

@@ -33,7 +33,7 @@ async def health(request: Request, response: Response) -> HealthStatus:
     """The server is up and its event loop is free; 503 while it drains or when the engine cannot recover. The state
     directory's condition is reported, not judged: a full disk refuses what cannot be saved, the rest is served."""
     invariance = request.app.state.invariance
-    details = invariance.as_dict() if invariance is not None else None
+    details = dict(invariance) if invariance is not None else None
     storage = request.app.state.sessions.manager.storage_report()
     if request.app.state.drain.draining:
         response.status_code = 503

@@ -12,10 +12,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 from sse_starlette import EventSourceResponse, ServerSentEvent
 
-from statelm.api.chat import ChatService
-from statelm.api.completions import CompletionService
-from statelm.api.completions_protocol import CompletionRequest, CompletionResponse
 from statelm.api.errors import APIError
+from statelm.api.openai.chat import ChatService
+from statelm.api.openai.completions import CompletionService
+from statelm.api.openai.completions_protocol import CompletionRequest, CompletionResponse
 from statelm.api.protocol import (
     ChatCompletionRequest,
     ChatCompletionResponse,
@@ -34,7 +34,7 @@ from statelm.api.tokenize import (
     detokenize,
     tokenize,
 )
-from statelm.engine.async_engine import EngineError
+from statelm.engine.client import EngineError
 from statelm.sessions.errors import SessionError
 from statelm.sessions.ownership import current_principal
 
@@ -54,7 +54,7 @@ def serving_context(request: Request) -> ServingContext:
 
 @router.get("/v1/models", tags=["openai"])
 async def list_models(request: Request) -> ModelList:
-    """The one model this server serves."""
+    """The model this server generates with, then the models it only embeds or reranks with."""
     context = serving_context(request)
     model = context.model
     card = ModelCard(
@@ -63,7 +63,17 @@ async def list_models(request: Request) -> ModelList:
         max_model_len=model.max_model_len,
         sampling_defaults=effective_defaults(context.defaults),
     )
-    return ModelList(data=[card])
+    encoders = [
+        ModelCard(
+            id=encoder.served.name,
+            created=encoder.served.created,
+            max_model_len=encoder.served.max_model_len,
+            kind="reranker" if encoder.cross_encoder else "embedding",
+        )
+        for encoder in request.app.state.embeddings.models.models
+        if encoder.served.name != model.name
+    ]
+    return ModelList(data=[card, *encoders])
 
 
 @router.post("/v1/chat/completions", response_model=None, tags=["openai"])
@@ -120,13 +130,11 @@ async def generation_response(
     ping: Callable[[], ServerSentEvent] | None = None,
 ) -> T | EventSourceResponse:
     """A generation route's answer: the whole body (cancelled if the client leaves first), or its stream as
-    server-sent events with `ping` (default: a comment) as keep-alive; an engine failure before either is a 500."""
-    try:
-        if not streamed:
-            return await cancel_on_disconnect(request, whole())
-        items = await start_stream()
-    except EngineError as exc:
-        raise APIError(str(exc), status=500, type="server_error") from exc
+    server-sent events with `ping` (default: a comment) as keep-alive (an engine failure before either is a 500:
+    statelm.server.errors)."""
+    if not streamed:
+        return await cancel_on_disconnect(request, whole())
+    items = await start_stream()
     keepalive = request.app.state.sse_keepalive
     return EventSourceResponse(as_events(items), ping=keepalive, ping_message_factory=ping)
 

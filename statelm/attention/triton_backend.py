@@ -31,13 +31,32 @@ import torch
 import triton
 import triton.language as tl
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.layer_kv import LayerKV
 
 PARTITION_SIZE = 512  # keys per partition of the key range (a multiple of every key tile size)
 TILE_ROWS = 32  # query rows (tokens x query heads of one KV head) per tile
 SPLIT_MAX_PROGRAMS = 1024  # split the key range only while the unsplit grid has fewer programs than this
 MAX_WORKSPACE_BYTES = 256 << 20  # and only while the partials fit in this much memory
 LOG2E = 1.4426950408889634
+Q8_GROUP: tl.constexpr = tl.constexpr(32)  # values per q8_0 scale (statelm.attention.kv_format)
+
+
+@triton.jit
+def _quantize_q8_0(x, ROWS: tl.constexpr, BLOCK_D: tl.constexpr):
+    """q8_0 of x [ROWS, BLOCK_D] per 32 values, as statelm.attention.kv_format computes it: (int8 values, scales).
+
+    Both divisions are correctly rounded (div_rn), and (y + 1.5 * 2^23) - 1.5 * 2^23 rounds |y| < 2^22 to the
+    nearest integer, ties to even, in float32 arithmetic everywhere.
+    """
+    groups = tl.reshape(x, (ROWS, BLOCK_D // Q8_GROUP, Q8_GROUP))
+    scales = tl.math.div_rn(tl.max(tl.abs(groups), 2), 127.0).to(tl.float16)
+    divisor = scales.to(tl.float32)[:, :, None]
+    zero = divisor == 0.0
+    y = tl.math.div_rn(groups, tl.where(zero, 1.0, divisor))
+    rounded = (y + 12582912.0) - 12582912.0
+    values = tl.where(zero, 0.0, tl.minimum(tl.maximum(rounded, -127.0), 127.0)).to(tl.int8)
+    return tl.reshape(values, (ROWS, BLOCK_D)), scales
 
 
 @triton.jit
@@ -46,33 +65,48 @@ def _store_kv_kernel(
     v_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     slot_ptr,
     stride_kt,
     stride_kh,
     stride_vt,
     stride_vh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
     num_kv_heads,
     head_dim,
     BLOCK_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
-    """Copy token t's K/V [kv_heads, head_dim] to its cache slot (none for slot -1), cast to the cache dtype."""
+    """Write token t's K/V [kv_heads, head_dim] into its slot (none for slot -1): rounded to the cache dtype, or
+    quantized (q8_0), in the pool's layout (keys [blocks, H, D, S], values [blocks, H, S, D])."""
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot < 0:
         return
+    block, offset = slot // BLOCK_SIZE, slot % BLOCK_SIZE
     h = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     mask = (h < num_kv_heads) & (d < head_dim)
-    dst = (slot // BLOCK_SIZE) * stride_cb + (slot % BLOCK_SIZE) * stride_cs + h * stride_ch + d
-    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask)
-    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    k = tl.load(k_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0)
+    v = tl.load(v_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0)
+    head = block * num_kv_heads + h
+    key_dst = (head * head_dim + d) * BLOCK_SIZE + offset
+    value_dst = (head * BLOCK_SIZE + offset) * head_dim + d
+    if QUANTIZED:
+        groups = head_dim // Q8_GROUP
+        g = tl.arange(0, BLOCK_D // Q8_GROUP)[None, :]
+        g_mask = (h < num_kv_heads) & (g < groups)
+        k_values, k_scales = _quantize_q8_0(k.to(tl.float32), BLOCK_H, BLOCK_D)
+        v_values, v_scales = _quantize_q8_0(v.to(tl.float32), BLOCK_H, BLOCK_D)
+        tl.store(k_cache_ptr + key_dst, k_values, mask=mask)
+        tl.store(v_cache_ptr + value_dst, v_values, mask=mask)
+        tl.store(k_scale_ptr + (head * groups + g) * BLOCK_SIZE + offset, k_scales, mask=g_mask)
+        tl.store(v_scale_ptr + (head * BLOCK_SIZE + offset) * groups + g, v_scales, mask=g_mask)
+    else:
+        tl.store(k_cache_ptr + key_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + value_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -107,6 +141,8 @@ def _partition(
     q,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     table_ptr,
     kv_head,
     part,
@@ -116,9 +152,7 @@ def _partition(
     row_valid,
     qk_scale,
     window,
-    stride_cb,
-    stride_cs,
-    stride_ch,
+    num_kv_heads,
     head_dim,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -126,6 +160,7 @@ def _partition(
     BLOCK_SIZE: tl.constexpr,
     PARTITION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """(max, sum, acc) of the tile's rows over the keys of one partition, in log2 units, by online softmax."""
     start = tl.maximum(part * PARTITION, key_lo) // BLOCK_N * BLOCK_N
@@ -138,11 +173,29 @@ def _partition(
         keys = n0 + tl.arange(0, BLOCK_N)
         key_valid = (keys >= key_lo) & (keys < end)  # read no key that no row of the tile sees
         block = tl.load(table_ptr + keys // BLOCK_SIZE, mask=key_valid, other=0).to(tl.int64)
-        offsets = block * stride_cb + (keys % BLOCK_SIZE) * stride_cs + kv_head * stride_ch
+        head = block * num_kv_heads + kv_head  # the key's block of this head: keys [D, S], values [S, D]
+        offset = keys % BLOCK_SIZE
         k_mask = key_valid[None, :] & (d[:, None] < head_dim)
         v_mask = key_valid[:, None] & (d[None, :] < head_dim)
-        k = tl.load(k_cache_ptr + offsets[None, :] + d[:, None], mask=k_mask, other=0.0)  # [BLOCK_D, BLOCK_N]
-        v = tl.load(v_cache_ptr + offsets[:, None] + d[None, :], mask=v_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        k_offsets = (head[None, :] * head_dim + d[:, None]) * BLOCK_SIZE + offset[None, :]  # [BLOCK_D, BLOCK_N]
+        v_offsets = (head[:, None] * BLOCK_SIZE + offset[:, None]) * head_dim + d[None, :]  # [BLOCK_N, BLOCK_D]
+        k = tl.load(k_cache_ptr + k_offsets, mask=k_mask, other=0.0)
+        v = tl.load(v_cache_ptr + v_offsets, mask=v_mask, other=0.0)
+        if QUANTIZED:  # scale * value: exact in float32
+            groups = head_dim // Q8_GROUP
+            g = d // Q8_GROUP
+            k_scales = tl.load(
+                k_scale_ptr + (head[None, :] * groups + g[:, None]) * BLOCK_SIZE + offset[None, :],
+                mask=k_mask,
+                other=0.0,
+            )
+            v_scales = tl.load(
+                v_scale_ptr + (head[:, None] * BLOCK_SIZE + offset[:, None]) * groups + g[None, :],
+                mask=v_mask,
+                other=0.0,
+            )
+            k = k.to(tl.float32) * k_scales.to(tl.float32)
+            v = v.to(tl.float32) * v_scales.to(tl.float32)
         s = tl.dot(q, k.to(q.dtype), input_precision="ieee")  # the precision applies to float32 operands only
         visible = row_valid[:, None] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
@@ -164,6 +217,8 @@ def _attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     ws_m_ptr,
     ws_den_ptr,
@@ -178,11 +233,9 @@ def _attention_kernel(
     stride_qh,
     stride_ot,
     stride_oh,
-    stride_cb,
-    stride_cs,
-    stride_ch,
     stride_bt,
     num_heads,
+    num_kv_heads,
     head_dim,
     num_partitions,
     GROUP: tl.constexpr,
@@ -195,6 +248,7 @@ def _attention_kernel(
     HAS_WINDOW: tl.constexpr,
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
+    QUANTIZED: tl.constexpr,
 ):
     """One tile of BLOCK_Q query tokens x GROUP heads over one KV head: all its partitions, or (SPLIT) one."""
     seq = _find_seq(query_start_ptr, tl.program_id(0), num_seqs, BLOCK_Q, True)
@@ -230,9 +284,9 @@ def _attention_kernel(
         if (part < part_lo) | (part >= part_hi):
             return
         m, den, acc = _partition(
-            q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, part, key_lo, key_hi, pos, row_valid, qk_scale,
-            window, stride_cb, stride_cs, stride_ch, head_dim,
-            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW,
+            q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, part, key_lo, key_hi, pos,
+            row_valid, qk_scale, window, num_kv_heads, head_dim,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW, QUANTIZED,
         )  # fmt: skip
         index = (t * num_partitions + part) * num_heads + head  # workspace [T, partitions, heads(, BLOCK_D)]
         tl.store(ws_m_ptr + index, m, mask=row_valid)
@@ -244,9 +298,9 @@ def _attention_kernel(
         acc_run = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         for part in range(part_lo, part_hi):
             m, den, acc = _partition(
-                q, k_cache_ptr, v_cache_ptr, table_ptr, kv_head, part, key_lo, key_hi, pos, row_valid, qk_scale,
-                window, stride_cb, stride_cs, stride_ch, head_dim,
-                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW,
+                q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, part, key_lo, key_hi,
+                pos, row_valid, qk_scale, window, num_kv_heads, head_dim,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW, QUANTIZED,
             )  # fmt: skip
             m_run, weight_run, weight = _fold_weights(m_run, m)
             den_run = tl.fma(den_run, weight_run, den * weight)
@@ -327,15 +381,17 @@ class TritonAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend each query over its sequence's context."""
+        """Write this step's K/V into the cache (rounded or quantized), then attend each query over its context."""
         num_tokens, num_heads, head_dim = q.shape
-        num_kv_heads, block_size = k.shape[1], k_cache.shape[1]
-        assert k_cache.stride() == v_cache.stride() and k_cache.stride(3) == 1, "caches must share a dense layout"
+        num_kv_heads, block_size = k.shape[1], cache.block_size
+        k_cache, v_cache = cache.k, cache.v
+        quantized = cache.k_scale is not None
+        k_scale, v_scale = (cache.k_scale, cache.v_scale) if quantized else (k_cache, v_cache)  # not read unless q8_0
+        assert all(t.is_contiguous() for t in (k_cache, v_cache, k_scale, v_scale)), "the pool's tensors are dense"
         assert meta.block_tables.stride(1) == 1, "block table rows must be contiguous"
         q, k, v = (x if x.stride(2) == 1 else x.contiguous() for x in (q, k, v))
         out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
@@ -343,11 +399,10 @@ class TritonAttentionBackend:
             return out
         block_d = max(16, triton.next_power_of_2(head_dim))
         _store_kv_kernel[(num_tokens,)](
-            k, v, k_cache, v_cache, meta.slot_mapping,
+            k, v, k_cache, v_cache, k_scale, v_scale, meta.slot_mapping,
             k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             num_kv_heads, head_dim,
-            BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d,
+            BLOCK_SIZE=block_size, BLOCK_H=triton.next_power_of_2(num_kv_heads), BLOCK_D=block_d, QUANTIZED=quantized,
         )  # fmt: skip
 
         group = num_heads // num_kv_heads
@@ -369,12 +424,11 @@ class TritonAttentionBackend:
         dot_f32 = q.dtype == torch.float32 or q.dtype != k_cache.dtype  # else q's 16-bit dtype on tensor cores
         grid = (num_tiles, num_kv_heads, num_partitions if split else 1)
         _attention_kernel[grid](
-            q, k_cache, v_cache, out, ws_m, ws_den, ws_acc,
+            q, k_cache, v_cache, k_scale, v_scale, out, ws_m, ws_den, ws_acc,
             meta.block_tables, meta.seq_lens_tensor, meta.query_start_tensor,
             num_seqs, scale * LOG2E, window,
-            q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), meta.block_tables.stride(0),
-            num_heads, head_dim, num_partitions,
+            q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
+            num_heads, num_kv_heads, head_dim, num_partitions,
             GROUP=group,
             BLOCK_Q=block_q,
             BLOCK_M=max(16, triton.next_power_of_2(block_q * group)),
@@ -385,6 +439,7 @@ class TritonAttentionBackend:
             HAS_WINDOW=self.sliding_window is not None,
             SPLIT=split,
             DOT_F32=dot_f32,
+            QUANTIZED=quantized,
             num_warps=4 if block_d <= 64 else 8,
             enable_fp_fusion=False,  # no mul+add contracted to fma behind our back: both fold paths stay alike
         )  # fmt: skip

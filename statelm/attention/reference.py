@@ -10,7 +10,7 @@ query row versus several: queries are always passed in one contiguous layout, an
 copy. A row's result is then the same whatever the number of query rows in its call, on CPUs whose SDPA
 kernel keeps that promise (AMX ones do; AVX2 ones do not). `per_row` makes every query row a call of its
 own (as a decode at its position): slow for prefills, but invariant on any CPU; the start-up self-check
-(statelm.engine.invariance) falls back to it when nothing faster passes.
+(statelm.models.invariance) falls back to it when nothing faster passes.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.layer_kv import LayerKV
 
 KEY_PAD = 64
 DECODE_QUERY_ROWS = 2  # the fewest query rows that take the same SDPA path as a prefill
@@ -51,21 +52,18 @@ class TorchAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend each query over its sequence's context."""
-        kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k)
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v)
-        calls = self._plan_for(meta, k_cache.shape[1])
+        """Write this step's K/V into the cache (rounded or quantized), then attend each query over its context."""
+        cache.store(k, v, meta.slot_mapping)
+        calls = self._plan_for(meta, cache.block_size)
         if len(calls) == 1 and isinstance(calls[0].rows, slice):
-            return _attend(q, k_cache, v_cache, calls[0], scale)
+            return _attend(q, cache, calls[0], scale)
         out = torch.empty_like(q)
         for call in calls:
-            out[call.rows] = _attend(q, k_cache, v_cache, call, scale)
+            out[call.rows] = _attend(q, cache, call, scale)
         return out
 
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> list[_Call]:
@@ -119,17 +117,18 @@ class TorchAttentionBackend:
         return _Call(rows, tables[:, :blocks_per_seq].reshape(-1), len(seqs), num_keys, mask.unsqueeze(1))
 
 
-def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, call: _Call, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, cache: LayerKV, call: _Call, scale: float) -> torch.Tensor:
     """SDPA of the call's query rows [rows, heads, dim] over their padded contexts; returns the same shape."""
     num_heads, head_dim = q.shape[1], q.shape[2]
-    kv_heads = k_cache.shape[2]
+    kv_heads = cache.v.shape[1]
     query = q[call.rows].view(call.num_seqs, -1, num_heads, head_dim)
     query_len = query.shape[1]
     if query_len < call.mask.shape[2]:  # a decode group: repeat the query row (see the module docstring)
         query = query.expand(-1, call.mask.shape[2], -1, -1)
     query = query.transpose(1, 2).contiguous()  # SDPA's path also depends on the layout: always the same one
     shape = (call.num_seqs, -1, kv_heads, head_dim)
-    keys = k_cache.index_select(0, call.blocks).view(shape)[:, : call.num_keys].transpose(1, 2)
-    values = v_cache.index_select(0, call.blocks).view(shape)[:, : call.num_keys].transpose(1, 2)
+    keys, values = (
+        rows.to(q.dtype).view(shape)[:, : call.num_keys].transpose(1, 2) for rows in cache.values_of(call.blocks)
+    )
     out = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask, scale=scale, enable_gqa=True)
     return out[:, :, :query_len].transpose(1, 2).reshape(-1, num_heads, head_dim)

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from statelm.engine.attention.base import AttentionMetadata
+from statelm.attention.base import AttentionMetadata
+from statelm.attention.layer_kv import LayerKV
 from statelm.kernels.build import load_kernels
 
 
 class CpuKernelAttentionBackend:
-    """Paged attention through torch.ops.statelm.paged_attention (CPU tensors; any float cache dtype)."""
+    """Paged attention through torch.ops.statelm.paged_attention (CPU tensors; every KV format)."""
 
     def __init__(self, sliding_window: int | None = None) -> None:
         load_kernels()
@@ -26,22 +27,21 @@ class CpuKernelAttentionBackend:
         q: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
+        cache: LayerKV,
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:
-        """Write this step's K/V into the cache, then attend each query over its sequence's context."""
-        kv_heads, head_dim = k.shape[1], k.shape[2]
-        k_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.view(-1, kv_heads, head_dim).index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        """Write this step's K/V into the cache (rounded or quantized), then attend each query over its context."""
+        torch.ops.statelm.kv_store(k, v, cache.k, cache.v, cache.k_scale, cache.v_scale, meta.slot_mapping)
         return torch.ops.statelm.paged_attention(
             q,
-            k_cache,
-            v_cache,
+            cache.k,
+            cache.v,
             meta.block_tables,
             meta.seq_lens_tensor,
             meta.query_start_tensor,
             scale,
             self.sliding_window or 0,
+            cache.k_scale,
+            cache.v_scale,
         )

@@ -7,16 +7,16 @@ import uuid
 from collections.abc import AsyncIterator
 
 from statelm.api.access_log import log_request
-from statelm.api.completions_protocol import (
+from statelm.api.errors import APIError
+from statelm.api.generation import ReleasedToken, TextDelta, collect, merge_generations
+from statelm.api.logprobs import TokenStrings
+from statelm.api.openai.completions_protocol import (
     CompletionChoice,
     CompletionChunk,
     CompletionLogprobs,
     CompletionRequest,
     CompletionResponse,
 )
-from statelm.api.errors import APIError
-from statelm.api.generation import ReleasedToken, TextDelta, collect, merge_generations
-from statelm.api.logprobs import completion_logprobs
 from statelm.api.protocol import Timings, Usage
 from statelm.api.serving import ServingContext, served_tier, stream_events, timings_of, usage_of
 
@@ -120,3 +120,19 @@ class CompletionService:
 
     def _logprobs(self, request: CompletionRequest, tokens: list[ReleasedToken]) -> CompletionLogprobs | None:
         return None if request.logprobs is None else completion_logprobs(tokens, self.context.strings)
+
+
+def completion_logprobs(tokens: list[ReleasedToken], strings: TokenStrings) -> CompletionLogprobs:
+    """The legacy `logprobs` object for some tokens of a choice; each top_logprobs entry includes the chosen token."""
+    top_logprobs = []
+    for released in tokens:
+        record = released.logprob
+        top = {strings.text(token_id): logprob for token_id, logprob in record.top}
+        top.setdefault(strings.text(record.token_id), record.logprob)
+        top_logprobs.append(top)
+    return CompletionLogprobs(
+        tokens=[strings.text(released.logprob.token_id) for released in tokens],
+        token_logprobs=[released.logprob.logprob for released in tokens],
+        top_logprobs=top_logprobs,
+        text_offset=[released.offset for released in tokens],
+    )

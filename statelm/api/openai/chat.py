@@ -10,8 +10,8 @@ from statelm.api.chat_output import ChoiceEvent, ChoiceMessage, collect_choices
 from statelm.api.conversation import ConversationService, TurnPlan
 from statelm.api.errors import APIError
 from statelm.api.generation import GenerationStats
-from statelm.api.limits import GenerationLimits
 from statelm.api.logprobs import chat_logprobs
+from statelm.api.openai.stored_completions import CompletionStore
 from statelm.api.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -23,54 +23,16 @@ from statelm.api.protocol import (
     Timings,
     Usage,
 )
-from statelm.api.serving import (
-    ServedModel,
-    ServingContext,
-    sampling_defaults,
-    served_tier,
-    timings_of,
-    usage_of,
-)
-from statelm.api.stored_completions import CompletionStore
-from statelm.engine.async_engine import AsyncEngine
-from statelm.metrics import ServingMetrics
-from statelm.sessions.manager import SessionManager
+from statelm.api.serving import served_tier, timings_of, usage_of
 from statelm.sessions.ownership import current_principal
-from statelm.tokenizer import Tokenizer
 
 
 class ChatService:
-    """Serves chat completions from the engine, stateless or as turns of a session.
+    """Serves chat completions from the conversation core, stateless or as turns of a session."""
 
-    Its `context` (engine, tokenizer, model, limits, sampling defaults, chat format) serves the other
-    endpoints as well.
-    """
-
-    def __init__(
-        self,
-        engine: AsyncEngine,
-        tokenizer: Tokenizer,
-        model: ServedModel,
-        metrics: ServingMetrics,
-        sessions: SessionManager | None = None,
-        limits: GenerationLimits | None = None,
-        *,
-        tool_parser: str | None = None,
-        reasoning_parser: str = "auto",
-        completions: CompletionStore | None = None,
-    ) -> None:
-        defaults = sampling_defaults(engine.engine.sampling_defaults)
-        self.context = ServingContext(
-            engine,
-            tokenizer,
-            model,
-            metrics,
-            limits,
-            defaults,
-            tool_parser=tool_parser,
-            reasoning_parser=reasoning_parser,
-        )
-        self.conversations = ConversationService(self.context, sessions)
+    def __init__(self, conversations: ConversationService, completions: CompletionStore | None = None) -> None:
+        self.conversations = conversations
+        self.context = conversations.context
         self.completions = completions or CompletionStore(0)  # what `store: true` keeps; none by default
 
     async def complete(self, request: ChatCompletionRequest) -> ChatCompletionResponse:

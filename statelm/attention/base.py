@@ -1,4 +1,5 @@
-"""What an attention backend receives for one batched forward over the paged KV cache."""
+"""What a model and its attention backend see of one batched forward over the paged KV cache: the KV view, the
+step's attention metadata, and the backend interface."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from statelm.attention.kv_format import KVFormat
+from statelm.attention.layer_kv import LayerKV
 
 
 @dataclass
@@ -46,6 +50,35 @@ class AttentionMetadata:
         return len(self.query_lens)
 
 
+class KVView(Protocol):
+    """The paged KV cache as a model reads and writes it: its format and per layer its blocks (LayerKV: keys
+    [num_blocks, num_kv_heads, head_dim, block_size], values [num_blocks, num_kv_heads, block_size, head_dim], and
+    q8_0's scales), also as lists per plane for the fused decoder (the engine's KVCache is one)."""
+
+    format: KVFormat
+    layers: list[LayerKV]
+
+    @property
+    def k(self) -> list[torch.Tensor]:
+        """Every layer's key blocks."""
+        ...
+
+    @property
+    def v(self) -> list[torch.Tensor]:
+        """Every layer's value blocks."""
+        ...
+
+    @property
+    def k_scale(self) -> list[torch.Tensor]:
+        """Every layer's key scales (q8_0; empty for float formats)."""
+        ...
+
+    @property
+    def v_scale(self) -> list[torch.Tensor]:
+        """Every layer's value scales (q8_0; empty for float formats)."""
+        ...
+
+
 class AttentionBackend(Protocol):
     """Writes the step's K/V into the paged cache and computes attention for every query token."""
 
@@ -54,8 +87,7 @@ class AttentionBackend(Protocol):
         q: torch.Tensor,  # [T, num_heads, head_dim]
         k: torch.Tensor,  # [T, num_kv_heads, head_dim]
         v: torch.Tensor,  # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
+        cache: LayerKV,  # this layer's blocks (statelm.attention.layer_kv's layout, in the cache's format)
         meta: AttentionMetadata,
         scale: float,
     ) -> torch.Tensor:  # [T, num_heads, head_dim]

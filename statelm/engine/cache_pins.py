@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class PinRequest:
+class CachePinRequest:
     """A request's ask: pin the whole KV blocks of its prompt's first num_tokens tokens for ttl_s, charged to owner."""
 
     num_tokens: int
@@ -28,7 +28,7 @@ class PinRequest:
 
 
 @dataclass
-class Pin:
+class CachePin:
     """A pinned prefix: its blocks in order, who pays for them, its TTL and when it runs out."""
 
     blocks: tuple[int, ...]
@@ -38,7 +38,7 @@ class Pin:
 
 
 @dataclass
-class PinCounters:
+class CachePinCounters:
     """What the pin table has done since start-up, for /metrics."""
 
     created: int = 0
@@ -48,15 +48,15 @@ class PinCounters:
     refused: int = 0  # pins not made because the owner's or the pool's cap was reached
 
 
-class PinTable:
+class CachePinTable:
     """Pins by prefix, how many pins hold each block, what each owner is charged, and when the next pin expires."""
 
     def __init__(self, max_blocks: int, max_blocks_per_owner: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.max_blocks = max_blocks
         self.max_blocks_per_owner = max_blocks_per_owner
         self.clock = clock
-        self.counters = PinCounters()
-        self._pins: dict[int, Pin] = {}
+        self.counters = CachePinCounters()
+        self._pins: dict[int, CachePin] = {}
         self._holders: Counter[int] = Counter()  # block -> pins that hold it
         self._charged: dict[str, Counter[int]] = {}  # owner -> block -> that owner's pins that hold it
         self._next_expiry = math.inf  # no pin expires before this (refreshes may have pushed them all later)
@@ -97,7 +97,7 @@ class PinTable:
         ):
             self.counters.refused += 1
             return None
-        self._pins[key] = Pin(tuple(blocks), owner, ttl_s, now + ttl_s)
+        self._pins[key] = CachePin(tuple(blocks), owner, ttl_s, now + ttl_s)
         self._holders.update(blocks)
         charged.update(blocks)
         self._charged[owner] = charged

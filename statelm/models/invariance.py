@@ -1,4 +1,5 @@
-"""The start-up self-check: a row's result must not depend on how many rows share its kernel call.
+"""The start-up self-check that picks the compute path (compute_path.py): a row's result must not depend on how
+many rows share its kernel call.
 
 Before serving, the engine probes the loaded model's own linears and its attention backend on the model's
 shapes: a few rows computed alone against the same rows inside calls of 2, 7, 16 and 64 rows (and, for
@@ -17,8 +18,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from statelm.attention.base import AttentionBackend, AttentionMetadata
+from statelm.attention.kv_format import KVFormat, kv_format
+from statelm.attention.layer_kv import LayerKV
 from statelm.cpu import describe
-from statelm.engine.attention.base import AttentionBackend, AttentionMetadata
+from statelm.models.compute_path import compute_paths, use_compute_path
 from statelm.models.llama import LlamaForCausalLM
 
 log = logging.getLogger(__name__)
@@ -53,14 +57,15 @@ class InvarianceReport:
         return {"path": self.path, "verified": self.verified, "cpu": self.cpu, "rejected": self.rejected}
 
 
-def select_compute_path(model: LlamaForCausalLM, forced: str = "auto") -> InvarianceReport:
+def select_compute_path(model: LlamaForCausalLM, forced: str = "auto", kv: KVFormat | None = None) -> InvarianceReport:
     """Probe the model's compute paths fastest first and keep the first that is batch-invariant.
 
     forced: a path name to use whatever its probe says (the probe still runs and is reported), or `auto`.
+    kv: the KV cache's format the attention is probed with (default: the model's dtype).
     """
     started = time.perf_counter()
     rejected: dict[str, list[str]] = {}
-    paths = model.compute_paths()
+    paths = compute_paths(model)
     if forced != "auto":
         if forced not in paths:
             raise ValueError(f"compute path {forced!r} is not available here; choose from auto, {', '.join(paths)}")
@@ -69,8 +74,8 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto") -> Invari
     failures: list[str] = []
     for path in paths:
         try:
-            model.use_compute_path(path)
-            failures = probe_model(model)
+            use_compute_path(model, path)
+            failures = probe_model(model, kv)
         except Exception as exc:  # a path that cannot even run its probe is rejected like one that fails it
             failures = [f"probe raised {type(exc).__name__}: {exc}"]
         if not failures:
@@ -87,8 +92,8 @@ def select_compute_path(model: LlamaForCausalLM, forced: str = "auto") -> Invari
     return report
 
 
-def probe_model(model: LlamaForCausalLM) -> list[str]:
-    """Failures of the model's current path: its first layer's linears, the LM head and attention."""
+def probe_model(model: LlamaForCausalLM, kv: KVFormat | None = None) -> list[str]:
+    """Failures of the model's current path: its first layer's linears, the LM head and attention (over kv)."""
     generator = torch.Generator().manual_seed(0)
     failures: list[str] = []
     layer = model.layers[0]
@@ -114,7 +119,7 @@ def probe_model(model: LlamaForCausalLM) -> list[str]:
         failures += [
             f"attention: {f}"
             for f in probe_attention(
-                model.backend, attention.num_heads, attention.num_kv_heads, attention.head_dim, model.dtype, device
+                model.backend, attention.num_heads, attention.num_kv_heads, attention.head_dim, model.dtype, device, kv
             )
         ]
     return failures
@@ -146,9 +151,13 @@ def probe_attention(
     head_dim: int,
     dtype: torch.dtype,
     device: torch.device,
+    kv: KVFormat | None = None,
     block_size: int = 16,
 ) -> list[str]:
-    """Decode rows alone versus the same rows inside a whole prefill, prefill chunks and a two-sequence step."""
+    """Decode rows alone versus the same rows inside a whole prefill, prefill chunks and a two-sequence step.
+
+    kv: the KV cache's format (default: dtype's).
+    """
     generator = torch.Generator().manual_seed(1)
     length = ATTENTION_CONTEXT
     num_blocks = 2 * (-(-length // block_size)) + 1
@@ -156,18 +165,14 @@ def probe_attention(
         torch.randn(length, h, head_dim, generator=generator).to(device, dtype) for h in (heads, kv_heads, kv_heads)
     )
     table = torch.arange(1, num_blocks, device=device).view(2, -1)  # two sequences' blocks; block 0 stays unused
-    cache_shape = (num_blocks, block_size, kv_heads, head_dim)
 
     def run(calls: list[tuple[int, int]]) -> torch.Tensor:
         """One step over sequences given as (first, last) query positions, each over its own copy of the context."""
-        k_cache = torch.zeros(cache_shape, dtype=dtype, device=device)
-        v_cache = torch.zeros_like(k_cache)
+        cache = LayerKV.allocate(num_blocks, block_size, kv_heads, head_dim, kv or kv_format(dtype), device)
         slots, rows = [], []
         for seq, (first, last) in enumerate(calls):
             seq_slots = [int(table[seq, p // block_size]) * block_size + p % block_size for p in range(last)]
-            index = torch.tensor(seq_slots[:first], dtype=torch.int64, device=device)
-            k_cache.view(-1, kv_heads, head_dim).index_copy_(0, index, k[:first])
-            v_cache.view(-1, kv_heads, head_dim).index_copy_(0, index, v[:first])
+            cache.store(k[:first], v[:first], torch.tensor(seq_slots[:first], dtype=torch.int64, device=device))
             slots += seq_slots[first:]
             rows += range(first, last)
         row_index = torch.tensor(rows, dtype=torch.int64, device=device)
@@ -179,7 +184,7 @@ def probe_attention(
             seq_lens=[last for _, last in calls],
             query_start=[sum(query_lens[:i]) for i in range(len(calls) + 1)],
         )
-        return backend.forward(q[row_index], k[row_index], v[row_index], k_cache, v_cache, meta, head_dim**-0.5)
+        return backend.forward(q[row_index], k[row_index], v[row_index], cache, meta, head_dim**-0.5)
 
     alone = {p: run([(p, p + 1)])[0] for p in PROBED_POSITIONS}
     failures = []

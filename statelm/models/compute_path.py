@@ -1,0 +1,104 @@
+"""The compute-path pass: which kernels run a loaded model, set on it from outside rather than built into it.
+
+`install_packed` swaps the linears whose checkpoint weights came packed (GGUF blocks, int8, int4) for PackedLinear
+layers; `use_compute_path` sets the model's attention backend and element-wise layer ops, runs its packed linears
+through statelm's kernel or through torch on a dequantized copy, and (on the kernels path, all linears packed) fuses
+its decoder layers into one C++ call; `use_activations` sets how the packed matmuls treat activations. The start-up
+self-check (invariance.py) picks the path. An architecture takes the pass by naming its parts as the Llama family
+does: `backend`, `ops`, `fused`, `chunking`, `activations`, `compute_path`, `embed_tokens`, `lm_head`, `packed_head`,
+and the fused linears of its weight map (`linear_groups`).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import TYPE_CHECKING
+
+import torch
+
+from statelm.attention.reference import TorchAttentionBackend
+from statelm.kernels.build import kernels_available
+from statelm.models.fused_decoder import FusedDecoder
+from statelm.models.layers import KernelLayerOps, LayerOps, RowChunking
+from statelm.models.llama import LlamaForCausalLM
+from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
+
+if TYPE_CHECKING:
+    from statelm.kernels.quant import PackedWeight
+
+def compute_paths(model: LlamaForCausalLM) -> list[str]:
+    """The compute paths this model can run, fastest first (the start-up self-check picks one).
+
+    `kernels`: statelm's C++ kernels (float32 on the CPU); `triton`: statelm's Triton attention over the
+    paged KV and torch's matmuls in fixed row chunks (CUDA; its forward is capturable in a CUDA graph);
+    `torch`: torch's kernels in fixed row chunks; `torch-per-row`: every row its own call, invariant on any
+    CPU but slow for prompts.
+    """
+    paths = ["torch", "torch-per-row"]
+    on_cpu = model.device.type == "cpu"
+    if on_cpu and model.dtype == torch.float32 and kernels_available():
+        paths.insert(0, "kernels")
+    if model.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
+        paths.insert(0, "triton")
+    return paths
+
+
+def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
+    """Run the model's attention (and, once chosen, its linears) through one of compute_paths(model)."""
+    window = model.config.sliding_window
+    if path == "kernels":
+        from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
+
+        model.backend = CpuKernelAttentionBackend(sliding_window=window)
+        model.ops = KernelLayerOps()
+    elif path == "triton":
+        from statelm.attention.triton_backend import TritonAttentionBackend
+
+        model.backend = TritonAttentionBackend(sliding_window=window)
+        model.ops = LayerOps()
+    else:
+        model.ops = LayerOps()
+        model.backend = TorchAttentionBackend(sliding_window=window, per_row=path == "torch-per-row")
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.use(kernel=path == "kernels")
+    model.fused = FusedDecoder.build(model) if path == "kernels" else None
+    if model.batch_invariant:
+        sizes = RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant(model.device)
+        model.chunking.resize(sizes)
+    model.compute_path = path
+
+
+def use_activations(model: LlamaForCausalLM, activations: str) -> int:
+    """How packed linears on the kernels path treat activations, prompt rows and generated rows (a key of
+    ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`); returns how many packed linears
+    there are (none: the setting changes nothing)."""
+    if activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; choose {', '.join(ACTIVATIONS)}")
+    packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    for module in packed:
+        module.activations = activations
+    model.activations = activations
+    return len(packed)
+
+
+def install_packed(model: LlamaForCausalLM, packed: dict[str, PackedWeight]) -> None:
+    """Swap in packed layers for the packed weights load_weights left; a fused group with a float member is
+    dequantized whole instead."""
+    for owner, attribute, names in model.linear_groups():
+        members = [packed.get(name) for name in names]
+        if all(member is not None for member in members):
+            fused = type(members[0]).concat(members) if len(members) > 1 else members[0]
+            linear = getattr(owner, attribute)
+            setattr(owner, attribute, PackedLinear(fused, linear.bias, model.chunking))
+        else:
+            for name in names:
+                if name in packed:
+                    model.copy_weight(name, packed[name].dequantize())
+    embed = packed.get("model.embed_tokens.weight")
+    if embed is not None:
+        model.embed_tokens = PackedEmbedding(embed)
+    head = packed.get("lm_head.weight", embed if model.lm_head is None else None)
+    if head is not None:
+        model.packed_head = PackedLinear(head, None, model.chunking)
+        model.lm_head = None
