@@ -13,13 +13,14 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from statelm.attention.base import AttentionMetadata
 from statelm.config import EngineConfig
-from statelm.engine.attention.base import AttentionMetadata
 from statelm.engine.builder import create_engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.kernels.quant import PackedWeight
+from statelm.models.compute_path import use_activations, use_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from statelm.models.packed import PackedLinear
@@ -75,15 +76,15 @@ def test_a_model_in_place_computes_what_its_dequantized_model_does(qtype: Q, arc
             assert offset > 0
             bases.add(part.data.data_ptr() - offset)
     assert len(bases) == 1
-    packed.model.use_compute_path("kernels")
-    packed.model.use_activations("float32")
-    dense.model.use_compute_path("torch")
+    use_compute_path(packed.model, "kernels")
+    use_activations(packed.model, "float32")
+    use_compute_path(dense.model, "torch")
     expected = prompt_logits(dense)
     got = prompt_logits(packed)
     scale = expected.abs().max()
     assert float((got - expected).abs().max() / scale) < 1e-4
     for activations, bound in (("int16-prompt", 1e-3), ("int8", 0.1)):
-        packed.model.use_activations(activations)
+        use_activations(packed.model, activations)
         assert float((prompt_logits(packed) - expected).abs().max() / scale) < bound, activations
 
 
@@ -91,9 +92,9 @@ def test_a_model_in_place_computes_what_its_dequantized_model_does(qtype: Q, arc
 def test_a_model_in_place_generates_the_same_tokens_in_any_batch(qtype: Q, tmp_path: Path) -> None:
     loaded = load(write_tiny_gguf(tmp_path / "m.gguf", qtype), "auto")
     settings = EngineConfig(kv_cache_memory=16 << 20, activations="int16-prompt")
-    loaded.model.use_activations(settings.activations)
+    use_activations(loaded.model, settings.activations)
     engine = create_engine(loaded, settings)
-    assert loaded.model.compute_path == "kernels" and loaded.model.invariance.verified
+    assert loaded.model.compute_path == "kernels" and loaded.invariance is not None and loaded.invariance.verified
     prompts = {"a": PROMPT, "b": PROMPT[:5], "c": PROMPT[3:] * 2}
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     together = generate(engine, prompts, params)
