@@ -169,7 +169,7 @@ def compare_kv_caches(tokens: int, windows: int) -> None:
         stretches = [text[index * step : index * step + tokens] for index in range(windows)]
         print(f"text: {windows} stretches of {tokens} tokens spread over the {len(text)} of README.md + docs/*.md; "
               f"the default model as served, compute path {served.model.compute_path}; reference: float32 KV cache, "
-              "float32 activations (as prompt rows are computed)")  # fmt: skip
+              "float32 activations (--activations float32)")  # fmt: skip
         results: dict[tuple[str, str], list[tuple[float, float]]] = {}
         for stretch in stretches:
             use_activations(served.model, "float32")
