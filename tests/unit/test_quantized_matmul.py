@@ -80,6 +80,18 @@ def test_every_arithmetic_multiplies_right(qtype: Q, rows: int) -> None:
     assert_matmul_close(weight, dense, x)
 
 
+@pytest.mark.invariance
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 2048), (Q.Q4_K, 4096), (Q.Q5_K, 4096)], ids=lambda v: str(v))
+def test_long_rows_read_in_place_multiply_right(qtype: Q, cols: int) -> None:
+    # rows over 2 KiB are read where they lie (shorter ones are copied first, as every other test here has them)
+    weight, dense = matrix(qtype, 21, cols, seed=cols)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(1))
+    assert_matmul_close(weight, dense, x)
+    for arithmetic in ARITHMETICS:
+        alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(6)])
+        assert torch.equal(weight.matmul(x, arithmetic), alone), arithmetic
+
+
 def test_parts_of_different_formats_stack_into_one_output() -> None:
     parts = [matrix(qtype, rows, 256, seed=rows) for qtype, rows in ((Q.Q4_K, 24), (Q.Q6_K, 9), (Q.Q8_0, 16))]
     weight = PackedWeight.concat([part for part, _ in parts])
