@@ -80,6 +80,18 @@ def test_every_arithmetic_multiplies_right(qtype: Q, rows: int) -> None:
     assert_matmul_close(weight, dense, x)
 
 
+@pytest.mark.invariance
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 2048), (Q.Q4_K, 4096), (Q.Q5_K, 4096)], ids=lambda v: str(v))
+def test_long_rows_read_in_place_multiply_right(qtype: Q, cols: int) -> None:
+    # rows over 2 KiB are read where they lie (shorter ones are copied first, as every other test here has them)
+    weight, dense = matrix(qtype, 21, cols, seed=cols)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(1))
+    assert_matmul_close(weight, dense, x)
+    for arithmetic in ARITHMETICS:
+        alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(6)])
+        assert torch.equal(weight.matmul(x, arithmetic), alone), arithmetic
+
+
 def test_parts_of_different_formats_stack_into_one_output() -> None:
     parts = [matrix(qtype, rows, 256, seed=rows) for qtype, rows in ((Q.Q4_K, 24), (Q.Q6_K, 9), (Q.Q8_0, 16))]
     weight = PackedWeight.concat([part for part, _ in parts])
@@ -118,14 +130,16 @@ def test_float_weights_quantize_as_gguf_py_does(kind: str, qtype: Q) -> None:
 
 @pytest.mark.invariance
 @pytest.mark.parametrize("arithmetic", ARITHMETICS)
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q4_1, Q.Q2_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("threads", [1, 2, 7])  # 7: more pool threads than cores, some never scheduled in time
 def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int, arithmetic: str) -> None:
-    weight, _ = matrix(qtype, 200, 512, seed=5)
-    x = torch.randn(65, 512, generator=torch.Generator().manual_seed(6))
+    # a row alone takes the few-row path (rows multiplied straight from the blocks), a batch of many the tile path:
+    # every count from 1 to 17 crosses from one to the other, and both must give each row the same bits
+    weight, _ = matrix(qtype, 200, random_columns(qtype), seed=5)
+    x = torch.randn(65, weight.in_features, generator=torch.Generator().manual_seed(6))
     with kernel_threads(threads):
         alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(65)])
-        for count in (2, 3, 4, 5, 7, 9, 16, 64, 65):  # streamed rows (up to 4), then tiles
+        for count in (*range(2, 18), 64, 65):
             assert torch.equal(weight.matmul(x[:count], arithmetic), alone[:count]), count
 
 
@@ -139,7 +153,11 @@ data = torch.load(sys.argv[1])
 outputs = {}
 for name, (raw, qtype) in data["weights"].items():
     for arithmetic, code in ARITHMETICS.items():
-        outputs[f"{name}-{arithmetic}"] = torch.ops.statelm.gguf_matmul(data["x"][name], [raw], [qtype], code)
+        x = data["x"][name]
+        outputs[f"{name}-{arithmetic}"] = torch.ops.statelm.gguf_matmul(x, [raw], [qtype], code)
+        few = [torch.ops.statelm.gguf_matmul(x[i : i + 1], [raw], [qtype], code) for i in range(3)]
+        few.append(torch.ops.statelm.gguf_matmul(x[3:6], [raw], [qtype], code))
+        outputs[f"{name}-{arithmetic}-few"] = torch.cat(few)
 torch.save(outputs, sys.argv[2])
 """
 
@@ -147,7 +165,7 @@ torch.save(outputs, sys.argv[2])
 @pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])
 def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
     """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits, for
-    every block format and arithmetic."""
+    every block format and arithmetic, in many rows (tiles) and in few (rows alone, and three together)."""
     capped, own = select_variant(cpu_flags(), capability), cpu_variant()
     if capped is None or own is None or capped == own:
         pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
@@ -168,7 +186,9 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
     for name, (raw, qtype) in weights.items():
         weight = PackedWeight([BlockMatrix.of(Q(qtype), raw, (45, x[name].shape[1]))])
         for arithmetic in ARITHMETICS:
-            assert torch.equal(weight.matmul(x[name], arithmetic), outputs[f"{name}-{arithmetic}"]), (name, arithmetic)
+            expected = weight.matmul(x[name], arithmetic)
+            assert torch.equal(expected, outputs[f"{name}-{arithmetic}"]), (name, arithmetic)
+            assert torch.equal(expected[:6], outputs[f"{name}-{arithmetic}-few"]), (name, arithmetic, "few rows")
 
 
 @pytest.mark.invariance

@@ -20,20 +20,32 @@ namespace statelm::gguf {
 
 namespace {
 
-// Asks for the bytes of columns [column, column + kTileColumns), values [first, first + values), to be brought
-// into the cache: the tile after the one being computed, so that its rows stream in while this one computes (the
-// hardware prefetchers do not follow 8 or 16 rows read a few hundred bytes at a time).
-void prefetch_tile(const Part& part, int64_t column, int64_t first, int64_t values) {
-#if defined(STATELM_GGUF_AVX2)
-  const Format& f = *part.format;
-  const int64_t begin = first / f.values * f.bytes, end = (first + values) / f.values * f.bytes;
-  for (int64_t c = column; c < std::min(part.rows, column + kTileColumns); ++c) {
-    const uint8_t* row = part.data + c * part.row_stride;
-    for (int64_t at = begin; at < end; at += 64) _mm_prefetch(reinterpret_cast<const char*>(row + at), _MM_HINT_T0);
+// Whether a tile's rows are first copied into a per-thread buffer, in address order, and read from there. The tile
+// builders read their 8 or 16 rows side by side, a few hundred bytes of each at a time: the hardware prefetchers
+// keep up with that only where rows are long and read in address order. Short rows (up to 2 KiB: Q4_K, Q6_K, Q4_1
+// at K = 2048 and less) and Q6_K's blocks (read from their end: the scales first) came from memory at 4-6 GB/s
+// where one copy streams them at the machine's rate and the kernel then reads them from L1/L2 (bench.qdecode:
+// 1.4-1.7x at one to eight rows); longer rows of the other formats read directly were faster than copied. The
+// copy holds the same bytes, so results do not change. (Software prefetches of the next tile did not help: in
+// tile order they halved the rate of long rows, in address order they made no difference.)
+bool stage_tiles(const Part& part, int64_t k) {
+  return k / part.format->values * part.format->bytes <= 2048 || part.format->type == kQ6_K;
+}
+
+// The tile of columns [column, column + kTileColumns) of part as a part of its own: its rows copied side by side
+// into this thread's buffer (valid until the next call on the thread).
+Part staged_tile(const Part& part, int64_t column, int64_t k) {
+  const int64_t row_bytes = k / part.format->values * part.format->bytes;
+  const int64_t count = std::min(kTileColumns, part.rows - column);
+  uint8_t* buffer = scratch<uint8_t, 7>(kTileColumns * row_bytes);
+  if (part.row_stride == row_bytes) {
+    std::memcpy(buffer, part.data + column * row_bytes, count * row_bytes);
+  } else {
+    for (int64_t c = 0; c < count; ++c) {
+      std::memcpy(buffer + c * row_bytes, part.data + (column + c) * part.row_stride, row_bytes);
+    }
   }
-#else
-  (void)part, (void)column, (void)first, (void)values;
-#endif
+  return {buffer, row_bytes, part.format, count, part.first_column + column};
 }
 
 // Per row and block of 32: q = round(x * limit / amax) (half to even), dx = amax / limit; sums of the levels per 16
@@ -122,12 +134,13 @@ at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntA
   statelm::parallel_for(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     float* acc = scratch<float, 6>(rows * acc_width);
     for (int64_t t = begin; t < end; ++t) {
-      const Part& part = parts[tiles[t].first];
-      const int64_t column = tiles[t].second;
+      const Part& home = parts[tiles[t].first];
+      const bool staged = stage_tiles(home, k);
+      const Part part = staged ? staged_tile(home, tiles[t].second, k) : home;
+      const int64_t column = staged ? 0 : tiles[t].second;
       std::fill(acc, acc + rows * acc_width, 0.0f);
       for (int64_t first = 0; first < k; first += kChunkValues) {
         const int64_t values = std::min(kChunkValues, k - first);
-        if (t + 1 < end) prefetch_tile(parts[tiles[t + 1].first], tiles[t + 1].second, first, values);
         if (kind == Arithmetic::kFloat) {
           float_tile_chunk(part, column, first, values, floats, acc);
         } else {

@@ -223,11 +223,31 @@ __attribute__((always_inline)) inline void nibble_block(const V* words, int64_t 
   sink.block_done(block);
 }
 
+// Q4_1 (d, m, qs[16]: 20 bytes): four blocks are 20 words of each column, block p's d | m word 5p and its nibbles
+// words 5p + 1..5p + 4, so that one transpose of 80 bytes serves four blocks' fields and levels alike. Returns
+// the blocks done (a multiple of four).
+template <class Sink>
+int64_t build_q4_1_fours(const Rows& rows, int64_t blocks, Sink& sink) {
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    V v[20];
+    for (int64_t at = 0; at < 64; at += kVecBytes) words(rows, b * 20 + at, v + at / 4);
+    four_words(rows, b * 20 + 64, v + 16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      sink.scale(b + p, half_low(v[5 * p]));
+      sink.min(b + p, half_high(v[5 * p]));
+      nibble_block(v + 5 * p + 1, b + p, false, sink);
+    }
+  }
+  return b;
+}
+
 // Q4_0, Q4_1, IQ4_NL: 16 bytes of nibbles per block at `qs`.
 template <class Sink>
 void build_nibble_blocks(const Format& f, const Rows& rows, int64_t blocks, int64_t qs, bool iq4, Sink& sink) {
   constexpr int64_t kRuns = kVecBytes / 16;
-  for (int64_t b = 0; b < blocks; b += kRuns) {
+  for (int64_t b = f.type == kQ4_1 ? build_q4_1_fours(rows, blocks, sink) : 0; b < blocks; b += kRuns) {
     const int present = static_cast<int>(std::min(kRuns, blocks - b));
     V v[W];
     words_of_runs(rows, b * f.bytes + qs, f.bytes, 16, present, v);
