@@ -411,7 +411,9 @@ class Bench:
 
     def decode(self, batch: int, prompt_len: int, warmup: int, steps: int) -> dict[str, Any]:
         """Steady-state decode of `batch` sequences with short prompts."""
-        params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 4, ignore_eos=True)
+        # the first prompts sample while later ones still prefill: their tokens must last through those steps too
+        prefill_steps = -(-batch * prompt_len // self.engine.scheduler.max_num_batched_tokens) + 1
+        params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + warmup + steps + 4, ignore_eos=True)
         ids = [self.request_id(f"decode{batch}") for _ in range(batch)]
         try:
             for request_id in ids:

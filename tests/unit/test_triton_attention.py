@@ -365,7 +365,8 @@ def test_strided_inputs_are_read_in_place(device: str) -> None:
 
 def test_workspace_grows_and_keeps_outgrown_buffers(device: str) -> None:
     backend = TritonAttentionBackend()
-    small = backend._workspace_for(100, torch.device(device))
-    assert backend._workspace_for(50, torch.device(device)).data_ptr() == small.data_ptr()
-    backend._workspace_for(1000, torch.device(device))
+    on = torch.empty(0, device=device).device  # as the backend is called: a tensor's device ("cuda:0", not "cuda")
+    small = backend._workspace_for(100, on)
+    assert backend._workspace_for(50, on).data_ptr() == small.data_ptr()
+    backend._workspace_for(1000, on)
     assert any(buffer.data_ptr() == small.data_ptr() for buffer in backend._retired)
