@@ -238,8 +238,9 @@ def run_text(command: list[str]) -> str:
 
 
 def commit(given: str | None) -> str:
-    """`git rev-parse --short HEAD` (+ `dirty` when the tree has changes), or --commit, or unknown."""
-    head = run_text(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    """--commit when given (a copied tree's .git can be stale), else `git rev-parse --short HEAD` (+ uncommitted
+    changes), else unknown."""
+    head = "" if given else run_text(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
     if not head:
         return given or "unknown (no git here; pass --commit)"
     dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
@@ -411,9 +412,9 @@ class Bench:
 
     def decode(self, batch: int, prompt_len: int, warmup: int, steps: int) -> dict[str, Any]:
         """Steady-state decode of `batch` sequences with short prompts."""
-        # the first prompts sample while later ones still prefill: their tokens must last through those steps too
-        prefill_steps = -(-batch * prompt_len // self.engine.scheduler.max_num_batched_tokens) + 1
-        params = SamplingParams(temperature=0.0, max_tokens=prefill_steps + warmup + steps + 4, ignore_eos=True)
+        # the first prompts sample while later ones still prefill, so their tokens must outlast those steps: every
+        # step computes at least one prompt token, and the sequences are aborted after the timed steps anyway
+        params = SamplingParams(temperature=0.0, max_tokens=batch * prompt_len + warmup + steps + 4, ignore_eos=True)
         ids = [self.request_id(f"decode{batch}") for _ in range(batch)]
         try:
             for request_id in ids:
