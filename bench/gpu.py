@@ -817,7 +817,11 @@ def main() -> None:
 
     defaults = EngineConfig()
     block_size = overrides.get("block_size", defaults.block_size)
-    per_seq = args.prompt_tokens + args.warmup + steps + 8
+    # the first sequences of a batch decode while the others prefill: as many steps as a step's token budget left
+    # beside the decode rows takes to compute every prompt
+    step_tokens = overrides.get("max_num_batched_tokens", max(defaults.max_num_batched_tokens, max(batches)))
+    prefill_steps = -(-max(batches) * args.prompt_tokens // max(1, step_tokens - max(batches))) + 1
+    per_seq = args.prompt_tokens + prefill_steps + args.warmup + steps + 8
     needs = [(max(batches), per_seq), (1, prefill_tokens + 2), *((1, c) for c in contexts)]
     engine_settings: dict[str, Any] = {
         "load_format": "dummy",
