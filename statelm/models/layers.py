@@ -44,6 +44,11 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up, for gate and up side by side in the last dimension (GeGLU)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
         """What rope() needs for one forward's tokens, computed once for all layers."""
         cos, sin = rotary.cos_sin(positions, max_position)

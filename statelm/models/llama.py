@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
         out_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
         linear = {"dtype": dtype, "device": device, "chunking": chunking}
@@ -161,8 +161,7 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=meta, chunking=chunking)
-            for _ in range(config.num_hidden_layers)
+            self._decoder_layer(i, dtype=dtype, device=meta, chunking=chunking) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=meta)
         self.lm_head: nn.Parameter | None = None
@@ -200,6 +199,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, kv_cache.layers[i], step)
         assert residual is not None
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
+
+    def _decoder_layer(
+        self, index: int, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
+    ) -> nn.Module:
+        """Decoder layer `index` (a variant's class builds its own, models/variants.py)."""
+        return LlamaDecoderLayer(self.config, dtype=dtype, device=device, chunking=chunking)
 
     def _int8_rows(self) -> bool | None:
         """Whether this forward's packed matmuls quantize activations to int8: one answer for all rows, or None

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -39,6 +39,27 @@ _ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
     "mistral": {"rope_theta": 10000.0, "sliding_window": None},
     "qwen2": {"rope_theta": 1000000.0, "use_sliding_window": False},
     "qwen3": {"rope_theta": 1000000.0, "head_dim": 32, "use_sliding_window": False},
+    # small caps and window, so that soft-capping and the sliding layers change the logits of a 64-token prompt
+    "gemma2": {
+        "head_dim": 16,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 12,
+        "attn_logit_softcapping": 1.0,
+        "final_logit_softcapping": 2.0,
+        "tie_word_embeddings": True,
+    },
+    # six layers: Gemma 3's default alternation (five sliding, one full)
+    "gemma3": {
+        "head_dim": 16,
+        "num_hidden_layers": 6,
+        "query_pre_attn_scalar": 24,
+        "sliding_window": 12,
+        "tie_word_embeddings": True,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10.0},
+        },
+    },
 }
 
 
@@ -61,7 +82,9 @@ def make_tiny_checkpoint(arch: str, path: Path, seed: int = 0, **overrides: Any)
 
 def _classes(transformers: Any, model_type: str) -> tuple[Any, Any]:
     """(Config class, ForCausalLM class) of a model type."""
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}[model_type]
+    if model_type == "gemma3":
+        return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}[model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 

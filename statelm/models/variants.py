@@ -1,0 +1,199 @@
+"""Decoders that depart from Llama inside the block: Gemma 2 and Gemma 3 (text).
+
+Their departures are config fields (config.py, read by variant_config.py): pre and post norms around attention and
+MLP ("sandwich"), GeGLU, a softmax scale of their own, soft-capped attention scores and logits, scaled embeddings,
+and layers that alternate between a sliding window (with their own rope base) and full attention. The model keeps
+Llama's parts and weight names (llama.py), so the loaders, the packed weights and the compute-path pass take it as
+they take Llama; what the fast paths cannot run is said by `torch_only_reason` and `fused_decoder_reason`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from statelm.attention.base import AttentionBackend, AttentionMetadata, KVView
+from statelm.attention.layer_kv import LayerKV
+from statelm.attention.reference import TorchAttentionBackend
+from statelm.models.config import ModelConfig
+from statelm.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, RowChunking
+from statelm.models.llama import ForwardStep, LlamaDecoderLayer, LlamaForCausalLM
+from statelm.models.variant_config import FULL, GEMMA, SLIDING
+
+if TYPE_CHECKING:
+    from statelm.kernels.quant import PackedWeight
+
+VARIANT_ARCHITECTURES = frozenset(GEMMA)
+
+
+class VariantMLP(GatedMLP):
+    """Gated MLP with the config's activation: SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
+
+    def __init__(
+        self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
+    ) -> None:
+        super().__init__(config.hidden_size, config.intermediate_size, dtype=dtype, device=device, chunking=chunking)
+        self.activation = config.hidden_activation
+
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
+        """Apply the feed-forward block to [T, hidden]."""
+        gate_up = self.gate_up_proj(x)
+        hidden = ops.gelu_tanh_mul(gate_up) if self.activation == "gelu_tanh" else ops.silu_mul(gate_up)
+        return self.down_proj(hidden)
+
+
+class VariantDecoderLayer(LlamaDecoderLayer):
+    """A decoder block in the config's norm layout, attending as its layer type (sliding or full) says.
+
+    Module names are Hugging Face's: in the sandwich layout `post_attention_layernorm` normalises the attention's
+    output and `pre_feedforward_layernorm` the MLP's input (Llama's `post_attention_layernorm`).
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        index: int,
+        *,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        chunking: RowChunking,
+    ) -> None:
+        super().__init__(config, dtype=dtype, device=device, chunking=chunking)
+        self.mlp = VariantMLP(config, dtype=dtype, device=device, chunking=chunking)
+        self.kind = layer_kind(config, index)
+        self.layout = config.norm_layout
+        norm = {"eps": config.rms_norm_eps, "dtype": dtype, "device": device}
+        if self.layout == "sandwich":
+            self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
+            self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
+
+    def extra_norms(self) -> dict[str, RMSNorm]:
+        """The norms Llama's block does not have, by Hugging Face name relative to the layer."""
+        if self.layout != "sandwich":
+            return {}
+        return {
+            "pre_feedforward_layernorm": self.pre_feedforward_layernorm,
+            "post_feedforward_layernorm": self.post_feedforward_layernorm,
+        }
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cache: LayerKV,
+        step: ForwardStep,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run the block on [T, hidden] as LlamaDecoderLayer does: returns its output and the residual stream."""
+        if self.layout != "sandwich":
+            return super().forward(x, residual, cache, step)
+        ops = step.ops
+        norm = self.input_layernorm
+        if residual is None:
+            residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
+        else:
+            h = ops.add_rms_norm(residual, x, norm.weight, norm.eps)
+        norm = self.post_attention_layernorm
+        attention = ops.rms_norm(self.self_attn(h, cache, step), norm.weight, norm.eps)
+        norm = self.pre_feedforward_layernorm
+        h = ops.add_rms_norm(residual, attention, norm.weight, norm.eps)
+        norm = self.post_feedforward_layernorm
+        return ops.rms_norm(self.mlp(h, ops), norm.weight, norm.eps), residual
+
+
+class VariantForCausalLM(LlamaForCausalLM):
+    """A Llama-family model whose blocks, embeddings, attention and logits follow the config's departures."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+        chunking: RowChunking | None = None,
+    ) -> None:
+        super().__init__(config, dtype=dtype, device=device, chunking=chunking)
+        local_theta = config.rope_local_theta
+        self.local_rotary = (
+            self.rotary if local_theta is None else RotaryEmbedding(config.head_dim, local_theta, None, dtype)
+        )
+        self.local_backend: AttentionBackend = self.backend
+        self.use_attention(TorchAttentionBackend)
+
+    def _decoder_layer(
+        self, index: int, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
+    ) -> nn.Module:
+        return VariantDecoderLayer(self.config, index, dtype=dtype, device=device, chunking=chunking)
+
+    def use_attention(self, backend: Callable[..., AttentionBackend]) -> None:
+        """Attend through backend(sliding_window=...): one for the full-attention layers, one for the sliding ones."""
+        softcap = self.config.attn_logit_softcapping
+        extra = {} if softcap is None else {"softcap": softcap}
+        self.backend = backend(sliding_window=None, **extra)
+        self.local_backend = backend(sliding_window=self.config.sliding_window, **extra)
+
+    def torch_only_reason(self) -> str | None:
+        """Why only the torch paths can run this model (a feature statelm's kernels lack), or None."""
+        if self.config.attn_logit_softcapping is not None:
+            return "attention logit soft-capping"
+        return None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_cache: KVView,
+        meta: AttentionMetadata,
+        is_prompt: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states [T, hidden] after the final norm for a flat batch of T tokens (see LlamaForCausalLM)."""
+        self.chunking.set_rows(is_prompt, self.device)
+        longest = max(meta.seq_lens)
+        full = ForwardStep(self.ops.prepare_rope(positions, longest, self.rotary), meta, self.backend, self.ops)
+        local_rope = full.rope
+        if self.local_rotary is not self.rotary:
+            local_rope = self.ops.prepare_rope(positions, longest, self.local_rotary)
+        steps = {FULL: full, SLIDING: ForwardStep(local_rope, meta, self.local_backend, self.ops)}
+        x, residual = self.embed_tokens(input_ids), None
+        if self.config.embedding_multiplier != 1.0:
+            x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)  # rounded as transformers does
+        for i, layer in enumerate(self.layers):
+            x, residual = layer(x, residual, kv_cache.layers[i], steps[layer.kind])
+        assert residual is not None
+        return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
+
+    def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:
+        """Llama's logits, soft-capped where the config says."""
+        logits = super().compute_logits(hidden, is_prompt)
+        cap = self.config.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> dict[str, PackedWeight]:
+        """Llama's loading; Gemma's norms scale by (1 + weight), which the loaded norm weights then hold."""
+        packed = super().load_weights(weights)
+        if self.config.architecture in GEMMA:
+            for name, param in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.data.add_(1.0)
+        return packed
+
+    def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        targets = super()._hf_targets()
+        for i, layer in enumerate(self.layers):
+            for name, norm in layer.extra_norms().items():
+                targets[f"model.layers.{i}.{name}.weight"] = (norm.weight, 0, norm.weight.shape[0])
+        return targets
+
+
+def layer_kind(config: ModelConfig, index: int) -> str:
+    """SLIDING or FULL: how layer index attends."""
+    if config.layer_types:
+        return config.layer_types[index]
+    return SLIDING if config.sliding_window else FULL
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The class that runs config's architecture."""
+    return VariantForCausalLM if config.architecture in VARIANT_ARCHITECTURES else LlamaForCausalLM

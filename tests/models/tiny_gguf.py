@@ -1,0 +1,98 @@
+"""GGUF files written from the tiny Hugging Face checkpoints (tiny_checkpoints.py) as llama.cpp's converter writes
+them: its tensor names, its value conventions and its metadata keys, with gguf's writer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from gguf.quants import quantize
+from safetensors.numpy import load_file
+
+from tests.models.test_gguf import llama_cpp_permute, write_gguf
+
+_GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+_LAYER = {
+    "self_attn.q_proj": "attn_q",
+    "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output",
+    "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm",
+    "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+    "input_layernorm": "attn_norm",
+    "post_attention_layernorm": "ffn_norm",
+}
+# llama.cpp's names where an architecture's blocks differ from Llama's
+_ARCH_LAYER = {
+    "gemma2": {
+        "post_attention_layernorm": "post_attention_norm",
+        "pre_feedforward_layernorm": "ffn_norm",
+        "post_feedforward_layernorm": "post_ffw_norm",
+    },
+}
+_ARCH_LAYER["gemma3"] = _ARCH_LAYER["gemma2"]
+_GGUF_ARCH = {"gemma3_text": "gemma3"}
+
+
+def gguf_name(hf_name: str, arch: str) -> str:
+    """llama.cpp's name of a Hugging Face tensor."""
+    module, kind = hf_name.rsplit(".", 1)
+    if module in _GLOBAL:
+        return f"{_GLOBAL[module]}.{kind}"
+    _, _, layer, part = module.split(".", 3)
+    return f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(part) or _LAYER[part]}.{kind}"
+
+
+def write_gguf_from_checkpoint(checkpoint: Path, path: Path, qtype: Q | None = None) -> Path:
+    """Convert a tiny checkpoint to a GGUF (float32, or its matrices in qtype) with the byte-level test vocabulary."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    arch = _GGUF_ARCH.get(config["model_type"], config["model_type"])
+    tensors: dict[str, tuple[np.ndarray, Q | None]] = {}
+    for name, value in load_file(checkpoint / "model.safetensors").items():
+        value = _llama_cpp_values(name, value.astype(np.float32), arch, config)
+        raw = qtype if qtype is not None and value.ndim == 2 else None
+        tensors[gguf_name(name, arch)] = (quantize(value, raw) if raw is not None else value, raw)
+    return write_gguf(path, tensors, arch=arch, metadata=_metadata(arch, config))
+
+
+def _llama_cpp_values(name: str, value: np.ndarray, arch: str, config: dict[str, Any]) -> np.ndarray:
+    """What llama.cpp's converter does to a tensor's values: Gemma's norms plus one, Llama's Q/K rows permuted."""
+    if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
+        return value + 1.0
+    if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+        heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
+        return llama_cpp_permute(value, heads)
+    return value
+
+
+def _metadata(arch: str, config: dict[str, Any]) -> dict[str, Any]:
+    """The `{arch}.*` keys llama.cpp writes for config."""
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    params = config.get("rope_parameters") or {}
+    metadata: dict[str, Any] = {
+        "vocab_size": config["vocab_size"],
+        "embedding_length": config["hidden_size"],
+        "feed_forward_length": config["intermediate_size"],
+        "block_count": config["num_hidden_layers"],
+        "attention.head_count": config["num_attention_heads"],
+        "attention.head_count_kv": config["num_key_value_heads"],
+        "attention.key_length": head_dim,
+        "attention.value_length": head_dim,
+        "context_length": config["max_position_embeddings"],
+        "attention.layer_norm_rms_epsilon": float(config["rms_norm_eps"]),
+        "rope.freq_base": float((params.get("full_attention") or params).get("rope_theta") or 10000.0),
+    }
+    if config.get("sliding_window"):
+        metadata["attention.sliding_window"] = config["sliding_window"]
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if config.get(key) is not None:
+            metadata[key] = float(config[key])
+    if "sliding_attention" in params:
+        metadata["rope.freq_base_swa"] = float(params["sliding_attention"]["rope_theta"])
+    return metadata
