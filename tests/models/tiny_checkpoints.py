@@ -84,7 +84,8 @@ def _classes(transformers: Any, model_type: str) -> tuple[Any, Any]:
     """(Config class, ForCausalLM class) of a model type."""
     if model_type == "gemma3":
         return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}[model_type]
+    prefixes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+    prefix = prefixes[model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
 

@@ -4,14 +4,17 @@ them: its tensor names, its value conventions and its metadata keys, with gguf's
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 from safetensors.numpy import load_file
 
+from statelm.gguf_vocab import bytes_to_unicode
 from tests.models.test_gguf import llama_cpp_permute, write_gguf
 
 _GLOBAL = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
@@ -49,8 +52,38 @@ def gguf_name(hf_name: str, arch: str) -> str:
     return f"blk.{layer}.{_ARCH_LAYER.get(arch, {}).get(part) or _LAYER[part]}.{kind}"
 
 
-def write_gguf_from_checkpoint(checkpoint: Path, path: Path, qtype: Q | None = None) -> Path:
-    """Convert a tiny checkpoint to a GGUF (float32, or its matrices in qtype) with the byte-level test vocabulary."""
+# A Gemma-style chat template (turns in <start_of_turn>/<end_of_turn>, the assistant is "model", no system role)
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\\n' + message['content'] | trim + '<end_of_turn>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<start_of_turn>", "<end_of_turn>"]
+
+
+def gemma_style_vocab(writer: gguf.GGUFWriter) -> None:
+    """A byte-level vocabulary with Gemma's control tokens and a Gemma-style chat template."""
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list([*GEMMA_SPECIALS, *bytes_to_unicode().values()])
+    writer.add_token_types([3] * len(GEMMA_SPECIALS) + [1] * 256)
+    writer.add_token_merges([])
+    writer.add_bos_token_id(2)
+    writer.add_eos_token_id(1)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(GEMMA_TEMPLATE)
+
+
+def write_gguf_from_checkpoint(
+    checkpoint: Path,
+    path: Path,
+    qtype: Q | None = None,
+    tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
+) -> Path:
+    """Convert a tiny checkpoint to a GGUF (float32, or its matrices in qtype) with a tokenizer (default: the
+    byte-level test vocabulary of test_gguf)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = _GGUF_ARCH.get(config["model_type"], config["model_type"])
     tensors: dict[str, tuple[np.ndarray, Q | None]] = {}
@@ -58,7 +91,8 @@ def write_gguf_from_checkpoint(checkpoint: Path, path: Path, qtype: Q | None = N
         value = _llama_cpp_values(name, value.astype(np.float32), arch, config)
         raw = qtype if qtype is not None and value.ndim == 2 else None
         tensors[gguf_name(name, arch)] = (quantize(value, raw) if raw is not None else value, raw)
-    return write_gguf(path, tensors, arch=arch, metadata=_metadata(arch, config))
+    extra = {} if tokenizer is None else {"tokenizer": tokenizer}
+    return write_gguf(path, tensors, arch=arch, metadata=_metadata(arch, config), **extra)
 
 
 def _llama_cpp_values(name: str, value: np.ndarray, arch: str, config: dict[str, Any]) -> np.ndarray:
