@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from statelm.models.rope import complete_rope_scaling
 from statelm.models.variant_config import ModelConfigError, hf_variant_fields
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 # Hugging Face model_type -> statelm architecture, where the names differ
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 
@@ -46,6 +47,7 @@ class ModelConfig:
     layer_types: tuple[str, ...] = ()  # SLIDING or FULL per layer (sliding_window applies to SLIDING ones); ()
     # means every layer attends as sliding_window says
     rope_local_theta: float | None = None  # rope base of the SLIDING layers (Gemma 3), without rope_scaling
+    fused_projections: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
 
     def __post_init__(self) -> None:
         for name in ("eos_token_ids", "layer_types"):  # a config read back from JSON has lists
@@ -78,7 +80,9 @@ class ModelConfig:
                 "max_position_embeddings": int(raw.get("max_position_embeddings", 2048)),
                 "rms_norm_eps": float(raw.get("rms_norm_eps", 1e-6)),
                 "rope_theta": float(_rope_theta(raw)),
-                "rope_scaling": _rope_scaling(raw),
+                "rope_scaling": complete_rope_scaling(
+                    _rope_scaling(raw), int(raw.get("max_position_embeddings", 2048))
+                ),
                 "tie_word_embeddings": bool(raw.get("tie_word_embeddings", False)),
                 "attention_bias": bool(raw.get("attention_bias", model_type == "qwen2")),
                 "qk_norm": model_type == "qwen3",
@@ -113,4 +117,7 @@ def _rope_scaling(raw: dict[str, Any]) -> dict[str, Any] | None:
     kind = scaling.get("rope_type") or scaling.get("type")
     if kind in (None, "default"):
         return None
-    return dict(scaling, rope_type=kind)
+    scaling = dict(scaling, rope_type=kind)
+    if raw.get("original_max_position_embeddings"):  # Phi-3 keeps it beside rope_scaling
+        scaling.setdefault("original_max_position_embeddings", raw["original_max_position_embeddings"])
+    return scaling

@@ -20,6 +20,8 @@ class ModelConfigError(ValueError):
 
 def hf_variant_fields(model_type: str, raw: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """Overrides of the Llama reading `base` of a config.json mapping `raw`, for model_type."""
+    if model_type == "phi3":
+        return _phi3_fields(raw)
     if model_type not in GEMMA:
         return {}
     if raw.get("use_bidirectional_attention"):
@@ -48,6 +50,14 @@ def hf_variant_fields(model_type: str, raw: dict[str, Any], base: dict[str, Any]
             "rope_scaling": None if kind in (None, "default") else dict(scaling, rope_type=kind),
         }
     return fields
+
+
+def _phi3_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """Phi-3 and Phi-4: Llama with fused projections in the checkpoint and LongRoPE (models/rope.py)."""
+    rotary = (raw.get("rope_parameters") or {}).get("partial_rotary_factor") or raw.get("partial_rotary_factor")
+    if rotary not in (None, 1, 1.0):
+        raise ModelConfigError(f"phi3 with partial_rotary_factor {rotary} (rope on part of each head) is not supported")
+    return {"fused_projections": True}
 
 
 def gemma_layer_types(model_type: str, layers: int, raw: dict[str, Any] | None = None) -> list[str]:

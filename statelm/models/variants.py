@@ -1,15 +1,16 @@
-"""Decoders that depart from Llama inside the block: Gemma 2 and Gemma 3 (text).
+"""Decoders that depart from Llama inside the block or its checkpoint: Gemma 2 and Gemma 3 (text), Phi-3/Phi-4.
 
 Their departures are config fields (config.py, read by variant_config.py): pre and post norms around attention and
 MLP ("sandwich"), GeGLU, a softmax scale of their own, soft-capped attention scores and logits, scaled embeddings,
-and layers that alternate between a sliding window (with their own rope base) and full attention. The model keeps
+layers that alternate between a sliding window (with their own rope base) and full attention, and checkpoints that
+keep the QKV and gate/up projections fused (Phi-3, which statelm fuses the same way). The model keeps
 Llama's parts and weight names (llama.py), so the loaders, the packed weights and the compute-path pass take it as
 they take Llama; what the fast paths cannot run is said by `torch_only_reason` and `fused_decoder_reason`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 import torch
@@ -20,13 +21,15 @@ from statelm.attention.layer_kv import LayerKV
 from statelm.attention.reference import TorchAttentionBackend
 from statelm.models.config import ModelConfig
 from statelm.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, RowChunking
-from statelm.models.llama import ForwardStep, LlamaDecoderLayer, LlamaForCausalLM
+from statelm.models.llama import ForwardStep, LlamaDecoderLayer, LlamaForCausalLM, _whole
 from statelm.models.variant_config import FULL, GEMMA, SLIDING
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
-VARIANT_ARCHITECTURES = frozenset(GEMMA)
+VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3"})
+# the Hugging Face weights of a checkpoint with fused projections, by the linear they fill
+_FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 
 
 class VariantMLP(GatedMLP):
@@ -179,11 +182,26 @@ class VariantForCausalLM(LlamaForCausalLM):
                     param.data.add_(1.0)
         return packed
 
+    def linear_groups(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
+        """Llama's groups; a checkpoint with fused projections has one weight per fused linear."""
+        for owner, attribute, names in super().linear_groups():
+            if self.config.fused_projections and attribute in _FUSED:
+                names = [names[0].replace(f".{_FUSED[attribute][1][0]}.", f".{attribute}.")]
+            yield owner, attribute, names
+
     def _hf_targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         targets = super()._hf_targets()
         for i, layer in enumerate(self.layers):
+            prefix = f"model.layers.{i}."
             for name, norm in layer.extra_norms().items():
-                targets[f"model.layers.{i}.{name}.weight"] = (norm.weight, 0, norm.weight.shape[0])
+                targets[f"{prefix}{name}.weight"] = _whole(norm.weight)
+            if self.config.fused_projections:
+                for attribute, (owner, parts) in _FUSED.items():
+                    for part in parts:
+                        del targets[f"{prefix}{owner}.{part}.weight"]
+                    targets[f"{prefix}{owner}.{attribute}.weight"] = _whole(
+                        getattr(getattr(layer, owner), attribute).weight
+                    )
         return targets
 
 

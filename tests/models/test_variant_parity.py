@@ -36,6 +36,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
             }
         },
     ),
+    "phi3-longrope-long": ("phi3", {}),
+    "phi3-longrope-short": ("phi3", {"original_max_position_embeddings": 256}),
 }
 GGUF_ARCHITECTURES = ("gemma2", "gemma3")
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
+ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -48,6 +48,19 @@ _ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
         "final_logit_softcapping": 2.0,
         "tie_word_embeddings": True,
     },
+    # LongRoPE: the context (256) exceeds the original (32), so the long factors serve (models/rope.py)
+    "phi3": {
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": 10000.0,
+            "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5, 3.1, 3.8],
+            "long_factor": [1.0, 1.5, 2.2, 3.0, 4.5, 6.0, 9.0, 12.0],
+            "original_max_position_embeddings": 32,
+        },
+        "original_max_position_embeddings": 32,  # transformers' Phi3Config puts its own into rope_parameters
+        "sliding_window": None,
+        "pad_token_id": 0,
+    },
     # six layers: Gemma 3's default alternation (five sliding, one full)
     "gemma3": {
         "head_dim": 16,
@@ -84,7 +97,14 @@ def _classes(transformers: Any, model_type: str) -> tuple[Any, Any]:
     """(Config class, ForCausalLM class) of a model type."""
     if model_type == "gemma3":
         return transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM
-    prefixes = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma2": "Gemma2"}
+    prefixes = {
+        "llama": "Llama",
+        "mistral": "Mistral",
+        "qwen2": "Qwen2",
+        "qwen3": "Qwen3",
+        "gemma2": "Gemma2",
+        "phi3": "Phi3",
+    }
     prefix = prefixes[model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")
 
