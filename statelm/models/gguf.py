@@ -18,7 +18,14 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from statelm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from statelm.models.gguf_variants import block_names, gguf_variant_fields, to_hf_values
+from statelm.models.gguf_variants import (
+    LONGROPE_TENSORS,
+    block_names,
+    gguf_variant_fields,
+    longrope_scaling,
+    to_hf_values,
+)
+from statelm.models.rope import complete_rope_scaling
 from statelm.tokenizer import Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -32,7 +39,7 @@ SUPPORTED_QUANT_TYPES = frozenset(
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Tensors the loader reads into the config instead of yielding as weights.
-_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight", *LONGROPE_TENSORS})
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -211,7 +218,11 @@ def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: T
             "max_position_embeddings": int(key("context_length", 2048)),
             "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": theta,
-            "rope_scaling": _rope_scaling(fields, arch, reader, theta, head_dim),
+            "rope_scaling": complete_rope_scaling(
+                longrope_scaling(key, _config_tensors(reader, LONGROPE_TENSORS))
+                or _rope_scaling(fields, arch, reader, theta, head_dim),
+                int(key("context_length", 2048)),
+            ),
             "tie_word_embeddings": "output.weight" not in names,
             "attention_bias": "blk.0.attn_q.bias" in names,
             "qk_norm": arch == "qwen3" or "blk.0.attn_q_norm.weight" in names,
@@ -222,6 +233,12 @@ def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: T
         return ModelConfig(**{**values, **gguf_variant_fields(arch, key, values)})
     except (KeyError, TypeError, ValueError) as exc:
         raise GGUFError(f"{path}: missing or malformed {arch} metadata ({exc!r})") from exc
+
+
+def _config_tensors(reader: GGUFReader, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named tensors' values (float32), empty unless the file has all of them."""
+    found = {t.name: _dequantize(t) for t in reader.tensors if t.name in names}
+    return found if len(found) == len(names) else {}
 
 
 def _eos_id(fields: dict[str, Any]) -> int | None:

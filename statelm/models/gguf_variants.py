@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 from statelm.models.variant_config import FULL, GEMMA, SLIDING, gemma_layer_types, optional_float
@@ -18,7 +19,13 @@ _GEMMA_BLOCK_NAMES = {
     "ffn_norm": "pre_feedforward_layernorm",
     "post_ffw_norm": "post_feedforward_layernorm",
 }
-_BLOCK_NAMES = {"gemma2": _GEMMA_BLOCK_NAMES, "gemma3": _GEMMA_BLOCK_NAMES}
+_BLOCK_NAMES = {
+    "gemma2": _GEMMA_BLOCK_NAMES,
+    "gemma3": _GEMMA_BLOCK_NAMES,
+    "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused: [q; k; v] and [gate; up]
+}
+# Tensors that hold config, not weights: LongRoPE's factors
+LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 # llama.cpp keeps no query_pre_attn_scalar for Gemma: it uses hidden / heads for the 27B models, known by their
 # layer count, and head_dim for the others
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
@@ -38,6 +45,8 @@ def to_hf_values(arch: str, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
 
 def gguf_variant_fields(arch: str, key: Callable[..., Any], base: dict[str, Any]) -> dict[str, Any]:
     """Overrides of the Llama reading `base` of a GGUF's metadata; key(name) reads `{arch}.{name}` (None if absent)."""
+    if arch == "phi3":
+        return {"fused_projections": True}
     if arch not in GEMMA:
         return {}
     layers = base["num_hidden_layers"]
@@ -62,3 +71,19 @@ def _layer_types(arch: str, layers: int, pattern: Any) -> list[str]:
     if isinstance(pattern, list):
         return [SLIDING if sliding else FULL for sliding in pattern]
     return gemma_layer_types(arch, layers, {"sliding_window_pattern": pattern} if pattern else None)
+
+
+def longrope_scaling(key: Callable[..., Any], factors: dict[str, np.ndarray]) -> dict[str, Any] | None:
+    """LongRoPE's scaling from its factor tensors (by name, LONGROPE_TENSORS) and metadata, or None without them.
+
+    llama.cpp's converter writes the attention factor transformers computes as `rope.scaling.attn_factor`.
+    """
+    if not factors:
+        return None
+    long, short = (factors[name].reshape(-1).tolist() for name in LONGROPE_TENSORS)
+    scaling: dict[str, Any] = {"rope_type": "longrope", "long_factor": long, "short_factor": short}
+    if key("rope.scaling.original_context_length"):
+        scaling["original_max_position_embeddings"] = int(key("rope.scaling.original_context_length"))
+    if key("rope.scaling.attn_factor") is not None:
+        scaling["attention_factor"] = float(key("rope.scaling.attn_factor"))
+    return scaling

@@ -5,12 +5,13 @@ MLP ("sandwich"), GeGLU, a softmax scale of their own, soft-capped attention sco
 layers that alternate between a sliding window (with their own rope base) and full attention, and checkpoints that
 keep the QKV and gate/up projections fused (Phi-3, which statelm fuses the same way). The model keeps
 Llama's parts and weight names (llama.py), so the loaders, the packed weights and the compute-path pass take it as
-they take Llama; what the fast paths cannot run is said by `torch_only_reason` and `fused_decoder_reason`.
+they take Llama; what the fast paths cannot run is said by `torch_only_reason` and `llama_shaped` (the fused decoder).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import fields
 from typing import TYPE_CHECKING
 
 import torch
@@ -132,10 +133,24 @@ class VariantForCausalLM(LlamaForCausalLM):
 
     def use_attention(self, backend: Callable[..., AttentionBackend]) -> None:
         """Attend through backend(sliding_window=...): one for the full-attention layers, one for the sliding ones."""
+        if self.llama_shaped():
+            self.backend = self.local_backend = backend(sliding_window=self.config.sliding_window)
+            return
         softcap = self.config.attn_logit_softcapping
         extra = {} if softcap is None else {"softcap": softcap}
         self.backend = backend(sliding_window=None, **extra)
         self.local_backend = backend(sliding_window=self.config.sliding_window, **extra)
+
+    def llama_shaped(self) -> bool:
+        """Whether, once loaded, the model computes what Llama's would (Phi-3): then it runs Llama's forward and
+        can take the fused decoder."""
+        config = self.config
+        names = [f.name for f in fields(config)]
+        departures = names[names.index("eos_token_ids") + 1 :]
+        defaults = ModelConfig(config.architecture, *([0] * 8))
+        return all(
+            getattr(config, name) == getattr(defaults, name) for name in departures if name != "fused_projections"
+        )
 
     def torch_only_reason(self) -> str | None:
         """Why only the torch paths can run this model (a feature statelm's kernels lack), or None."""
@@ -152,6 +167,8 @@ class VariantForCausalLM(LlamaForCausalLM):
         is_prompt: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Hidden states [T, hidden] after the final norm for a flat batch of T tokens (see LlamaForCausalLM)."""
+        if self.llama_shaped():
+            return super().forward(input_ids, positions, kv_cache, meta, is_prompt)
         self.chunking.set_rows(is_prompt, self.device)
         longest = max(meta.seq_lens)
         full = ForwardStep(self.ops.prepare_rope(positions, longest, self.rotary), meta, self.backend, self.ops)

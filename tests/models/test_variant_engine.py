@@ -1,7 +1,8 @@
 """Llama's variants as the server runs them: the start-up self-check's path, batch invariance and session exactness.
 
 Gemma 2 soft-caps its attention scores, which statelm's attention kernels do not: it runs the torch paths. Gemma 3
-runs statelm's kernels path (its weights packed from a Q8_0 GGUF too), without the fused decoder (Llama's shape).
+runs statelm's kernels path (its weights packed from a Q8_0 GGUF), without the fused decoder (Llama's block); Phi-3
+(fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from tests.models.tiny_model_dir import make_tiny_model_dir
 pytestmark = [pytest.mark.invariance]
 
 # Gemma 3 from a Hugging Face folder is also in test_engine.py's invariance test
-MODELS = ("gemma2", "gemma3-q8_0-gguf")
+MODELS = ("gemma2", "gemma3-q8_0-gguf", "phi3-q8_0-gguf")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
 
@@ -39,7 +40,9 @@ def model_path(name: str, folder: Path) -> Path:
     """A tiny model folder (HF checkpoint and ChatML tokenizer), or a Q8_0 GGUF with a Gemma-style vocabulary."""
     if not name.endswith("gguf"):
         return make_tiny_model_dir(name, folder)
-    checkpoint = make_tiny_checkpoint(name.split("-")[0], folder / "hf", query_pre_attn_scalar=16)
+    arch = name.split("-")[0]
+    overrides = {"query_pre_attn_scalar": 16} if arch.startswith("gemma") else {}
+    checkpoint = make_tiny_checkpoint(arch, folder / "hf", **overrides)
     return write_gguf_from_checkpoint(checkpoint, folder / "model.gguf", Q.Q8_0, gemma_style_vocab)
 
 
@@ -62,11 +65,12 @@ def prompts(loaded: LoadedModel, count: int) -> dict[str, list[int]]:
 def test_the_self_check_picks_the_path_the_architecture_supports(loaded: LoadedModel) -> None:
     engine_for(loaded)
     report, model = loaded.invariance, loaded.model
-    assert report is not None and report.verified and model.fused is None
+    assert report is not None and report.verified
     if loaded.config.architecture == "gemma2":
         assert compute_paths(model) == ["torch", "torch-per-row"]
-    elif kernels_available():  # the Q8_0 GGUF: packed weights, float32
+    elif kernels_available():  # the Q8_0 GGUFs: packed weights, float32
         assert model.compute_path == "kernels"
+        assert (model.fused is not None) == (loaded.config.architecture == "phi3")  # Llama's block once loaded
     packed = any(isinstance(module, PackedLinear) for module in model.modules())
     assert packed == loaded.fingerprint.parts["weights"].startswith("gguf:")
 

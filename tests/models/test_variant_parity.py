@@ -39,7 +39,14 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-longrope-long": ("phi3", {}),
     "phi3-longrope-short": ("phi3", {"original_max_position_embeddings": 256}),
 }
-GGUF_ARCHITECTURES = ("gemma2", "gemma3")
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
+# llama.cpp keeps no query_pre_attn_scalar: a GGUF of a Gemma whose scalar is not head_dim scales by head_dim
+GGUF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    "gemma2": ("gemma2", {"query_pre_attn_scalar": 16}),
+    "gemma3": ("gemma3", {"query_pre_attn_scalar": 16}),
+    "phi3-longrope": ("phi3", {}),
+    "qwen2-yarn": ("qwen2", {"rope_parameters": YARN}),
+}
 
 
 def build(config: ModelConfig, weights: Any) -> LlamaForCausalLM:
@@ -75,14 +82,15 @@ def test_hf_checkpoint_matches_transformers(variant: str, tmp_path: Path) -> Non
     assert_matches_transformers(model, path)
 
 
-@pytest.mark.parametrize("arch", GGUF_ARCHITECTURES)
-def test_gguf_matches_transformers(arch: str, tmp_path: Path) -> None:
-    # llama.cpp keeps no query_pre_attn_scalar: a GGUF of a model whose scalar is not head_dim scales by head_dim
-    checkpoint = make_tiny_checkpoint(arch, tmp_path / "hf", query_pre_attn_scalar=16)
+@pytest.mark.parametrize("variant", list(GGUF_VARIANTS))
+def test_gguf_matches_transformers(variant: str, tmp_path: Path) -> None:
+    arch, overrides = GGUF_VARIANTS[variant]
+    checkpoint = make_tiny_checkpoint(arch, tmp_path / "hf", **overrides)
     gguf = load_gguf(write_gguf_from_checkpoint(checkpoint, tmp_path / f"{arch}.gguf"))
     hf_config = ModelConfig.from_hf_dict(json.loads((checkpoint / "config.json").read_text()))
     same = ("layer_types", "attention_scale", "sliding_window", "rope_local_theta", "embedding_multiplier", "qk_norm")
     assert {name: getattr(gguf.config, name) for name in same} == {name: getattr(hf_config, name) for name in same}
+    assert (gguf.config.rope_scaling or {}).get("rope_type") == (hf_config.rope_scaling or {}).get("rope_type")
     assert_matches_transformers(build(gguf.config, gguf.tensors()), checkpoint)
 
 

@@ -4,6 +4,7 @@ them: its tensor names, its value conventions and its metadata keys, with gguf's
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ _ARCH_LAYER = {
     },
 }
 _ARCH_LAYER["gemma3"] = _ARCH_LAYER["gemma2"]
+_ARCH_LAYER["phi3"] = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}
 
 
@@ -91,6 +93,10 @@ def write_gguf_from_checkpoint(
         value = _llama_cpp_values(name, value.astype(np.float32), arch, config)
         raw = qtype if qtype is not None and value.ndim == 2 else None
         tensors[gguf_name(name, arch)] = (quantize(value, raw) if raw is not None else value, raw)
+    scaling = config.get("rope_parameters") or {}
+    if scaling.get("rope_type") == "longrope":  # llama.cpp keeps LongRoPE's factors as tensors
+        for kind in ("long", "short"):
+            tensors[f"rope_factors_{kind}.weight"] = (np.asarray(scaling[f"{kind}_factor"], dtype=np.float32), None)
     extra = {} if tokenizer is None else {"tokenizer": tokenizer}
     return write_gguf(path, tensors, arch=arch, metadata=_metadata(arch, config), **extra)
 
@@ -129,4 +135,15 @@ def _metadata(arch: str, config: dict[str, Any]) -> dict[str, Any]:
             metadata[key] = float(config[key])
     if "sliding_attention" in params:
         metadata["rope.freq_base_swa"] = float(params["sliding_attention"]["rope_theta"])
+    kind = params.get("rope_type")
+    if kind in ("yarn", "longrope"):
+        original = params["original_max_position_embeddings"]
+        metadata["rope.scaling.original_context_length"] = original
+        factor = params.get("factor") or config["max_position_embeddings"] / original
+    if kind == "yarn":
+        metadata |= {"rope.scaling.type": "yarn", "rope.scaling.factor": float(factor)}
+    if kind == "longrope":  # the converter writes the attention factor transformers would compute
+        metadata["rope.scaling.attn_factor"] = (
+            math.sqrt(1 + math.log(factor) / math.log(original)) if factor > 1 else 1.0
+        )
     return metadata
