@@ -8,7 +8,7 @@ from typing import Any
 from statelm.models.rope import complete_rope_scaling
 from statelm.models.variant_config import ModelConfigError, hf_variant_fields
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2")
 # Hugging Face model_type -> statelm architecture, where the names differ
 _MODEL_TYPES = {"gemma3_text": "gemma3"}
 
@@ -48,6 +48,9 @@ class ModelConfig:
     # means every layer attends as sliding_window says
     rope_local_theta: float | None = None  # rope base of the SLIDING layers (Gemma 3), without rope_scaling
     fused_projections: bool = False  # the checkpoint keeps qkv_proj and gate_up_proj fused (Phi-3)
+    residual_multiplier: float = 1.0  # each block's attention and MLP outputs are scaled by it (Granite)
+    logits_scaling: float = 1.0  # the logits are divided by it (Granite)
+    qk_norm_full: bool = False  # qk_norm over all heads' q (and k) at once, not per head (OLMo 2)
 
     def __post_init__(self) -> None:
         for name in ("eos_token_ids", "layer_types"):  # a config read back from JSON has lists

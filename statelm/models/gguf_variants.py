@@ -23,6 +23,10 @@ _BLOCK_NAMES = {
     "gemma2": _GEMMA_BLOCK_NAMES,
     "gemma3": _GEMMA_BLOCK_NAMES,
     "phi3": {"attn_qkv": "self_attn.qkv_proj", "ffn_up": "mlp.gate_up_proj"},  # fused: [q; k; v] and [gate; up]
+    "olmo2": {
+        "post_attention_norm": "post_attention_layernorm",
+        "post_ffw_norm": "post_feedforward_layernorm",
+    },
 }
 # Tensors that hold config, not weights: LongRoPE's factors
 LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
@@ -47,6 +51,15 @@ def gguf_variant_fields(arch: str, key: Callable[..., Any], base: dict[str, Any]
     """Overrides of the Llama reading `base` of a GGUF's metadata; key(name) reads `{arch}.{name}` (None if absent)."""
     if arch == "phi3":
         return {"fused_projections": True}
+    if arch == "granite":  # llama.cpp's names for Granite's multipliers
+        return {
+            "embedding_multiplier": float(key("embedding_scale") or 1.0),
+            "attention_scale": optional_float(key("attention.scale")),
+            "residual_multiplier": float(key("residual_scale") or 1.0),
+            "logits_scaling": float(key("logit_scale") or 1.0),
+        }
+    if arch == "olmo2":
+        return {"norm_layout": "post", "qk_norm": True, "qk_norm_full": True}
     if arch not in GEMMA:
         return {}
     layers = base["num_hidden_layers"]

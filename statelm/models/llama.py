@@ -75,9 +75,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowChunkedLinear(self.q_size, hidden, bias=out_bias, **linear)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        if config.qk_norm:  # per head, or over all heads at once (qk_norm_full)
+            q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_full else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cache: LayerKV, step: ForwardStep) -> torch.Tensor:
         """Project [T, hidden], write K/V to the cache, attend, and project back."""
@@ -87,8 +88,9 @@ class LlamaAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = step.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = step.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q_width, k_width = self.q_norm.weight.shape[0], self.k_norm.weight.shape[0]
+            q = step.ops.rms_norm(q.view(tokens, -1, q_width), self.q_norm.weight, self.q_norm.eps).view(q.shape)
+            k = step.ops.rms_norm(k.view(tokens, -1, k_width), self.k_norm.weight, self.k_norm.eps).view(k.shape)
         q, k = step.ops.rope(q, k, step.rope)
         out = step.backend.forward(q, k, v, cache, step.meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))

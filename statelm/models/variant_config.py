@@ -22,6 +22,15 @@ def hf_variant_fields(model_type: str, raw: dict[str, Any], base: dict[str, Any]
     """Overrides of the Llama reading `base` of a config.json mapping `raw`, for model_type."""
     if model_type == "phi3":
         return _phi3_fields(raw)
+    if model_type == "granite":
+        return {
+            "embedding_multiplier": float(raw.get("embedding_multiplier", 1.0)),
+            "attention_scale": float(raw["attention_multiplier"]) if raw.get("attention_multiplier") else None,
+            "residual_multiplier": float(raw.get("residual_multiplier", 1.0)),
+            "logits_scaling": float(raw.get("logits_scaling", 1.0)),
+        }
+    if model_type == "olmo2":
+        return {"norm_layout": "post", "qk_norm": True, "qk_norm_full": True}
     if model_type not in GEMMA:
         return {}
     if raw.get("use_bidirectional_attention"):

@@ -28,7 +28,7 @@ from statelm.models.variant_config import FULL, GEMMA, SLIDING
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
-VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3"})
+VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3", "granite", "olmo2"})
 # the Hugging Face weights of a checkpoint with fused projections, by the linear they fill
 _FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 
@@ -52,8 +52,10 @@ class VariantMLP(GatedMLP):
 class VariantDecoderLayer(LlamaDecoderLayer):
     """A decoder block in the config's norm layout, attending as its layer type (sliding or full) says.
 
-    Module names are Hugging Face's: in the sandwich layout `post_attention_layernorm` normalises the attention's
-    output and `pre_feedforward_layernorm` the MLP's input (Llama's `post_attention_layernorm`).
+    Layouts: `pre` (Llama's, with Granite's residual multiplier), `sandwich` (Gemma: norms before and after attention
+    and MLP), `post` (OLMo 2: norms after attention and MLP only). Module names are Hugging Face's: outside the pre
+    layout `post_attention_layernorm` normalises the attention's output, and `pre_feedforward_layernorm` the MLP's
+    input (the pre layout's `post_attention_layernorm`).
     """
 
     def __init__(
@@ -69,19 +71,21 @@ class VariantDecoderLayer(LlamaDecoderLayer):
         self.mlp = VariantMLP(config, dtype=dtype, device=device, chunking=chunking)
         self.kind = layer_kind(config, index)
         self.layout = config.norm_layout
+        self.residual_multiplier = config.residual_multiplier  # of the pre layout (Granite); 1 for the others
         norm = {"eps": config.rms_norm_eps, "dtype": dtype, "device": device}
         if self.layout == "sandwich":
             self.pre_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
+        if self.layout != "pre":
             self.post_feedforward_layernorm = RMSNorm(config.hidden_size, **norm)
 
     def extra_norms(self) -> dict[str, RMSNorm]:
         """The norms Llama's block does not have, by Hugging Face name relative to the layer."""
-        if self.layout != "sandwich":
-            return {}
-        return {
-            "pre_feedforward_layernorm": self.pre_feedforward_layernorm,
-            "post_feedforward_layernorm": self.post_feedforward_layernorm,
-        }
+        names = {
+            "pre": [],
+            "sandwich": ["pre_feedforward_layernorm", "post_feedforward_layernorm"],
+            "post": ["post_feedforward_layernorm"],
+        }[self.layout]
+        return {name: getattr(self, name) for name in names}
 
     def forward(
         self,
@@ -91,20 +95,33 @@ class VariantDecoderLayer(LlamaDecoderLayer):
         step: ForwardStep,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Run the block on [T, hidden] as LlamaDecoderLayer does: returns its output and the residual stream."""
-        if self.layout != "sandwich":
-            return super().forward(x, residual, cache, step)
         ops = step.ops
-        norm = self.input_layernorm
-        if residual is None:
+        if self.layout == "post":  # no norm before attention (OLMo 2)
+            residual = x if residual is None else residual.add_(x)
+            h = residual
+        elif residual is None:
+            norm = self.input_layernorm
             residual, h = x, ops.rms_norm(x, norm.weight, norm.eps)
         else:
+            norm = self.input_layernorm
             h = ops.add_rms_norm(residual, x, norm.weight, norm.eps)
-        norm = self.post_attention_layernorm
-        attention = ops.rms_norm(self.self_attn(h, cache, step), norm.weight, norm.eps)
-        norm = self.pre_feedforward_layernorm
-        h = ops.add_rms_norm(residual, attention, norm.weight, norm.eps)
+        attention = self.self_attn(h, cache, step)
+        norm = self.post_attention_layernorm  # the pre layout's norm before the MLP, the others' after attention
+        if self.layout == "pre":
+            h = ops.add_rms_norm(residual, self._scaled(attention), norm.weight, norm.eps)
+            return self._scaled(self.mlp(h, ops)), residual
+        attention = ops.rms_norm(attention, norm.weight, norm.eps)
+        if self.layout == "sandwich":
+            norm = self.pre_feedforward_layernorm
+            h = ops.add_rms_norm(residual, attention, norm.weight, norm.eps)
+        else:
+            h = residual.add_(attention)
         norm = self.post_feedforward_layernorm
         return ops.rms_norm(self.mlp(h, ops), norm.weight, norm.eps), residual
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        """A block output as it joins the residual stream (Granite scales it)."""
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
 
 
 class VariantForCausalLM(LlamaForCausalLM):
@@ -185,8 +202,10 @@ class VariantForCausalLM(LlamaForCausalLM):
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
 
     def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:
-        """Llama's logits, soft-capped where the config says."""
+        """Llama's logits, scaled and soft-capped where the config says."""
         logits = super().compute_logits(hidden, is_prompt)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         cap = self.config.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
@@ -212,6 +231,8 @@ class VariantForCausalLM(LlamaForCausalLM):
             prefix = f"model.layers.{i}."
             for name, norm in layer.extra_norms().items():
                 targets[f"{prefix}{name}.weight"] = _whole(norm.weight)
+            if layer.layout == "post":  # its input_layernorm stays unused
+                del targets[f"{prefix}input_layernorm.weight"]
             if self.config.fused_projections:
                 for attribute, (owner, parts) in _FUSED.items():
                     for part in parts:

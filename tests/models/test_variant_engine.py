@@ -2,7 +2,8 @@
 
 Gemma 2 soft-caps its attention scores, which statelm's attention kernels do not: it runs the torch paths. Gemma 3
 runs statelm's kernels path (its weights packed from a Q8_0 GGUF), without the fused decoder (Llama's block); Phi-3
-(fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too.
+(fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too. Granite (from a
+Q8_0 GGUF) and OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) are also covered.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from tests.models.tiny_model_dir import make_tiny_model_dir
 pytestmark = [pytest.mark.invariance]
 
 # Gemma 3 from a Hugging Face folder is also in test_engine.py's invariance test
-MODELS = ("gemma2", "gemma3-q8_0-gguf", "phi3-q8_0-gguf")
+MODELS = ("gemma2", "gemma3-q8_0-gguf", "phi3-q8_0-gguf", "granite-q8_0-gguf", "olmo2")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
 
@@ -68,7 +69,7 @@ def test_the_self_check_picks_the_path_the_architecture_supports(loaded: LoadedM
     assert report is not None and report.verified
     if loaded.config.architecture == "gemma2":
         assert compute_paths(model) == ["torch", "torch-per-row"]
-    elif kernels_available():  # the Q8_0 GGUFs: packed weights, float32
+    elif kernels_available() and model.dtype == torch.float32:  # the Q8_0 GGUFs (a folder is bfloat16 on BF16 CPUs)
         assert model.compute_path == "kernels"
         assert (model.fused is not None) == (loaded.config.architecture == "phi3")  # Llama's block once loaded
     packed = any(isinstance(module, PackedLinear) for module in model.modules())

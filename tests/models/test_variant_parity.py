@@ -38,6 +38,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
     "phi3-longrope-long": ("phi3", {}),
     "phi3-longrope-short": ("phi3", {"original_max_position_embeddings": 256}),
+    "granite": ("granite", {}),
+    "olmo2": ("olmo2", {}),
 }
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
 # llama.cpp keeps no query_pre_attn_scalar: a GGUF of a Gemma whose scalar is not head_dim scales by head_dim
@@ -46,6 +48,8 @@ GGUF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "gemma3": ("gemma3", {"query_pre_attn_scalar": 16}),
     "phi3-longrope": ("phi3", {}),
     "qwen2-yarn": ("qwen2", {"rope_parameters": YARN}),
+    "granite": ("granite", {}),
+    "olmo2": ("olmo2", {}),
 }
 
 

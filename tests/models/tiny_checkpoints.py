@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2")
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -61,6 +61,14 @@ _ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
         "sliding_window": None,
         "pad_token_id": 0,
     },
+    "granite": {
+        "rope_theta": 10000.0,
+        "embedding_multiplier": 6.0,
+        "attention_multiplier": 0.0625,
+        "residual_multiplier": 0.3,
+        "logits_scaling": 4.0,
+    },
+    "olmo2": {"rope_theta": 500000.0, "pad_token_id": 0},
     # six layers: Gemma 3's default alternation (five sliding, one full)
     "gemma3": {
         "head_dim": 16,
@@ -104,6 +112,8 @@ def _classes(transformers: Any, model_type: str) -> tuple[Any, Any]:
         "qwen3": "Qwen3",
         "gemma2": "Gemma2",
         "phi3": "Phi3",
+        "granite": "Granite",
+        "olmo2": "Olmo2",
     }
     prefix = prefixes[model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")

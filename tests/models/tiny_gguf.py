@@ -42,6 +42,17 @@ _ARCH_LAYER = {
 }
 _ARCH_LAYER["gemma3"] = _ARCH_LAYER["gemma2"]
 _ARCH_LAYER["phi3"] = {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}
+_ARCH_LAYER["olmo2"] = {
+    "post_attention_layernorm": "post_attention_norm",
+    "post_feedforward_layernorm": "post_ffw_norm",
+}
+# Granite's multipliers: config.json's names, llama.cpp's keys
+_GRANITE_KEYS = {
+    "embedding_multiplier": "embedding_scale",
+    "residual_multiplier": "residual_scale",
+    "attention_multiplier": "attention.scale",
+    "logits_scaling": "logit_scale",
+}
 _GGUF_ARCH = {"gemma3_text": "gemma3"}
 
 
@@ -105,7 +116,7 @@ def _llama_cpp_values(name: str, value: np.ndarray, arch: str, config: dict[str,
     """What llama.cpp's converter does to a tensor's values: Gemma's norms plus one, Llama's Q/K rows permuted."""
     if arch in ("gemma2", "gemma3") and name.endswith("norm.weight"):
         return value + 1.0
-    if arch in ("llama", "mistral") and name.endswith(("q_proj.weight", "k_proj.weight")):
+    if arch in ("llama", "mistral", "granite") and name.endswith(("q_proj.weight", "k_proj.weight")):
         heads = config["num_attention_heads"] if "q_proj" in name else config["num_key_value_heads"]
         return llama_cpp_permute(value, heads)
     return value
@@ -135,6 +146,8 @@ def _metadata(arch: str, config: dict[str, Any]) -> dict[str, Any]:
             metadata[key] = float(config[key])
     if "sliding_attention" in params:
         metadata["rope.freq_base_swa"] = float(params["sliding_attention"]["rope_theta"])
+    if arch == "granite":
+        metadata |= {key: float(config[name]) for name, key in _GRANITE_KEYS.items()}
     kind = params.get("rope_type")
     if kind in ("yarn", "longrope"):
         original = params["original_max_position_embeddings"]
