@@ -8,9 +8,21 @@ from typing import Any
 from statelm.models.rope import complete_rope_scaling
 from statelm.models.variant_config import ModelConfigError, hf_variant_fields
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2")
-# Hugging Face model_type -> statelm architecture, where the names differ
-_MODEL_TYPES = {"gemma3_text": "gemma3"}
+SUPPORTED_ARCHITECTURES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "qwen3moe",
+    "mixtral",
+)
+# Hugging Face model_type -> statelm architecture (llama.cpp's name), where the names differ
+_MODEL_TYPES = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe"}
 
 
 @dataclass(frozen=True)
@@ -51,9 +63,14 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # each block's attention and MLP outputs are scaled by it (Granite)
     logits_scaling: float = 1.0  # the logits are divided by it (Granite)
     qk_norm_full: bool = False  # qk_norm over all heads' q (and k) at once, not per head (OLMo 2)
+    num_experts: int = 0  # mixture of experts (models/moe.py): experts per MoE layer, 0 for a dense model
+    num_experts_per_tok: int = 0  # the top-k experts each token is routed to
+    moe_intermediate_size: int = 0  # each expert's intermediate size
+    norm_topk_prob: bool = True  # the top-k routing probabilities renormalised to sum to one
+    dense_layers: tuple[int, ...] = ()  # layers of an MoE model with a dense MLP (intermediate_size) instead
 
     def __post_init__(self) -> None:
-        for name in ("eos_token_ids", "layer_types"):  # a config read back from JSON has lists
+        for name in ("eos_token_ids", "layer_types", "dense_layers"):  # a config read back from JSON has lists
             object.__setattr__(self, name, tuple(getattr(self, name)))
 
     @classmethod

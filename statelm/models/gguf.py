@@ -36,7 +36,7 @@ SUPPORTED_QUANT_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 # llama.cpp's converter interleaves the rows of Q/K for these architectures (rotary layout); see unpermute_qk.
-PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral", "granite"})
+PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral", "granite", "mixtral"})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Tensors the loader reads into the config instead of yielding as weights.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight", *LONGROPE_TENSORS})

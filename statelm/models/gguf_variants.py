@@ -35,9 +35,18 @@ LONGROPE_TENSORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 _GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
 
 
+# A mixture of experts' router and stacked experts ([experts, rows, columns]; models/moe.py splits them)
+_EXPERT_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
+
 def block_names(arch: str) -> dict[str, str]:
     """GGUF block tensor names of arch that map to other Hugging Face names than a Llama GGUF's."""
-    return _BLOCK_NAMES.get(arch, {})
+    return {**_EXPERT_NAMES, **_BLOCK_NAMES.get(arch, {})}
 
 
 def to_hf_values(arch: str, hf_name: str, tensor: torch.Tensor) -> torch.Tensor:
@@ -60,6 +69,14 @@ def gguf_variant_fields(arch: str, key: Callable[..., Any], base: dict[str, Any]
         }
     if arch == "olmo2":
         return {"norm_layout": "post", "qk_norm": True, "qk_norm_full": True}
+    if key("expert_count"):  # llama.cpp runs Mixtral as `llama` with experts; both normalise the top-k weights
+        return {
+            "architecture": "mixtral" if arch == "llama" else arch,
+            "num_experts": int(key("expert_count")),
+            "num_experts_per_tok": int(key("expert_used_count")),
+            "moe_intermediate_size": int(key("expert_feed_forward_length") or base["intermediate_size"]),
+            "norm_topk_prob": bool(key("expert_weights_norm", True)),
+        }
     if arch not in GEMMA:
         return {}
     layers = base["num_hidden_layers"]

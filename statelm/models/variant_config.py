@@ -31,6 +31,23 @@ def hf_variant_fields(model_type: str, raw: dict[str, Any], base: dict[str, Any]
         }
     if model_type == "olmo2":
         return {"norm_layout": "post", "qk_norm": True, "qk_norm_full": True}
+    if model_type == "qwen3moe":
+        step = int(raw.get("decoder_sparse_step") or 1)
+        dense = set(raw.get("mlp_only_layers") or []) | {i for i in range(base["num_hidden_layers"]) if (i + 1) % step}
+        return {
+            "qk_norm": True,
+            "num_experts": int(raw.get("num_experts") or raw["num_local_experts"]),  # transformers 5 saves the latter
+            "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": int(raw["moe_intermediate_size"]),
+            "norm_topk_prob": bool(raw.get("norm_topk_prob", False)),
+            "dense_layers": tuple(sorted(dense)),
+        }
+    if model_type == "mixtral":
+        return {
+            "num_experts": int(raw["num_local_experts"]),
+            "num_experts_per_tok": int(raw["num_experts_per_tok"]),
+            "moe_intermediate_size": base["intermediate_size"],
+        }
     if model_type not in GEMMA:
         return {}
     if raw.get("use_bidirectional_attention"):

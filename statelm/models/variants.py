@@ -1,4 +1,5 @@
-"""Decoders that depart from Llama inside the block or its checkpoint: Gemma 2 and Gemma 3 (text), Phi-3/Phi-4.
+"""Decoders that depart from Llama inside the block or its checkpoint: Gemma 2 and 3 (text), Phi-3/Phi-4, Granite 3,
+OLMo 2, and the mixtures of experts Qwen3-MoE and Mixtral (models/moe.py).
 
 Their departures are config fields (config.py, read by variant_config.py): pre and post norms around attention and
 MLP ("sandwich"), GeGLU, a softmax scale of their own, soft-capped attention scores and logits, scaled embeddings,
@@ -23,12 +24,13 @@ from statelm.attention.reference import TorchAttentionBackend
 from statelm.models.config import ModelConfig
 from statelm.models.layers import GatedMLP, LayerOps, RMSNorm, RotaryEmbedding, RowChunking
 from statelm.models.llama import ForwardStep, LlamaDecoderLayer, LlamaForCausalLM, _whole
+from statelm.models.moe import MoEMLP, is_moe_layer, per_expert_weights
 from statelm.models.variant_config import FULL, GEMMA, SLIDING
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
-VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3", "granite", "olmo2"})
+VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3", "granite", "olmo2", "qwen3moe", "mixtral"})
 # the Hugging Face weights of a checkpoint with fused projections, by the linear they fill
 _FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 
@@ -68,7 +70,8 @@ class VariantDecoderLayer(LlamaDecoderLayer):
         chunking: RowChunking,
     ) -> None:
         super().__init__(config, dtype=dtype, device=device, chunking=chunking)
-        self.mlp = VariantMLP(config, dtype=dtype, device=device, chunking=chunking)
+        mlp = MoEMLP if is_moe_layer(config, index) else VariantMLP
+        self.mlp: VariantMLP | MoEMLP = mlp(config, dtype=dtype, device=device, chunking=chunking)
         self.kind = layer_kind(config, index)
         self.layout = config.norm_layout
         self.residual_multiplier = config.residual_multiplier  # of the pre layout (Granite); 1 for the others
@@ -211,7 +214,7 @@ class VariantForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> dict[str, PackedWeight]:
         """Llama's loading; Gemma's norms scale by (1 + weight), which the loaded norm weights then hold."""
-        packed = super().load_weights(weights)
+        packed = super().load_weights(per_expert_weights(weights) if self.config.num_experts else weights)
         if self.config.architecture in GEMMA:
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -221,6 +224,10 @@ class VariantForCausalLM(LlamaForCausalLM):
     def linear_groups(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
         """Llama's groups; a checkpoint with fused projections has one weight per fused linear."""
         for owner, attribute, names in super().linear_groups():
+            if isinstance(owner, MoEMLP):  # its experts are float (models/moe.py); only its router may come packed
+                if attribute == "gate_up_proj":
+                    yield owner, "router", [names[0].replace(".gate_proj.", ".gate.")]
+                continue
             if self.config.fused_projections and attribute in _FUSED:
                 names = [names[0].replace(f".{_FUSED[attribute][1][0]}.", f".{attribute}.")]
             yield owner, attribute, names
@@ -233,6 +240,10 @@ class VariantForCausalLM(LlamaForCausalLM):
                 targets[f"{prefix}{name}.weight"] = _whole(norm.weight)
             if layer.layout == "post":  # its input_layernorm stays unused
                 del targets[f"{prefix}input_layernorm.weight"]
+            if isinstance(layer.mlp, MoEMLP):
+                for part in ("gate_proj", "up_proj", "down_proj"):
+                    del targets[f"{prefix}mlp.{part}.weight"]
+                targets |= {f"{prefix}mlp.{name}": target for name, target in layer.mlp.targets().items()}
             if self.config.fused_projections:
                 for attribute, (owner, parts) in _FUSED.items():
                     for part in parts:

@@ -3,7 +3,8 @@
 Gemma 2 soft-caps its attention scores, which statelm's attention kernels do not: it runs the torch paths. Gemma 3
 runs statelm's kernels path (its weights packed from a Q8_0 GGUF), without the fused decoder (Llama's block); Phi-3
 (fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too. Granite (from a
-Q8_0 GGUF) and OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) are also covered.
+Q8_0 GGUF) and OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) are also covered, and the
+mixtures of experts: Qwen3-MoE from a folder, Mixtral from a Q8_0 GGUF (its stacked experts dequantized at load).
 """
 
 from __future__ import annotations
@@ -32,7 +33,15 @@ from tests.models.tiny_model_dir import make_tiny_model_dir
 pytestmark = [pytest.mark.invariance]
 
 # Gemma 3 from a Hugging Face folder is also in test_engine.py's invariance test
-MODELS = ("gemma2", "gemma3-q8_0-gguf", "phi3-q8_0-gguf", "granite-q8_0-gguf", "olmo2")
+MODELS = (
+    "gemma2",
+    "gemma3-q8_0-gguf",
+    "phi3-q8_0-gguf",
+    "granite-q8_0-gguf",
+    "olmo2",
+    "qwen3_moe",
+    "mixtral-q8_0-gguf",
+)
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
 

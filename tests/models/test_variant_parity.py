@@ -40,6 +40,9 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3-longrope-short": ("phi3", {"original_max_position_embeddings": 256}),
     "granite": ("granite", {}),
     "olmo2": ("olmo2", {}),
+    "qwen3-moe": ("qwen3_moe", {}),
+    "qwen3-moe-unnormalised": ("qwen3_moe", {"norm_topk_prob": False}),
+    "mixtral": ("mixtral", {}),
 }
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32, "rope_theta": 1e6}
 # llama.cpp keeps no query_pre_attn_scalar: a GGUF of a Gemma whose scalar is not head_dim scales by head_dim
@@ -50,6 +53,8 @@ GGUF_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-yarn": ("qwen2", {"rope_parameters": YARN}),
     "granite": ("granite", {}),
     "olmo2": ("olmo2", {}),
+    "qwen3-moe": ("qwen3_moe", {"mlp_only_layers": []}),  # llama.cpp's qwen3moe has experts in every layer
+    "mixtral": ("mixtral", {}),
 }
 
 
@@ -81,7 +86,7 @@ def test_hf_checkpoint_matches_transformers(variant: str, tmp_path: Path) -> Non
     arch, overrides = VARIANTS[variant]
     path = make_tiny_checkpoint(arch, tmp_path, **overrides)
     config = ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text()))
-    assert config.architecture == arch
+    assert config.architecture == arch.replace("_", "")
     model = build(config, load_file(path / "model.safetensors").items())
     assert_matches_transformers(model, path)
 

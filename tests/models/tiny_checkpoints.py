@@ -7,7 +7,20 @@ from typing import Any
 
 import torch
 
-ARCHITECTURES = ("llama", "llama3", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "granite", "olmo2")
+ARCHITECTURES = (
+    "llama",
+    "llama3",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "granite",
+    "olmo2",
+    "qwen3_moe",
+    "mixtral",
+)
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 512,
@@ -69,6 +82,19 @@ _ARCH_OVERRIDES: dict[str, dict[str, Any]] = {
         "logits_scaling": 4.0,
     },
     "olmo2": {"rope_theta": 500000.0, "pad_token_id": 0},
+    # eight experts, two per token; Qwen3-MoE's first layer dense (mlp_only_layers), its top-k weights renormalised
+    "qwen3_moe": {
+        "rope_theta": 1000000.0,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "norm_topk_prob": True,
+        "mlp_only_layers": [0],
+        "num_hidden_layers": 3,
+        "use_sliding_window": False,
+    },
+    "mixtral": {"rope_theta": 1000000.0, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": None},
     # six layers: Gemma 3's default alternation (five sliding, one full)
     "gemma3": {
         "head_dim": 16,
@@ -114,6 +140,8 @@ def _classes(transformers: Any, model_type: str) -> tuple[Any, Any]:
         "phi3": "Phi3",
         "granite": "Granite",
         "olmo2": "Olmo2",
+        "qwen3_moe": "Qwen3Moe",
+        "mixtral": "Mixtral",
     }
     prefix = prefixes[model_type]
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForCausalLM")

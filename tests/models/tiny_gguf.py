@@ -29,6 +29,7 @@ _LAYER = {
     "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "mlp.router": "ffn_gate_inp",
     "input_layernorm": "attn_norm",
     "post_attention_layernorm": "ffn_norm",
 }
@@ -53,11 +54,15 @@ _GRANITE_KEYS = {
     "attention_multiplier": "attention.scale",
     "logits_scaling": "logit_scale",
 }
-_GGUF_ARCH = {"gemma3_text": "gemma3"}
+_GGUF_ARCH = {"gemma3_text": "gemma3", "qwen3_moe": "qwen3moe", "mixtral": "llama"}  # Mixtral is `llama` there
+_EXPERT_PARTS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps"}
+_MIXTRAL_PARTS = {"w1": "gate_proj", "w2": "down_proj", "w3": "up_proj"}
 
 
 def gguf_name(hf_name: str, arch: str) -> str:
-    """llama.cpp's name of a Hugging Face tensor."""
+    """llama.cpp's name of a Hugging Face tensor (or of a stacked expert tensor, already llama.cpp's)."""
+    if hf_name.startswith("blk."):
+        return hf_name
     module, kind = hf_name.rsplit(".", 1)
     if module in _GLOBAL:
         return f"{_GLOBAL[module]}.{kind}"
@@ -100,9 +105,9 @@ def write_gguf_from_checkpoint(
     config = json.loads((checkpoint / "config.json").read_text())
     arch = _GGUF_ARCH.get(config["model_type"], config["model_type"])
     tensors: dict[str, tuple[np.ndarray, Q | None]] = {}
-    for name, value in load_file(checkpoint / "model.safetensors").items():
+    for name, value in _stacked_experts(load_file(checkpoint / "model.safetensors")).items():
         value = _llama_cpp_values(name, value.astype(np.float32), arch, config)
-        raw = qtype if qtype is not None and value.ndim == 2 else None
+        raw = qtype if qtype is not None and value.ndim >= 2 else None  # matrices and stacked experts
         tensors[gguf_name(name, arch)] = (quantize(value, raw) if raw is not None else value, raw)
     scaling = config.get("rope_parameters") or {}
     if scaling.get("rope_type") == "longrope":  # llama.cpp keeps LongRoPE's factors as tensors
@@ -110,6 +115,25 @@ def write_gguf_from_checkpoint(
             tensors[f"rope_factors_{kind}.weight"] = (np.asarray(scaling[f"{kind}_factor"], dtype=np.float32), None)
     extra = {} if tokenizer is None else {"tokenizer": tokenizer}
     return write_gguf(path, tensors, arch=arch, metadata=_metadata(arch, config), **extra)
+
+
+def _stacked_experts(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert weights stacked into [experts, rows, columns] tensors, named as llama.cpp names them."""
+    stacked: dict[str, dict[int, np.ndarray]] = {}
+    out: dict[str, np.ndarray] = {}
+    for name, value in weights.items():
+        name = name.replace(".block_sparse_moe.", ".mlp.")
+        if ".experts." not in name:
+            out[name.replace(".mlp.gate.", ".mlp.router.")] = value
+            continue
+        prefix, rest = name.split(".mlp.experts.")
+        expert, part, _ = rest.split(".")
+        layer = prefix.split(".")[2]
+        stacked.setdefault(f"blk.{layer}.{_EXPERT_PARTS[_MIXTRAL_PARTS.get(part, part)]}.weight", {})[int(expert)] = (
+            value
+        )
+    out |= {name: np.stack([experts[e] for e in sorted(experts)]) for name, experts in stacked.items()}
+    return out
 
 
 def _llama_cpp_values(name: str, value: np.ndarray, arch: str, config: dict[str, Any]) -> np.ndarray:
@@ -148,6 +172,11 @@ def _metadata(arch: str, config: dict[str, Any]) -> dict[str, Any]:
         metadata["rope.freq_base_swa"] = float(params["sliding_attention"]["rope_theta"])
     if arch == "granite":
         metadata |= {key: float(config[name]) for name, key in _GRANITE_KEYS.items()}
+    experts = config.get("num_experts") or config.get("num_local_experts")
+    if experts:
+        metadata |= {"expert_count": experts, "expert_used_count": config["num_experts_per_tok"]}
+        if config.get("moe_intermediate_size"):
+            metadata["expert_feed_forward_length"] = config["moe_intermediate_size"]
     kind = params.get("rope_type")
     if kind in ("yarn", "longrope"):
         original = params["original_max_position_embeddings"]
