@@ -42,13 +42,13 @@ def compute_paths(model: LlamaForCausalLM) -> list[str]:
     CPU but slow for prompts.
     """
     paths = ["torch", "torch-per-row"]
-    if isinstance(model, VariantForCausalLM) and model.torch_only_reason() is not None:
-        return paths  # statelm's attention kernels lack a feature it needs (docs/models.md)
     on_cpu = model.device.type == "cpu"
     if on_cpu and model.dtype == torch.float32 and kernels_available():
         paths.insert(0, "kernels")
     if model.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         paths.insert(0, "triton")
+    if isinstance(model, VariantForCausalLM):  # a feature the fast paths lack (docs/models.md)
+        paths = [path for path in paths if path not in model.unsupported_paths()]
     return paths
 
 

@@ -6,7 +6,7 @@ MLP ("sandwich"), GeGLU, a softmax scale of their own, soft-capped attention sco
 layers that alternate between a sliding window (with their own rope base) and full attention, and checkpoints that
 keep the QKV and gate/up projections fused (Phi-3, which statelm fuses the same way). The model keeps
 Llama's parts and weight names (llama.py), so the loaders, the packed weights and the compute-path pass take it as
-they take Llama; what the fast paths cannot run is said by `torch_only_reason` and `llama_shaped` (the fused decoder).
+they take Llama; what the fast paths cannot run is said by `unsupported_paths` and `llama_shaped` (the fused decoder).
 """
 
 from __future__ import annotations
@@ -172,11 +172,15 @@ class VariantForCausalLM(LlamaForCausalLM):
             getattr(config, name) == getattr(defaults, name) for name in departures if name != "fused_projections"
         )
 
-    def torch_only_reason(self) -> str | None:
-        """Why only the torch paths can run this model (a feature statelm's kernels lack), or None."""
+    def unsupported_paths(self) -> dict[str, str]:
+        """The compute paths this model cannot run, each with the feature the path lacks."""
+        unsupported = {}
         if self.config.attn_logit_softcapping is not None:
-            return "attention logit soft-capping"
-        return None
+            reason = "attention logit soft-capping (statelm's attention kernels do not soft-cap)"
+            unsupported |= {"kernels": reason, "triton": reason}
+        if self.config.num_experts:
+            unsupported["triton"] = "mixture of experts (its routing reads the chosen experts on the host)"
+        return unsupported
 
     def forward(
         self,

@@ -11,11 +11,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from statelm.models.compute_path import compute_paths
 from statelm.models.config import ModelConfig
 from statelm.models.gguf import load_gguf
 from statelm.models.llama import LlamaForCausalLM
 from statelm.models.variant_config import FULL, SLIDING
-from statelm.models.variants import model_class
+from statelm.models.variants import VariantForCausalLM, model_class
 from tests.models.test_hf_parity import DECODE_STEPS, PROMPT_LEN, PagedSequences, hf_logits, random_tokens
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 from tests.models.tiny_gguf import write_gguf_from_checkpoint
@@ -110,3 +111,22 @@ def test_gemma_layer_types() -> None:
     )  # fmt: skip
     assert config.layer_types == tuple(FULL if i in (5, 11) else SLIDING for i in range(12))
     assert config.attention_scale == 4**-0.5 and config.rope_local_theta == 10000.0 and config.tie_word_embeddings
+
+
+def test_each_fast_path_a_variant_cannot_run_is_named() -> None:
+    sizes = {
+        "vocab_size": 8,
+        "hidden_size": 8,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+    }
+    capped = VariantForCausalLM(
+        ModelConfig.from_hf_dict({"model_type": "gemma2", "attn_logit_softcapping": 50.0, **sizes})
+    )
+    assert set(capped.unsupported_paths()) == {"kernels", "triton"} and compute_paths(capped)[0] == "torch"
+    moe = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **sizes}
+    assert set(VariantForCausalLM(ModelConfig.from_hf_dict(moe)).unsupported_paths()) == {"triton"}
+    assert (
+        VariantForCausalLM(ModelConfig.from_hf_dict({"model_type": "gemma3_text", **sizes})).unsupported_paths() == {}
+    )
