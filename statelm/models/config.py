@@ -78,6 +78,12 @@ class ModelConfig:
         """Build from a Hugging Face `config.json` mapping."""
         model_type = str(raw.get("model_type", "")).lower()
         model_type = _MODEL_TYPES.get(model_type, model_type)
+        if "text_config" in raw:
+            kind = ", ".join(raw.get("architectures") or [model_type])
+            raise ModelConfigError(
+                f"{kind} is a multimodal checkpoint; statelm runs text decoders (for Gemma 3: a gemma3_text "
+                "checkpoint, or the GGUF of its text model)"
+            )
         if model_type not in SUPPORTED_ARCHITECTURES:
             raise ModelConfigError(
                 f"unsupported model_type {model_type!r}; statelm runs {', '.join(SUPPORTED_ARCHITECTURES)}"

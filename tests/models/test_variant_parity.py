@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from statelm.models.compute_path import compute_paths
-from statelm.models.config import ModelConfig
+from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.gguf import load_gguf
 from statelm.models.llama import LlamaForCausalLM
 from statelm.models.variant_config import FULL, SLIDING
@@ -130,3 +130,9 @@ def test_each_fast_path_a_variant_cannot_run_is_named() -> None:
     assert (
         VariantForCausalLM(ModelConfig.from_hf_dict({"model_type": "gemma3_text", **sizes})).unsupported_paths() == {}
     )
+
+
+def test_a_multimodal_gemma3_checkpoint_is_refused_clearly() -> None:
+    raw = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": {}}
+    with pytest.raises(ModelConfigError, match="Gemma3ForConditionalGeneration is a multimodal checkpoint"):
+        ModelConfig.from_hf_dict(raw)
