@@ -25,6 +25,7 @@ from statelm.attention.layer_kv import LayerKV
 
 KEY_PAD = 64
 DECODE_QUERY_ROWS = 2  # the fewest query rows that take the same SDPA path as a prefill
+SOFTCAP_QUERY_ROWS = 16  # query rows per matmul of soft-capped attention (a fixed count: see _softcapped_attention)
 
 
 @dataclass
@@ -142,10 +143,23 @@ def _softcapped_attention(
     query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
 ) -> torch.Tensor:
     """Attention with tanh soft-capped scores, in the order of operations Hugging Face's eager Gemma 2 uses (SDPA
-    has no soft-capping): query [S, H, Q, D] over keys and values [S, KVH, K, D], mask [S, 1, Q, K]."""
+    has no soft-capping): query [S, H, Q, D] over keys and values [S, KVH, K, D], mask [S, 1, Q, K].
+
+    Its matmuls take SOFTCAP_QUERY_ROWS query rows per call (the last block zero-padded), so that a row's result does
+    not depend on how many query rows share its call (a CPU GEMM's blocking does).
+    """
     groups = query.shape[1] // keys.shape[1]
     keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, keys.transpose(2, 3)) * scale
-    scores = torch.tanh(scores / softcap) * softcap
-    scores = scores.masked_fill(~mask, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values)
+    rows = query.shape[2]
+    padding = -rows % SOFTCAP_QUERY_ROWS
+    if padding:  # padded rows see every key, so that their softmax stays finite; they are dropped
+        query = torch.cat([query, query.new_zeros(*query.shape[:2], padding, query.shape[3])], dim=2)
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], padding, mask.shape[3])], dim=2)
+    blocks = []
+    for start in range(0, rows + padding, SOFTCAP_QUERY_ROWS):
+        block = slice(start, start + SOFTCAP_QUERY_ROWS)
+        scores = torch.matmul(query[:, :, block], keys.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, :, block], float("-inf"))
+        blocks.append(torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values))
+    return torch.cat(blocks, dim=2)[:, :, :rows]
