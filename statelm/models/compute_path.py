@@ -68,8 +68,7 @@ def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
     else:
         model.ops = LayerOps()
         backend = functools.partial(TorchAttentionBackend, per_row=path == "torch-per-row")
-    variant = isinstance(model, VariantForCausalLM)
-    if variant:
+    if isinstance(model, VariantForCausalLM):
         model.use_attention(backend)
     else:
         model.backend = backend(sliding_window=model.config.sliding_window)
