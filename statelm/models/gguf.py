@@ -18,6 +18,14 @@ from gguf.quants import dequantize
 from tqdm import tqdm
 
 from statelm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from statelm.models.gguf_variants import (
+    LONGROPE_TENSORS,
+    block_names,
+    gguf_variant_fields,
+    longrope_scaling,
+    to_hf_values,
+)
+from statelm.models.rope import complete_rope_scaling
 from statelm.tokenizer import Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -28,10 +36,10 @@ SUPPORTED_QUANT_TYPES = frozenset(
     {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
 )
 # llama.cpp's converter interleaves the rows of Q/K for these architectures (rotary layout); see unpermute_qk.
-PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
+PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral", "granite", "mixtral"})
 FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Tensors the loader reads into the config instead of yielding as weights.
-_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight", *LONGROPE_TENSORS})
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -59,12 +67,13 @@ class GGUFError(ValueError):
     """A GGUF file statelm cannot read or run."""
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face parameter name of a GGUF tensor (`blk.0.attn_q.weight` -> `model.layers.0...`)."""
     block = _BLOCK_TENSOR.match(gguf_name)
-    if block and block.group(2) in _BLOCK_NAMES:
+    names = {**_BLOCK_NAMES, **block_names(arch)}
+    if block and block.group(2) in names:
         layer, part, kind = block.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     top = _GLOBAL_TENSOR.match(gguf_name)
     if top and top.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[top.group(1)]}.{top.group(2)}"
@@ -97,14 +106,16 @@ class GGUFModel:
         (see statelm.kernels.quant.pack_gguf for what each GGUF type becomes).
         """
         weights = [t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS]
+        arch = self.config.architecture
         for tensor in tqdm(weights, desc="converting GGUF", unit="tensor", file=sys.stderr):
+            name = hf_tensor_name(tensor.name, arch)
             if packed and tensor.tensor_type not in FLOAT_TYPES and len(tensor.shape) == 2:
-                yield hf_tensor_name(tensor.name), self._pack(tensor)
+                yield name, self._pack(tensor)
             else:
-                yield hf_tensor_name(tensor.name), self._convert(tensor)
+                yield name, self._convert(tensor, name)
 
-    def _convert(self, tensor: ReaderTensor) -> torch.Tensor:
-        value = torch.from_numpy(_dequantize(tensor)).to(self.dtype)
+    def _convert(self, tensor: ReaderTensor, hf_name: str) -> torch.Tensor:
+        value = to_hf_values(self.config.architecture, hf_name, torch.from_numpy(_dequantize(tensor))).to(self.dtype)
         heads = self._permuted_heads(tensor.name)
         return value if heads is None else unpermute_qk(value, heads)
 
@@ -134,7 +145,7 @@ def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
     except (OSError, ValueError, IndexError, KeyError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
     fields = {name: _field_value(field) for name, field in reader.fields.items()}
-    _check_tensors(path, reader)
+    _check_tensors(path, reader, str(fields.get("general.architecture", "")))
     try:
         tokenizer = Tokenizer.from_gguf_fields(fields)
     except TokenizerError as exc:
@@ -160,7 +171,7 @@ def _field_value(field: Any) -> Any:
     return value.tolist() if isinstance(value, np.ndarray) else value
 
 
-def _check_tensors(path: Path, reader: GGUFReader) -> None:
+def _check_tensors(path: Path, reader: GGUFReader, arch: str) -> None:
     for tensor in reader.tensors:
         if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
             raise GGUFError(
@@ -169,7 +180,7 @@ def _check_tensors(path: Path, reader: GGUFReader) -> None:
             )
         if tensor.name not in _CONFIG_TENSORS:
             try:
-                hf_tensor_name(tensor.name)
+                hf_tensor_name(tensor.name, arch)
             except GGUFError as exc:
                 raise GGUFError(f"{path}: {exc}") from exc
 
@@ -195,28 +206,39 @@ def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: T
         head_dim = int(key("attention.key_length") or hidden // heads)
         theta = float(key("rope.freq_base", 10000.0))
         eos_ids = sorted(tokenizer.eos_token_ids, key=lambda i: (i != _eos_id(fields), i))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(key("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
-            hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(key("attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            max_position_embeddings=int(key("context_length", 2048)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=_rope_scaling(fields, arch, reader, theta, head_dim),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-            qk_norm=arch == "qwen3" or "blk.0.attn_q_norm.weight" in names,
-            sliding_window=int(key("attention.sliding_window")) if key("attention.sliding_window") else None,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_ids=tuple(eos_ids),
-        )
+        values: dict[str, Any] = {
+            "architecture": arch,
+            "vocab_size": int(key("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
+            "hidden_size": hidden,
+            "intermediate_size": int(key("feed_forward_length")),
+            "num_hidden_layers": int(key("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(key("attention.head_count_kv") or heads),
+            "head_dim": head_dim,
+            "max_position_embeddings": int(key("context_length", 2048)),
+            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": theta,
+            "rope_scaling": complete_rope_scaling(
+                longrope_scaling(key, _config_tensors(reader, LONGROPE_TENSORS))
+                or _rope_scaling(fields, arch, reader, theta, head_dim),
+                int(key("context_length", 2048)),
+            ),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "qk_norm": arch == "qwen3" or "blk.0.attn_q_norm.weight" in names,
+            "sliding_window": int(key("attention.sliding_window")) if key("attention.sliding_window") else None,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_ids": tuple(eos_ids),
+        }
+        return ModelConfig(**{**values, **gguf_variant_fields(arch, key, values)})
     except (KeyError, TypeError, ValueError) as exc:
         raise GGUFError(f"{path}: missing or malformed {arch} metadata ({exc!r})") from exc
+
+
+def _config_tensors(reader: GGUFReader, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named tensors' values (float32), empty unless the file has all of them."""
+    found = {t.name: _dequantize(t) for t in reader.tensors if t.name in names}
+    return found if len(found) == len(names) else {}
 
 
 def _eos_id(fields: dict[str, Any]) -> int | None:
