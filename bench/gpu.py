@@ -238,8 +238,9 @@ def run_text(command: list[str]) -> str:
 
 
 def commit(given: str | None) -> str:
-    """`git rev-parse --short HEAD` (+ `dirty` when the tree has changes), or --commit, or unknown."""
-    head = run_text(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
+    """--commit when given (a copied tree's .git can be stale), else `git rev-parse --short HEAD` (+ uncommitted
+    changes), else unknown."""
+    head = "" if given else run_text(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"])
     if not head:
         return given or "unknown (no git here; pass --commit)"
     dirty = run_text(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"])
@@ -411,7 +412,9 @@ class Bench:
 
     def decode(self, batch: int, prompt_len: int, warmup: int, steps: int) -> dict[str, Any]:
         """Steady-state decode of `batch` sequences with short prompts."""
-        params = SamplingParams(temperature=0.0, max_tokens=warmup + steps + 4, ignore_eos=True)
+        # the first prompts sample while later ones still prefill, so their tokens must outlast those steps: every
+        # step computes at least one prompt token, and the sequences are aborted after the timed steps anyway
+        params = SamplingParams(temperature=0.0, max_tokens=batch * prompt_len + warmup + steps + 4, ignore_eos=True)
         ids = [self.request_id(f"decode{batch}") for _ in range(batch)]
         try:
             for request_id in ids:
@@ -814,7 +817,11 @@ def main() -> None:
 
     defaults = EngineConfig()
     block_size = overrides.get("block_size", defaults.block_size)
-    per_seq = args.prompt_tokens + args.warmup + steps + 8
+    # the first sequences of a batch decode while the others prefill: as many steps as a step's token budget left
+    # beside the decode rows takes to compute every prompt
+    step_tokens = overrides.get("max_num_batched_tokens", max(defaults.max_num_batched_tokens, max(batches)))
+    prefill_steps = -(-max(batches) * args.prompt_tokens // max(1, step_tokens - max(batches))) + 1
+    per_seq = args.prompt_tokens + prefill_steps + args.warmup + steps + 8
     needs = [(max(batches), per_seq), (1, prefill_tokens + 2), *((1, c) for c in contexts)]
     engine_settings: dict[str, Any] = {
         "load_format": "dummy",

@@ -25,6 +25,7 @@ from statelm.attention.layer_kv import LayerKV
 
 KEY_PAD = 64
 DECODE_QUERY_ROWS = 2  # the fewest query rows that take the same SDPA path as a prefill
+SOFTCAP_QUERY_ROWS = 16  # query rows per matmul of soft-capped attention (a fixed count: see _softcapped_attention)
 
 
 @dataclass
@@ -41,9 +42,10 @@ class _Call:
 class TorchAttentionBackend:
     """Paged attention on any torch device: all decodes in one call, one call per prefilling sequence."""
 
-    def __init__(self, sliding_window: int | None = None, per_row: bool = False) -> None:
+    def __init__(self, sliding_window: int | None = None, per_row: bool = False, softcap: float | None = None) -> None:
         self.sliding_window = sliding_window
         self.per_row = per_row
+        self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
         self._plan_meta: AttentionMetadata | None = None
         self._plan: list[_Call] = []
 
@@ -60,10 +62,10 @@ class TorchAttentionBackend:
         cache.store(k, v, meta.slot_mapping)
         calls = self._plan_for(meta, cache.block_size)
         if len(calls) == 1 and isinstance(calls[0].rows, slice):
-            return _attend(q, cache, calls[0], scale)
+            return _attend(q, cache, calls[0], scale, self.softcap)
         out = torch.empty_like(q)
         for call in calls:
-            out[call.rows] = _attend(q, cache, call, scale)
+            out[call.rows] = _attend(q, cache, call, scale, self.softcap)
         return out
 
     def _plan_for(self, meta: AttentionMetadata, block_size: int) -> list[_Call]:
@@ -117,7 +119,7 @@ class TorchAttentionBackend:
         return _Call(rows, tables[:, :blocks_per_seq].reshape(-1), len(seqs), num_keys, mask.unsqueeze(1))
 
 
-def _attend(q: torch.Tensor, cache: LayerKV, call: _Call, scale: float) -> torch.Tensor:
+def _attend(q: torch.Tensor, cache: LayerKV, call: _Call, scale: float, softcap: float | None) -> torch.Tensor:
     """SDPA of the call's query rows [rows, heads, dim] over their padded contexts; returns the same shape."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     kv_heads = cache.v.shape[1]
@@ -130,5 +132,34 @@ def _attend(q: torch.Tensor, cache: LayerKV, call: _Call, scale: float) -> torch
     keys, values = (
         rows.to(q.dtype).view(shape)[:, : call.num_keys].transpose(1, 2) for rows in cache.values_of(call.blocks)
     )
-    out = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask, scale=scale, enable_gqa=True)
+    if softcap is None:
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=call.mask, scale=scale, enable_gqa=True)
+    else:
+        out = _softcapped_attention(query, keys, values, call.mask, scale, softcap)
     return out[:, :, :query_len].transpose(1, 2).reshape(-1, num_heads, head_dim)
+
+
+def _softcapped_attention(
+    query: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float
+) -> torch.Tensor:
+    """Attention with tanh soft-capped scores, in the order of operations Hugging Face's eager Gemma 2 uses (SDPA
+    has no soft-capping): query [S, H, Q, D] over keys and values [S, KVH, K, D], mask [S, 1, Q, K].
+
+    Its matmuls take SOFTCAP_QUERY_ROWS query rows per call (the last block zero-padded), so that a row's result does
+    not depend on how many query rows share its call (a CPU GEMM's blocking does).
+    """
+    groups = query.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(groups, dim=1), values.repeat_interleave(groups, dim=1)
+    rows = query.shape[2]
+    padding = -rows % SOFTCAP_QUERY_ROWS
+    if padding:  # padded rows see every key, so that their softmax stays finite; they are dropped
+        query = torch.cat([query, query.new_zeros(*query.shape[:2], padding, query.shape[3])], dim=2)
+        mask = torch.cat([mask, mask.new_ones(*mask.shape[:2], padding, mask.shape[3])], dim=2)
+    blocks = []
+    for start in range(0, rows + padding, SOFTCAP_QUERY_ROWS):
+        block = slice(start, start + SOFTCAP_QUERY_ROWS)
+        scores = torch.matmul(query[:, :, block], keys.transpose(2, 3)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        scores = scores.masked_fill(~mask[:, :, block], float("-inf"))
+        blocks.append(torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), values))
+    return torch.cat(blocks, dim=2)[:, :, :rows]

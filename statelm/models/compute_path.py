@@ -11,20 +11,25 @@ and the fused linears of its weight map (`linear_groups`).
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from statelm.attention.base import AttentionBackend
 from statelm.attention.reference import TorchAttentionBackend
 from statelm.kernels.build import kernels_available
 from statelm.models.fused_decoder import FusedDecoder
 from statelm.models.layers import KernelLayerOps, LayerOps, RowChunking
 from statelm.models.llama import LlamaForCausalLM
 from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
+from statelm.models.variants import VariantForCausalLM
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
+
 
 def compute_paths(model: LlamaForCausalLM) -> list[str]:
     """The compute paths this model can run, fastest first (the start-up self-check picks one).
@@ -40,29 +45,36 @@ def compute_paths(model: LlamaForCausalLM) -> list[str]:
         paths.insert(0, "kernels")
     if model.device.type == "cuda" and importlib.util.find_spec("triton") is not None:
         paths.insert(0, "triton")
+    if isinstance(model, VariantForCausalLM):  # a feature the fast paths lack (docs/models.md)
+        paths = [path for path in paths if path not in model.unsupported_paths()]
     return paths
 
 
 def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
     """Run the model's attention (and, once chosen, its linears) through one of compute_paths(model)."""
-    window = model.config.sliding_window
+    backend: Callable[..., AttentionBackend]
     if path == "kernels":
         from statelm.attention.cpu_kernel import CpuKernelAttentionBackend
 
-        model.backend = CpuKernelAttentionBackend(sliding_window=window)
+        backend = CpuKernelAttentionBackend
         model.ops = KernelLayerOps()
     elif path == "triton":
         from statelm.attention.triton_backend import TritonAttentionBackend
 
-        model.backend = TritonAttentionBackend(sliding_window=window)
+        backend = TritonAttentionBackend
         model.ops = LayerOps()
     else:
         model.ops = LayerOps()
-        model.backend = TorchAttentionBackend(sliding_window=window, per_row=path == "torch-per-row")
+        backend = functools.partial(TorchAttentionBackend, per_row=path == "torch-per-row")
+    if isinstance(model, VariantForCausalLM):
+        model.use_attention(backend)
+    else:
+        model.backend = backend(sliding_window=model.config.sliding_window)
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.use(kernel=path == "kernels")
-    model.fused = FusedDecoder.build(model) if path == "kernels" else None
+    fusable = not isinstance(model, VariantForCausalLM) or model.llama_shaped()  # the fused decoder is Llama's block
+    model.fused = FusedDecoder.build(model) if path == "kernels" and fusable else None
     if model.batch_invariant:
         sizes = RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant(model.device)
         model.chunking.resize(sizes)

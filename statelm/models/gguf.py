@@ -21,6 +21,14 @@ from tqdm import tqdm
 from statelm.kernels.build import kernels_available
 from statelm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
 from statelm.models.gguf_file import GGUFFile, GGUFFormatError, GGUFHeader, TensorInfo
+from statelm.models.gguf_variants import (
+    LONGROPE_TENSORS,
+    block_names,
+    gguf_variant_fields,
+    longrope_scaling,
+    to_hf_values,
+)
+from statelm.models.rope import complete_rope_scaling
 from statelm.tokenizer import Tokenizer, TokenizerError
 
 if TYPE_CHECKING:
@@ -34,9 +42,9 @@ SUPPORTED_QUANT_TYPES = BLOCK_TYPES | {Q.F32, Q.F16, Q.BF16}
 # llama.cpp's converter interleaves the rows of Q/K for these architectures (rotary layout): a model whose weights
 # stay in place rotates adjacent pairs as llama.cpp does (ModelConfig.rope_interleaved); a dequantized one has its
 # rows put back in Hugging Face's order (unpermute_qk).
-PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral"})
+PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral", "granite", "mixtral"})
 # Tensors the loader reads into the config instead of yielding as weights.
-_CONFIG_TENSORS = frozenset({"rope_freqs.weight"})
+_CONFIG_TENSORS = frozenset({"rope_freqs.weight", *LONGROPE_TENSORS})
 
 _GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -64,12 +72,13 @@ class GGUFError(ValueError):
     """A GGUF file statelm cannot read or run."""
 
 
-def hf_tensor_name(gguf_name: str) -> str:
+def hf_tensor_name(gguf_name: str, arch: str = "llama") -> str:
     """The Hugging Face parameter name of a GGUF tensor (`blk.0.attn_q.weight` -> `model.layers.0...`)."""
     block = _BLOCK_TENSOR.match(gguf_name)
-    if block and block.group(2) in _BLOCK_NAMES:
+    names = {**_BLOCK_NAMES, **block_names(arch)}
+    if block and block.group(2) in names:
         layer, part, kind = block.groups()
-        return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}"
+        return f"model.layers.{layer}.{names[part]}.{kind}"
     top = _GLOBAL_TENSOR.match(gguf_name)
     if top and top.group(1) in _GLOBAL_NAMES:
         return f"{_GLOBAL_NAMES[top.group(1)]}.{top.group(2)}"
@@ -106,16 +115,19 @@ class GGUFModel:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(hf_name, tensor)` pairs: packed weights in place, other tensors converted (with a progress bar
-        on stderr when that takes a while: a dequantized model)."""
+        on stderr when that takes a while: a dequantized model). A mixture of experts' 3-D expert tensors are
+        always dequantized (models/moe.py)."""
         weights = [info for info in self.file.header.tensors.values() if info.name not in _CONFIG_TENSORS]
+        arch = self.config.architecture
         for info in tqdm(weights, desc="converting GGUF", unit="tensor", file=sys.stderr, disable=self.packed):
+            name = hf_tensor_name(info.name, arch)
             if self.packed and info.qtype in BLOCK_TYPES and len(info.shape) == 2:
-                yield hf_tensor_name(info.name), self._in_place(info)
+                yield name, self._in_place(info)
             else:
-                yield hf_tensor_name(info.name), self._convert(info)
+                yield name, self._convert(info, name)
 
-    def _convert(self, info: TensorInfo) -> torch.Tensor:
-        value = dequantized(self.file, info).to(self.dtype)
+    def _convert(self, info: TensorInfo, hf_name: str) -> torch.Tensor:
+        value = to_hf_values(self.config.architecture, hf_name, dequantized(self.file, info)).to(self.dtype)
         heads = None if self.config.rope_interleaved else self._permuted_heads(info.name)
         return value if heads is None else unpermute_qk(value, heads)
 
@@ -145,7 +157,7 @@ def load_gguf(
     except (OSError, GGUFFormatError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
     fields = file.header.fields
-    _check_tensors(path, file)
+    _check_tensors(path, file, str(fields.get("general.architecture", "")))
     try:
         tokenizer = Tokenizer.from_gguf_fields(fields)
     except TokenizerError as exc:
@@ -161,7 +173,7 @@ def metadata_digest(file: GGUFFile) -> str:
     return hashlib.sha256(file.header_bytes).hexdigest()
 
 
-def _check_tensors(path: Path, file: GGUFFile) -> None:
+def _check_tensors(path: Path, file: GGUFFile, arch: str) -> None:
     for tensor in file.header.tensors.values():
         if tensor.qtype not in SUPPORTED_QUANT_TYPES:
             raise GGUFError(
@@ -170,24 +182,25 @@ def _check_tensors(path: Path, file: GGUFFile) -> None:
             )
         if tensor.name not in _CONFIG_TENSORS:
             try:
-                hf_tensor_name(tensor.name)
+                hf_tensor_name(tensor.name, arch)
             except GGUFError as exc:
                 raise GGUFError(f"{path}: {exc}") from exc
 
 
 def in_place(file: GGUFFile, info: TensorInfo) -> PackedWeight:
-    """A 2-D tensor in a block format as a packed weight viewing the mapped file (no copy)."""
+    """A tensor in a block format as a packed weight viewing the mapped file (no copy): its rows are the last
+    dimension's, the leading dimensions flattened (a mixture of experts' [experts, rows, columns] stacks them)."""
     from statelm.kernels.quant import BlockMatrix, PackedWeight
 
-    rows, in_features = info.shape
-    return PackedWeight([BlockMatrix.of(info.qtype, file.raw(info), (rows, in_features))])
+    shape = (math.prod(info.shape[:-1]), info.shape[-1])
+    return PackedWeight([BlockMatrix.of(info.qtype, file.raw(info), shape)])
 
 
 def dequantized(file: GGUFFile, info: TensorInfo) -> torch.Tensor:
-    """A tensor of the file in float32, gguf-py's values: a block matrix by statelm's kernel (on every core) where
-    the kernels are built, anything else by gguf-py; a float32 tensor views the mapped file."""
-    if info.qtype in BLOCK_TYPES and len(info.shape) == 2 and kernels_available():
-        return in_place(file, info).dequantize()
+    """A tensor of the file in float32, gguf-py's values: a block matrix or stack of them by statelm's kernel (on
+    every core) where the kernels are built, anything else by gguf-py; a float32 tensor views the mapped file."""
+    if info.qtype in BLOCK_TYPES and len(info.shape) >= 2 and kernels_available():
+        return in_place(file, info).dequantize().reshape(info.shape)
     return torch.from_numpy(_dequantize(file, info))
 
 
@@ -211,28 +224,39 @@ def _config(path: Path, fields: dict[str, Any], file: GGUFFile, tokenizer: Token
         head_dim = int(key("attention.key_length") or hidden // heads)
         theta = float(key("rope.freq_base", 10000.0))
         eos_ids = sorted(tokenizer.eos_token_ids, key=lambda i: (i != _eos_id(fields), i))
-        return ModelConfig(
-            architecture=arch,
-            vocab_size=int(key("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
-            hidden_size=hidden,
-            intermediate_size=int(key("feed_forward_length")),
-            num_hidden_layers=int(key("block_count")),
-            num_attention_heads=heads,
-            num_key_value_heads=int(key("attention.head_count_kv") or heads),
-            head_dim=head_dim,
-            max_position_embeddings=int(key("context_length", 2048)),
-            rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
-            rope_theta=theta,
-            rope_scaling=_rope_scaling(fields, arch, file, theta, head_dim),
-            tie_word_embeddings="output.weight" not in names,
-            attention_bias="blk.0.attn_q.bias" in names,
-            qk_norm=arch == "qwen3" or "blk.0.attn_q_norm.weight" in names,
-            sliding_window=int(key("attention.sliding_window")) if key("attention.sliding_window") else None,
-            bos_token_id=tokenizer.bos_token_id,
-            eos_token_ids=tuple(eos_ids),
-        )
+        values: dict[str, Any] = {
+            "architecture": arch,
+            "vocab_size": int(key("vocab_size") or len(fields["tokenizer.ggml.tokens"])),
+            "hidden_size": hidden,
+            "intermediate_size": int(key("feed_forward_length")),
+            "num_hidden_layers": int(key("block_count")),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(key("attention.head_count_kv") or heads),
+            "head_dim": head_dim,
+            "max_position_embeddings": int(key("context_length", 2048)),
+            "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+            "rope_theta": theta,
+            "rope_scaling": complete_rope_scaling(
+                longrope_scaling(key, _config_tensors(file, LONGROPE_TENSORS))
+                or _rope_scaling(fields, arch, file, theta, head_dim),
+                int(key("context_length", 2048)),
+            ),
+            "tie_word_embeddings": "output.weight" not in names,
+            "attention_bias": "blk.0.attn_q.bias" in names,
+            "qk_norm": arch == "qwen3" or "blk.0.attn_q_norm.weight" in names,
+            "sliding_window": int(key("attention.sliding_window")) if key("attention.sliding_window") else None,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_ids": tuple(eos_ids),
+        }
+        return ModelConfig(**{**values, **gguf_variant_fields(arch, key, values)})
     except (KeyError, TypeError, ValueError) as exc:
         raise GGUFError(f"{path}: missing or malformed {arch} metadata ({exc!r})") from exc
+
+
+def _config_tensors(file: GGUFFile, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """The named tensors' values (float32), empty unless the file has all of them."""
+    found = {name: _dequantize(file, file.header.tensors[name]) for name in names if name in file.header.tensors}
+    return found if len(found) == len(names) else {}
 
 
 def _eos_id(fields: dict[str, Any]) -> int | None:

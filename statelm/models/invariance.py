@@ -24,6 +24,7 @@ from statelm.attention.layer_kv import LayerKV
 from statelm.cpu import describe
 from statelm.models.compute_path import compute_paths, use_compute_path
 from statelm.models.llama import LlamaForCausalLM
+from statelm.models.variants import VariantForCausalLM
 
 log = logging.getLogger(__name__)
 
@@ -116,13 +117,18 @@ def probe_model(model: LlamaForCausalLM, kv: KVFormat | None = None) -> list[str
         x = torch.randn(max(PROBE_BATCHES), model.config.hidden_size, generator=generator).to(device, model.dtype)
         failures += [f"lm_head: {f}" for f in probe_rows(model.compute_logits, x)]
         attention = model.layers[0].self_attn
-        failures += [
-            f"attention: {f}"
-            for f in probe_attention(
-                model.backend, attention.num_heads, attention.num_kv_heads, attention.head_dim, model.dtype, device, kv
-            )
-        ]
+        shape = (attention.num_heads, attention.num_kv_heads, attention.head_dim)
+        for name, backend in attention_backends(model).items():
+            failures += [f"{name}: {f}" for f in probe_attention(backend, *shape, model.dtype, device, kv)]
     return failures
+
+
+def attention_backends(model: LlamaForCausalLM) -> dict[str, AttentionBackend]:
+    """The model's attention backends by name: one, or (a variant with sliding layers) one per kind of layer."""
+    backends = {"attention": model.backend}
+    if isinstance(model, VariantForCausalLM) and model.local_backend is not model.backend:
+        backends["sliding attention"] = model.local_backend
+    return backends
 
 
 def probe_rows(

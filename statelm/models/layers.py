@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from statelm.models.config import ModelConfigError
+from statelm.models.rope import SCALED_KINDS, attention_factor, scaled_inv_freq
 
 _INITIAL_ROPE_POSITIONS = 4096
 
@@ -44,6 +45,11 @@ class LayerOps:
         """silu(gate) * up, for gate and up side by side in the last dimension."""
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gelu(gate, tanh approximation) * up, for gate and up side by side in the last dimension (GeGLU)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
 
     def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
         """What rope() needs for one forward's tokens, computed once for all layers."""
@@ -95,7 +101,7 @@ class RMSNorm(nn.Module):
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with optional "linear" or "llama3" scaling."""
+    """Inverse frequencies [head_dim // 2] in float32, with optional linear, llama3, yarn or longrope scaling."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
     kind = (scaling or {}).get("rope_type", "default")
     if kind == "default":
@@ -104,7 +110,11 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         return inv_freq / float(scaling["factor"])
     if kind == "llama3":
         return _llama3_inv_freq(inv_freq, scaling)
-    raise ModelConfigError(f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3")
+    if kind in SCALED_KINDS:
+        return scaled_inv_freq(head_dim, theta, scaling)
+    raise ModelConfigError(
+        f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3, yarn, longrope"
+    )
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -131,6 +141,7 @@ class RotaryEmbedding:
         self, head_dim: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype, interleaved: bool = False
     ) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
+        self.attention_factor = attention_factor(scaling)  # cos and sin are multiplied by it (models/rope.py)
         self.dtype = dtype
         self.interleaved = interleaved
         self.table = torch.empty(0, 2, head_dim, dtype=dtype)
@@ -157,7 +168,10 @@ class RotaryEmbedding:
         else:  # dimension i: x cos - y sin, i + half: y cos + x sin
             cos = torch.cat([cos, cos], dim=-1)
             sin = torch.cat([-sin, sin], dim=-1)
-        self.table = torch.stack([cos, sin], dim=1).to(self.dtype)
+        table = torch.stack([cos, sin], dim=1)
+        if self.attention_factor != 1.0:
+            table = table * self.attention_factor
+        self.table = table.to(self.dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:

@@ -67,7 +67,7 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.scale = self.head_dim**-0.5
+        self.scale = config.attention_scale or self.head_dim**-0.5
         out_bias = config.attention_bias and config.architecture != "qwen2"
         hidden = config.hidden_size
         linear = {"dtype": dtype, "device": device, "chunking": chunking}
@@ -75,9 +75,10 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowChunkedLinear(self.q_size, hidden, bias=out_bias, **linear)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.qk_norm:
-            self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
-            self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps, dtype=dtype, device=device)
+        if config.qk_norm:  # per head, or over all heads at once (qk_norm_full)
+            q_width, k_width = (self.q_size, self.kv_size) if config.qk_norm_full else (self.head_dim, self.head_dim)
+            self.q_norm = RMSNorm(q_width, config.rms_norm_eps, dtype=dtype, device=device)
+            self.k_norm = RMSNorm(k_width, config.rms_norm_eps, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor, cache: LayerKV, step: ForwardStep) -> torch.Tensor:
         """Project [T, hidden], write K/V to the cache, attend, and project back."""
@@ -87,8 +88,9 @@ class LlamaAttention(nn.Module):
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
-            q = step.ops.rms_norm(q, self.q_norm.weight, self.q_norm.eps)
-            k = step.ops.rms_norm(k, self.k_norm.weight, self.k_norm.eps)
+            q_width, k_width = self.q_norm.weight.shape[0], self.k_norm.weight.shape[0]
+            q = step.ops.rms_norm(q.view(tokens, -1, q_width), self.q_norm.weight, self.q_norm.eps).view(q.shape)
+            k = step.ops.rms_norm(k.view(tokens, -1, k_width), self.k_norm.weight, self.k_norm.eps).view(k.shape)
         q, k = step.ops.rope(q, k, step.rope)
         out = step.backend.forward(q, k, v, cache, step.meta, self.scale)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -161,8 +163,7 @@ class LlamaForCausalLM(nn.Module):
             _weight=torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta),
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, dtype=dtype, device=meta, chunking=chunking)
-            for _ in range(config.num_hidden_layers)
+            self._decoder_layer(i, dtype=dtype, device=meta, chunking=chunking) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype=dtype, device=meta)
         self.lm_head: nn.Parameter | None = None
@@ -202,6 +203,12 @@ class LlamaForCausalLM(nn.Module):
             x, residual = layer(x, residual, kv_cache.layers[i], step)
         assert residual is not None
         return self.ops.add_rms_norm(residual, x, self.norm.weight, self.norm.eps)
+
+    def _decoder_layer(
+        self, index: int, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
+    ) -> nn.Module:
+        """Decoder layer `index` (a variant's class builds its own, models/variants.py)."""
+        return LlamaDecoderLayer(self.config, dtype=dtype, device=device, chunking=chunking)
 
     def _arithmetic(self) -> str | None:
         """The arithmetic of this forward's packed matmuls (see ACTIVATIONS): one for all rows, or None for a step

@@ -26,6 +26,7 @@ from statelm.models.gguf_cache import load_converted_gguf
 from statelm.models.layers import RowChunking
 from statelm.models.llama import LlamaForCausalLM
 from statelm.models.model_cache import ModelCache
+from statelm.models.variants import model_class
 from statelm.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -167,7 +168,7 @@ def load_model(
                 weight_identity = _safetensors_identity(files)
     except (GGUFError, ModelConfigError, OSError, ValueError) as exc:
         raise ModelLoadError(f"cannot load {source.path}: {exc}") from exc
-    model = LlamaForCausalLM(config, dtype=dtype, device=device, chunking=chunking)
+    model = model_class(config)(config, dtype=dtype, device=device, chunking=chunking)
     if load_format == "dummy":
         model.init_dummy_weights(seed)
         weight_identity = f"dummy:{seed}"

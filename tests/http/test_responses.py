@@ -8,6 +8,7 @@ tokens it generated, so only there a chain re-rendered reaches the same tokens.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
@@ -314,6 +315,29 @@ def test_retention_by_count_and_the_session_quota(bounded: InProcessServer) -> N
         assert assert_openai_error(too_many, 400, "input")["code"] == "too_many_messages"
         too_long = api.post("/v1/responses", json={"model": "default", "input": "x", "max_output_tokens": 17})
         assert assert_openai_error(too_long, 400, "max_output_tokens")["code"] == "max_tokens_exceeded"
+
+
+def test_a_chain_the_retention_is_deleting_frees_its_place_before_another_is_dropped(
+    tiny_model: Path, tmp_path: Path
+) -> None:
+    args = tiny_args(tiny_model, tmp_path / "state", "--max-sessions-per-key", "2")
+    with serve_in_process(args) as server, server.http() as api:
+        dropped, kept = create(api, {"input": "One."}), create(api, {"input": "Two."})  # the key's two sessions
+        emptied = chain_of(server, dropped["id"])
+        service = server.app.state.responses
+
+        async def sweep_while_another_deletes() -> None:
+            service.chains.drop(dropped["id"])  # as the retention counted over a cluster drops it
+            deleting = asyncio.create_task(service.sweep())
+            await asyncio.sleep(0)  # that sweep is writing the deletion of the emptied chain
+            assert emptied.busy
+            await service.sweep()  # what a new response's request does first
+            assert emptied.id not in server.app.state.sessions.manager.sessions
+            await deleting
+
+        server.transport.portal.call(sweep_while_another_deletes)
+        create(api, {"input": "Three."})  # takes the freed place: no other chain is dropped to make one
+        assert api.get(f"/v1/responses/{kept['id']}").status_code == 200
 
 
 def test_retention_by_age(tiny_model: Path, tmp_path: Path) -> None:

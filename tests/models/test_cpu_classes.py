@@ -3,8 +3,12 @@
 On an AVX-512 or AMX machine this shows what an AVX2-only CPU (and one without AVX) computes; on an AVX2
 machine the AVX2 run is the suite itself, and only the scalar class runs here. Tests marked `invariance`
 run in a child pytest with ATEN_CPU_CAPABILITY (torch's kernels and the class of statelm's library it loads) and
-ONEDNN_MAX_CPU_ISA set: all of them under the AVX2 cap; under the scalar cap, the kernel-level ones in
-tests/unit (the engine-level ones would take minutes of scalar arithmetic).
+ONEDNN_MAX_CPU_ISA set. Under the AVX2 cap: every kernel-level one (tests/unit: each kernel family in each of its
+dtypes and KV formats), the model-level probes and fused decoder layers, and the default model's engine-level
+invariance and session exactness in two of its configurations, the default (float16 KV) and llama.cpp's arithmetic
+(int8 activations): the float32, bfloat16 and q8_0 KV caches run kernels the kernel-level tests already check under
+the cap, and the suite itself runs them at the engine level on the machine's own class. Under the scalar cap: the
+kernel-level ones (the engine-level ones would take minutes of scalar arithmetic).
 """
 
 from __future__ import annotations
@@ -20,6 +24,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 CLASS_ORDER = {"default": 0, "avx2": 1, "avx512": 2}
 ONEDNN_ISA = {"avx2": "AVX2", "default": "SSE41"}
+MODEL_LEVEL = [f"tests/models/test_{name}.py" for name in ("invariance", "fused_decoder", "session_engine")]
+SELECTION = {  # pytest arguments of the child run, by cap (see the module docstring)
+    "avx2": ["tests/unit", *MODEL_LEVEL, "-k", "not float32-kv and not bfloat16-kv and not q8_0-kv"],
+    "default": ["tests/unit"],
+}
 
 
 def native_class() -> str:
@@ -32,8 +41,7 @@ def test_invariance_holds_under_a_capped_cpu_class(capability: str) -> None:
     if CLASS_ORDER[capability] >= CLASS_ORDER.get(native_class(), 0):
         pytest.skip(f"this machine computes at {native_class()}; the suite itself covers that class")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability, "ONEDNN_MAX_CPU_ISA": ONEDNN_ISA[capability]}
-    paths = ["tests/unit", "tests/models"] if capability == "avx2" else ["tests/unit"]
-    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "invariance", *paths]
+    command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-m", "invariance", *SELECTION[capability]]
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     output = result.stdout + result.stderr
     assert f"capped by ATEN_CPU_CAPABILITY={capability}" in output

@@ -17,7 +17,9 @@ from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel, load_model
 from tests.models.engine_run import generate
+from tests.models.tiny_model_dir import make_tiny_model_dir
 
+LAYER_TYPES = ["sliding_attention", "full_attention"]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
@@ -113,8 +115,22 @@ def test_a_pinned_prefix_outlives_a_burst_and_gives_way_to_requests_that_need_it
     assert engine.pool.num_used_blocks == 0
 
 
+@pytest.fixture(scope="module", params=["qwen2", "gemma3"])
+def invariance_model(
+    request: pytest.FixtureRequest, loaded: LoadedModel, tmp_path_factory: pytest.TempPathFactory
+) -> LoadedModel:
+    """The Qwen2 model, and a Gemma 3 (a Llama variant: models/variants.py) of the same size."""
+    if request.param == "qwen2":
+        return loaded
+    folder = make_tiny_model_dir(
+        request.param, tmp_path_factory.mktemp(request.param), num_hidden_layers=2, layer_types=LAYER_TYPES
+    )
+    return load_model(str(folder), torch.device("cpu"), torch.float32)
+
+
 @pytest.mark.invariance
-def test_batched_equals_alone_for_greedy_and_seeded(loaded: LoadedModel) -> None:
+def test_batched_equals_alone_for_greedy_and_seeded(invariance_model: LoadedModel) -> None:
+    loaded = invariance_model
     work = prompts(loaded, 16, words=20)
     for params in (GREEDY, SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True)):
         engine = engine_for(loaded, enable_prefix_caching=False)

@@ -7,6 +7,7 @@ import torch
 
 from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine
+from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel, load_model, resolve_source
 from tests.models.engine_run import generate
@@ -17,6 +18,7 @@ PROMPTS = [
     "Explain in one paragraph why the sky is blue.",
 ]
 NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -49,19 +51,27 @@ def transformers_greedy(prompt_ids: dict[str, list[int]]) -> dict[str, list[int]
     return results
 
 
+@pytest.fixture(scope="module")
+def engine(statelm_model: LoadedModel) -> Engine:
+    return create_engine(statelm_model, EngineConfig(kv_cache_memory=64 << 20))
+
+
+@pytest.fixture(scope="module")
+def batched(engine: Engine, prompt_ids: dict[str, list[int]]) -> dict[str, list[int]]:
+    """statelm's greedy output for every prompt, all in one batch (made once for both tests)."""
+    return generate(engine, prompt_ids, GREEDY)
+
+
 def test_greedy_output_matches_transformers(
-    statelm_model: LoadedModel, prompt_ids: dict[str, list[int]], transformers_greedy: dict[str, list[int]]
+    engine: Engine, batched: dict[str, list[int]], transformers_greedy: dict[str, list[int]]
 ) -> None:
-    engine = create_engine(statelm_model, EngineConfig(kv_cache_memory=64 << 20))
-    ours = generate(engine, prompt_ids, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS))
-    assert ours == transformers_greedy
-    assert any(len(tokens) == NEW_TOKENS for tokens in ours.values())
+    assert batched == transformers_greedy
+    assert any(len(tokens) == NEW_TOKENS for tokens in batched.values())
     assert engine.pool.num_free_blocks == engine.pool.num_blocks
 
 
-def test_batched_and_alone_agree(statelm_model: LoadedModel, prompt_ids: dict[str, list[int]]) -> None:
-    engine = create_engine(statelm_model, EngineConfig(kv_cache_memory=64 << 20))
-    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
-    together = generate(engine, prompt_ids, params)
-    alone = {rid: generate(engine, {rid: ids}, params)[rid] for rid, ids in prompt_ids.items()}
-    assert together == alone
+def test_batched_and_alone_agree(
+    engine: Engine, prompt_ids: dict[str, list[int]], batched: dict[str, list[int]]
+) -> None:
+    alone = {rid: generate(engine, {rid: ids}, GREEDY)[rid] for rid, ids in prompt_ids.items()}
+    assert batched == alone

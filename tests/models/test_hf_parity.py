@@ -31,6 +31,32 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen2-bias-tied": ("qwen2", {"tie_word_embeddings": True}),
     "qwen3-qk-norm": ("qwen3", {}),
     "qwen3-qk-norm-tied": ("qwen3", {"tie_word_embeddings": True}),
+    # Qwen2.5's long context: YaRN over an original context (32) shorter than the test's 80 tokens
+    "qwen2-yarn": (
+        "qwen2",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 32,
+                "rope_theta": 1e6,
+            }
+        },
+    ),
+    "llama-yarn-mscale": (
+        "llama",
+        {
+            "rope_parameters": {
+                "rope_type": "yarn",
+                "factor": 8.0,
+                "original_max_position_embeddings": 32,
+                "mscale": 1.0,
+                "mscale_all_dim": 0.5,
+                "beta_fast": 16,
+                "rope_theta": 10000.0,
+            }
+        },
+    ),
 }
 
 
@@ -185,6 +211,6 @@ def test_load_weights_reports_unknown_and_missing(llama_dir: Path) -> None:
 
 def test_unsupported_rope_scaling_is_rejected(llama_dir: Path) -> None:
     raw = json.loads((llama_dir / "config.json").read_text())
-    raw["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
-    with pytest.raises(ModelConfigError, match="yarn"):
+    raw["rope_scaling"] = {"rope_type": "dynamic", "factor": 4.0}
+    with pytest.raises(ModelConfigError, match="dynamic"):
         LlamaForCausalLM(ModelConfig.from_hf_dict(raw))

@@ -111,3 +111,27 @@ def test_a_row_gives_the_same_result_whatever_the_number_of_query_rows_in_its_ca
     assert mismatched == []
     for first in (16, 32, 117, 133):  # a prompt whose first rows came from the prefix cache
         assert torch.equal(attend(first, length), prefill[first:])
+
+
+def test_soft_capped_attention_matches_dense_soft_capped_attention() -> None:
+    heads, kv_heads, head_dim, length, cap = 4, 2, 16, 37, 0.8
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(length, h, head_dim, generator=gen) for h in (heads, kv_heads, kv_heads))
+    cache = KVCache(1, 4, 16, kv_heads, head_dim, "float32", "cpu").layers[0]
+    meta = AttentionMetadata(torch.arange(length), torch.tensor([[0, 1, 2]]), [length], [length], [0, length])
+    out = TorchAttentionBackend(sliding_window=9, softcap=cap).forward(q, k, v, cache, meta, 0.3)
+    keys, values = (x.double().repeat_interleave(heads // kv_heads, dim=1).transpose(0, 1) for x in (k, v))
+    scores = torch.tanh(q.double().transpose(0, 1) @ keys.transpose(1, 2) * 0.3 / cap) * cap
+    position = torch.arange(length)
+    visible = (position[None, :] <= position[:, None]) & (position[None, :] > position[:, None] - 9)
+    expected = (scores.masked_fill(~visible, float("-inf")).softmax(-1) @ values).transpose(0, 1)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.invariance
+def test_soft_capped_attention_passes_the_self_checks_attention_probe() -> None:
+    from statelm.models.invariance import probe_attention
+
+    for dtype in (torch.float32, torch.bfloat16):
+        backend = TorchAttentionBackend(softcap=1.5)
+        assert probe_attention(backend, 8, 4, 64, dtype, torch.device("cpu")) == []

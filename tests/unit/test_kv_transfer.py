@@ -207,6 +207,7 @@ def test_cuda_export_does_not_hold_up_the_compute_stream() -> None:
     for tensor in (*cache.k, *cache.v):
         tensor.normal_()
     small = torch.ones(16, device="cuda")
+    small.mul_(1.0)  # loaded before the copy: CUDA's lazy loading of a kernel's module waits for the whole device
     torch.cuda.synchronize()
     keys, values, ready = cache.gather(list(range(65536)), 65536 * 16)
     small.mul_(2.0)

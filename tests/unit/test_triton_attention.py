@@ -4,7 +4,8 @@ Without CUDA the kernels run under Triton's interpreter (TRITON_INTERPRET=1, set
 CPU tensors; with CUDA the same tests run compiled on the GPU (marked gpu). The interpreter's tl.dot is numpy's
 matmul, whose result for a row depends on the row's place in the tile (OpenBLAS's kernels) and which reads
 bfloat16 as raw integers; the GPU's tensor cores do neither, so under the interpreter the tests put in its place
-a dot that computes every element alike (one float64 sum of its products, rounded once).
+a dot that computes every element alike (one float64 sum of its products, rounded once). Interpreted, the grids
+keep one case of each path (GQA group, window, dtype and KV format, split or folded); compiled, every case runs.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ DEVICES = [
         ],
     ),
 ]
+# Cases that run compiled on the GPU only: under the interpreter (minutes of numpy) a sibling case covers their path
+COMPILED_ONLY = pytest.mark.skipif(INTERPRETED, reason="interpreted: a sibling case covers this path; runs on CUDA")
 SCALE = 0.3
 PARTITION = 64  # small partitions, so that short test sequences cross several
 Span = tuple[int, int, int]  # (sequence, first query position, context length after the step)
@@ -225,7 +228,15 @@ def check_against_dense(
 
 
 @pytest.mark.parametrize(
-    ("heads", "kv_heads", "window"), [(2, 2, None), (2, 2, 90), (4, 2, 5), (4, 2, None), (4, 1, 90), (3, 1, 5)]
+    ("heads", "kv_heads", "window"),
+    [
+        (2, 2, None),  # one query head a KV head, no window
+        pytest.param(2, 2, 90, marks=COMPILED_ONLY),
+        pytest.param(4, 2, 5, marks=COMPILED_ONLY),
+        pytest.param(4, 2, None, marks=COMPILED_ONLY),
+        (4, 1, 90),  # a group of four, a window wider than a partition
+        (3, 1, 5),  # a group that is no power of two, a window narrower than a block
+    ],
 )
 def test_matches_dense_attention(device: str, mode: str, heads: int, kv_heads: int, window: int | None) -> None:
     seqs = Sequences(MIXED_LENGTHS, heads=heads, kv_heads=kv_heads, device=device, seed=heads + kv_heads)
@@ -236,13 +247,13 @@ def test_matches_dense_attention(device: str, mode: str, heads: int, kv_heads: i
     ("dtype", "kv", "window", "atol"),
     [
         (torch.float16, "float16", None, 1e-2),
-        (torch.bfloat16, "bfloat16", None, 3e-2),
+        pytest.param(torch.bfloat16, "bfloat16", None, 3e-2, marks=COMPILED_ONLY),
         (torch.bfloat16, "bfloat16", 70, 3e-2),
         (torch.float32, "bfloat16", 70, 1e-5),  # a 16-bit cache under a float32 model: widened exactly
-        (torch.float32, "float16", None, 1e-5),
+        pytest.param(torch.float32, "float16", None, 1e-5, marks=COMPILED_ONLY),
         (torch.bfloat16, "float32", None, 3e-2),
         (torch.float32, "q8_0", None, 1e-5),  # scale * value, exact in float32
-        (torch.float32, "q8_0", 70, 1e-5),
+        pytest.param(torch.float32, "q8_0", 70, 1e-5, marks=COMPILED_ONLY),
         (torch.bfloat16, "q8_0", None, 3e-2),
     ],
 )
@@ -266,7 +277,11 @@ def test_int32_block_tables(device: str) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "kv", "window"),
-    [(torch.float32, "float32", None), (torch.bfloat16, "bfloat16", 40), (torch.float32, "q8_0", 40)],
+    [
+        (torch.float32, "float32", None),  # float32 tiles, the whole context split over partitions
+        pytest.param(torch.bfloat16, "bfloat16", 40, marks=COMPILED_ONLY),  # 16-bit tiles (their order: the same)
+        (torch.float32, "q8_0", 40),  # the quantized cache's dequantization, a window
+    ],
 )
 def test_a_row_is_bitwise_the_same_whatever_shares_its_step(
     device: str, dtype: torch.dtype, kv: str, window: int | None, monkeypatch: pytest.MonkeyPatch
@@ -365,7 +380,8 @@ def test_strided_inputs_are_read_in_place(device: str) -> None:
 
 def test_workspace_grows_and_keeps_outgrown_buffers(device: str) -> None:
     backend = TritonAttentionBackend()
-    small = backend._workspace_for(100, torch.device(device))
-    assert backend._workspace_for(50, torch.device(device)).data_ptr() == small.data_ptr()
-    backend._workspace_for(1000, torch.device(device))
+    on = torch.empty(0, device=device).device  # as the backend is called: a tensor's device ("cuda:0", not "cuda")
+    small = backend._workspace_for(100, on)
+    assert backend._workspace_for(50, on).data_ptr() == small.data_ptr()
+    backend._workspace_for(1000, on)
     assert any(buffer.data_ptr() == small.data_ptr() for buffer in backend._retired)

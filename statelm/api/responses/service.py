@@ -18,6 +18,7 @@ in the step its turn commits, and both are durable before the response's last ev
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 import time
@@ -86,6 +87,7 @@ class ResponsesService:
         self.conversations = conversations
         self.context = conversations.context
         self.chains = ResponseChains(retention or ResponseRetention(), conversations.sessions)
+        self._deletions: dict[str, asyncio.Future[None]] = {}  # chains left empty being deleted, by session id
 
     async def start(self) -> None:
         """Index the chains resumed with the sessions, then apply the retention."""
@@ -166,7 +168,9 @@ class ResponsesService:
         )
 
     async def sweep(self) -> None:
-        """Drop every key's responses past the retention, and free what only they held."""
+        """Drop every key's responses past the retention, and free what only they held: done once every chain left
+        empty is deleted, by this sweep or by one under way (a request at its key's session limit then finds the
+        places they held free, rather than dropping a chain that still holds responses to make one)."""
         for response_id in self.chains.expired(time.time()):
             self.chains.drop(response_id)
         sessions = self.conversations.sessions
@@ -174,6 +178,8 @@ class ResponsesService:
             return
         for session in [session for session in sessions.sessions.values() if session.kind == CHAIN]:
             await self._tidy(session)
+        while self._deletions:
+            await asyncio.wait(list(self._deletions.values()))
 
     async def _tidy(self, session: Session) -> None:
         """Delete an idle chain without records; cut one back to its latest record (the KV follows at its next turn)."""
@@ -182,10 +188,20 @@ class ResponsesService:
             return
         with acting_as(LOCAL):  # the retention acts for every key
             if not records(session):
-                with contextlib.suppress(StorageError):  # kept for now (whole): the next sweep tries again
-                    await manager.delete(session.id, CHAIN)
+                await self._delete_empty(session)
             else:
                 self._cut_back(session)
+
+    async def _delete_empty(self, session: Session) -> None:
+        """Delete a chain left without records (kept whole if that cannot be saved: the next sweep tries again),
+        known meanwhile to the sweeps that wait for it."""
+        deleted = self._deletions[session.id] = asyncio.get_running_loop().create_future()
+        try:
+            with contextlib.suppress(StorageError):
+                await self.conversations.manager().delete(session.id, CHAIN)
+        finally:
+            del self._deletions[session.id]
+            deleted.set_result(None)
 
     def _cut_back(self, session: Session) -> None:
         """Cut an idle chain back to its latest record (the KV follows at its next turn)."""
