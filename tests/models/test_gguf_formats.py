@@ -1,8 +1,8 @@
 """A tiny GGUF model in each block format: its matrices used in place (views of the mapped file), its logits those of
-the same file dequantized and run as a float model, and it generates through the engine.
+the same file dequantized and run as a float model, and it generates through the engine; so do Llama's variants.
 
-Llama's Q/K rows stay in llama.cpp's permuted order with interleaved rope when in place, and are put back in
-Hugging Face's order with rotate-half rope when dequantized: the same logits either way.
+Llama's (and Granite's and Mixtral's) Q/K rows stay in llama.cpp's permuted order with interleaved rope when in
+place, and are put back in Hugging Face's order with rotate-half rope when dequantized: the same logits either way.
 """
 
 from __future__ import annotations
@@ -20,12 +20,14 @@ from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.kernels.quant import PackedWeight
-from statelm.models.compute_path import use_activations, use_compute_path
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.gguf import PERMUTED_QK_ARCHITECTURES
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
 from statelm.models.packed import PackedLinear
 from tests.models.engine_run import generate
-from tests.models.tiny_gguf import write_tiny_gguf
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.models.tiny_gguf import write_gguf_from_checkpoint, write_tiny_gguf
 from tests.unit.gguf_blocks import FORMATS
 
 try:
@@ -86,6 +88,27 @@ def test_a_model_in_place_computes_what_its_dequantized_model_does(qtype: Q, arc
     for activations, bound in (("int16-prompt", 1e-3), ("int8", 0.1)):
         use_activations(packed.model, activations)
         assert float((prompt_logits(packed) - expected).abs().max() / scale) < bound, activations
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "granite", "olmo2", "qwen3_moe", "mixtral"])
+def test_a_variant_in_place_computes_what_its_dequantized_model_does(arch: str, tmp_path: Path) -> None:
+    overrides = {"query_pre_attn_scalar": 16} if arch == "gemma3" else {}
+    overrides |= {"mlp_only_layers": []} if arch == "qwen3_moe" else {}  # llama.cpp's qwen3moe: experts everywhere
+    checkpoint = make_tiny_checkpoint(arch, tmp_path / "hf", **overrides)
+    path = write_gguf_from_checkpoint(checkpoint, tmp_path / "model.gguf", Q.Q8_0)
+    packed, dense = load(path, "auto"), load(path, "none")
+    permuted = packed.config.architecture in PERMUTED_QK_ARCHITECTURES
+    assert packed.config.rope_interleaved == permuted and not dense.config.rope_interleaved
+    assert permuted == (arch in ("granite", "mixtral"))
+    linears = [module for module in packed.model.modules() if isinstance(module, PackedLinear)]
+    assert len(linears) >= 3 * packed.config.num_hidden_layers  # qkv, output, and the MLP's or the router, in place
+    assert "kernels" in compute_paths(packed.model)
+    use_compute_path(packed.model, "kernels")
+    use_activations(packed.model, "float32")
+    use_compute_path(dense.model, "torch")
+    expected = prompt_logits(dense)
+    scale = expected.abs().max()
+    assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-4
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS], ids=lambda q: q.name)
