@@ -19,7 +19,7 @@ from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
-from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path, use_repack
 from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
@@ -78,6 +78,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     loaded = load_model(
         config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization, cache
     )
+    use_repack(loaded.model, config.repack)  # before the self-check runs the kernels
     try:
         if use_activations(loaded.model, config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so that of their arithmetic

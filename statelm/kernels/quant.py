@@ -1,7 +1,10 @@
 """Weight matrices kept in GGUF's quantized block formats, multiplied by statelm's kernel where they lie.
 
 A GGUF tensor is used as the file stores it: its blocks row-major, one row per output feature, read in place
-from the memory-mapped file (no re-packing, no copy). The kernel (csrc/gguf_matmul*.cpp) decodes the blocks of a
+from the memory-mapped file (no re-quantization). On the kernels path a matrix's bytes are by default also
+rearranged once at load into the kernel's interleaved layout (`--repack`, `BlockMatrix.interleave`: a few output
+columns' rows side by side, word by word, as llama.cpp's CPU back end repacks its blocks), in memory, never on disk;
+results are bit-identical either way. The kernel (csrc/gguf_matmul*.cpp) decodes the blocks of a
 few output columns at a time into a small per-thread buffer and multiplies them with one of three arithmetics
 (`ARITHMETICS`): `float32` (the float model's: the weights as gguf-py dequantizes them, times float32
 activations), `int8` (activations quantized per row and block of 32 values, as llama.cpp's CPU kernels do, every
@@ -15,6 +18,10 @@ quantized as gguf-py's `quantize` does.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import dataclasses
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -29,6 +36,9 @@ BLOCK_TYPES = frozenset(
     {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
 )
 ARITHMETICS = {"float32": 0, "int8": 1, "int16": 2}  # the kernel's codes
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_MADV_PAGEOUT = 21  # Linux 5.4+; older kernels refuse it and keep the pages
+INTERLEAVED_TYPE = 1 << 8  # a type id with this bit names an interleaved block matrix (csrc/gguf_tiles.h)
 QUANTIZE_TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization of float checkpoints
 
 
@@ -39,10 +49,19 @@ class BlockMatrix:
     qtype: GGMLQuantizationType
     data: torch.Tensor
     in_features: int
+    interleaved: torch.Tensor | None = None  # the same blocks in the kernel's interleaved layout, if made
+    mapped: bool = False  # data views a mapped file: once interleaved, its pages are handed back to the OS
 
     @classmethod
-    def of(cls, qtype: GGMLQuantizationType, data: torch.Tensor | np.ndarray, shape: tuple[int, int]) -> BlockMatrix:
-        """The matrix of shape (rows, in_features) whose blocks are data (any shape holding exactly its bytes)."""
+    def of(
+        cls,
+        qtype: GGMLQuantizationType,
+        data: torch.Tensor | np.ndarray,
+        shape: tuple[int, int],
+        mapped: bool = False,
+    ) -> BlockMatrix:
+        """The matrix of shape (rows, in_features) whose blocks are data (any shape holding exactly its bytes);
+        mapped: data views a mapped file."""
         if qtype not in BLOCK_TYPES:
             raise ValueError(f"{qtype.name} is not a block format statelm's kernel reads")
         rows, in_features = shape
@@ -53,12 +72,32 @@ class BlockMatrix:
         row_bytes = in_features // values * size
         if tensor.dtype != torch.uint8 or tensor.numel() != rows * row_bytes:
             raise ValueError(f"{tuple(tensor.shape)} {tensor.dtype} is not a {qtype.name} matrix of shape {shape}")
-        return cls(qtype, tensor.reshape(rows, row_bytes), in_features)
+        return cls(qtype, tensor.reshape(rows, row_bytes), in_features, mapped=mapped)
 
     @property
     def rows(self) -> int:
         """Output features."""
         return int(self.data.shape[0])
+
+    def interleave(self) -> BlockMatrix:
+        """This matrix with its blocks also in the kernel's interleaved layout (the same bytes, the rows of a few
+        output columns word by word side by side: the matmul loads what it would otherwise transpose), or as it is
+        where the loaded kernels have no such layout for the format."""
+        if self.interleaved is not None:
+            return self
+        load_kernels()
+        interleaved = torch.ops.statelm.gguf_interleave(self.data, int(self.qtype))
+        if not interleaved.numel():
+            return self
+        if self.mapped:
+            release_pages(self.data)
+        return dataclasses.replace(self, interleaved=interleaved)
+
+    def kernel_argument(self) -> tuple[torch.Tensor, int]:
+        """The data and type id torch.ops.statelm.gguf_matmul takes for this matrix: interleaved where made."""
+        if self.interleaved is None:
+            return self.data, int(self.qtype)
+        return self.interleaved[: self.rows], int(self.qtype) | INTERLEAVED_TYPE
 
 
 class PackedWeight:
@@ -82,9 +121,23 @@ class PackedWeight:
         """Bytes of the blocks."""
         return sum(p.data.numel() for p in self.parts)
 
+    @property
+    def interleaved(self) -> bool:
+        """Whether the matmul reads an interleaved copy of every part (see BlockMatrix.interleave)."""
+        return all(p.interleaved is not None for p in self.parts)
+
+    def interleave(self) -> PackedWeight:
+        """This weight with its parts interleaved where the kernels can (bit-identical results, faster reads)."""
+        return PackedWeight([p.interleave() for p in self.parts])
+
+    def in_place(self) -> PackedWeight:
+        """This weight read from its blocks as they lie (no interleaved copies)."""
+        return PackedWeight([dataclasses.replace(p, interleaved=None) for p in self.parts])
+
     def kernel_arguments(self) -> tuple[list[torch.Tensor], list[int]]:
-        """The parts' data and ggml type ids, as torch.ops.statelm.gguf_matmul takes them."""
-        return [p.data for p in self.parts], [int(p.qtype) for p in self.parts]
+        """The parts' data and type ids, as torch.ops.statelm.gguf_matmul takes them."""
+        data, types = zip(*(p.kernel_argument() for p in self.parts), strict=True)
+        return list(data), list(types)
 
     def matmul(self, x: torch.Tensor, arithmetic: str = "float32") -> torch.Tensor:
         """x [M, in] float32 @ W.T -> [M, out] float32, in one of ARITHMETICS."""
@@ -109,6 +162,16 @@ class PackedWeight:
     def concat(weights: Sequence[PackedWeight]) -> PackedWeight:
         """One weight of the given ones' rows stacked in order (no copy: their block matrices side by side)."""
         return PackedWeight([part for weight in weights for part in weight.parts])
+
+
+def release_pages(tensor: torch.Tensor) -> None:
+    """Ask the OS to take back the resident pages wholly inside a tensor viewing a mapped file (MADV_PAGEOUT, a hint:
+    what is read again later comes back from the file), so that a copy made of it does not count twice."""
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end > start and hasattr(_LIBC, "madvise"):
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)  # failure: pages stay
 
 
 def quantize(weight: torch.Tensor, kind: str) -> PackedWeight:

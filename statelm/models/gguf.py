@@ -193,7 +193,7 @@ def in_place(file: GGUFFile, info: TensorInfo) -> PackedWeight:
     from statelm.kernels.quant import BlockMatrix, PackedWeight
 
     shape = (math.prod(info.shape[:-1]), info.shape[-1])
-    return PackedWeight([BlockMatrix.of(info.qtype, file.raw(info), shape)])
+    return PackedWeight([BlockMatrix.of(info.qtype, file.raw(info), shape, mapped=True)])
 
 
 def dequantized(file: GGUFFile, info: TensorInfo) -> torch.Tensor:

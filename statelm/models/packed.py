@@ -38,6 +38,7 @@ class PackedLinear(nn.Module):
         self.out_features = weight.out_features
         self.use_kernel = True
         self.activations = "float32"  # a key of ACTIVATIONS
+        self.repack = True  # interleave the blocks for the kernel (--repack)
         self._dense: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -65,10 +66,12 @@ class PackedLinear(nn.Module):
         return self._dense
 
     def use(self, kernel: bool) -> None:
-        """Run through the kernel, or through torch on the dequantized weight (dropping it when not needed)."""
+        """Run through the kernel (on the interleaved blocks where `repack`), or through torch on the dequantized
+        weight; each drops what the other needed."""
         self.use_kernel = kernel
         if kernel:
             self._dense = None
+        self.weight = self.weight.interleave() if kernel and self.repack else self.weight.in_place()
 
     def extra_repr(self) -> str:
         """Shape and formats, for print(model)."""

@@ -77,6 +77,7 @@ def module_bytes(module: nn.Module) -> int:
         for value in vars(part).values():
             if isinstance(value, PackedWeight):
                 tensors.extend(part.data for part in value.parts)
+                tensors.extend(part.interleaved for part in value.parts if part.interleaved is not None)
             elif isinstance(value, torch.Tensor):  # a dequantized copy kept beside a packed weight
                 tensors.append(value)
         for tensor in tensors:

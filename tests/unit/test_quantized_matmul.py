@@ -18,7 +18,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from statelm.cpu import cpu_flags
 from statelm.kernels.build import LIBRARY_DIR, KernelBuildError, cpu_variant, load_kernels
-from statelm.kernels.quant import BlockMatrix, PackedWeight, quantize
+from statelm.kernels.quant import INTERLEAVED_TYPE, BlockMatrix, PackedWeight, quantize
 from statelm.kernels.variants import select_variant
 from tests.models.test_cpu_classes import ONEDNN_ISA
 from tests.unit.gguf_blocks import FORMATS, random_blocks, random_columns
@@ -105,6 +105,34 @@ def test_parts_of_different_formats_stack_into_one_output() -> None:
         assert torch.equal(weight.matmul(x, arithmetic), alone)
 
 
+NO_TILE_BUILDER = (Q.Q2_K, Q.Q3_K)  # decoded block by block: never interleaved
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_interleaved_blocks_give_the_bits_of_the_blocks_in_place(qtype: Q) -> None:
+    # 45 rows: the last tile is partly padding; 37 rows of x cross the few-row and tile paths
+    weight, dense = matrix(qtype, 45, random_columns(qtype), seed=11)
+    interleaved = weight.interleave()
+    simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
+    assert interleaved.interleaved == (simd and qtype not in NO_TILE_BUILDER)
+    assert interleaved.interleave() is not interleaved and torch.equal(interleaved.dequantize(), dense)
+    x = torch.randn(37, weight.in_features, generator=torch.Generator().manual_seed(12))
+    for arithmetic in ARITHMETICS:
+        alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(37)])
+        for count in (1, 2, 3, 4, 5, 9, 17, 37):
+            assert torch.equal(interleaved.matmul(x[:count], arithmetic), alone[:count]), (arithmetic, count)
+    assert not interleaved.in_place().interleaved and torch.equal(interleaved.in_place().matmul(x), weight.matmul(x))
+
+
+def test_interleaved_and_in_place_parts_stack_into_one_output() -> None:
+    parts = [matrix(qtype, rows, 256, seed=rows)[0] for qtype, rows in ((Q.Q4_K, 24), (Q.Q3_K, 9), (Q.Q6_K, 17))]
+    mixed = PackedWeight.concat([parts[0].interleave(), parts[1].interleave(), parts[2]])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(13))
+    for arithmetic in ARITHMETICS:
+        assert torch.equal(mixed.matmul(x, arithmetic), PackedWeight.concat(parts).matmul(x, arithmetic))
+
+
 def test_block_matrices_are_checked() -> None:
     raw = random_blocks(Q.Q4_K, 4, 256, np.random.default_rng(0))
     with pytest.raises(ValueError, match="multiple of Q4_K's 256-value blocks"):
@@ -115,6 +143,9 @@ def test_block_matrices_are_checked() -> None:
         BlockMatrix.of(Q.F16, raw, (4, 256))
     with pytest.raises(RuntimeError, match="does not match K"):
         PackedWeight([BlockMatrix.of(Q.Q4_K, raw, (4, 256))]).matmul(torch.zeros(1, 512))
+    q3_k = torch.from_numpy(random_blocks(Q.Q3_K, 4, 256, np.random.default_rng(0))).reshape(4, -1)
+    with pytest.raises(RuntimeError, match="Q3_K has no interleaved layout"):
+        torch.ops.statelm.gguf_matmul(torch.zeros(1, 256), [q3_k], [int(Q.Q3_K) | INTERLEAVED_TYPE], 1)
 
 
 @pytest.mark.parametrize(("kind", "qtype"), [("int8", Q.Q8_0), ("int4", Q.Q4_1)])
@@ -146,7 +177,7 @@ def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, thread
 CLASS_LIBRARY_CHILD = """
 import sys, torch
 from statelm.kernels.build import load_kernels, loaded_library
-from statelm.kernels.quant import ARITHMETICS
+from statelm.kernels.quant import ARITHMETICS, INTERLEAVED_TYPE
 load_kernels()
 print("library:", loaded_library())
 data = torch.load(sys.argv[1])
@@ -158,6 +189,11 @@ for name, (raw, qtype) in data["weights"].items():
         few = [torch.ops.statelm.gguf_matmul(x[i : i + 1], [raw], [qtype], code) for i in range(3)]
         few.append(torch.ops.statelm.gguf_matmul(x[3:6], [raw], [qtype], code))
         outputs[f"{name}-{arithmetic}-few"] = torch.cat(few)
+        interleaved = torch.ops.statelm.gguf_interleave(raw, qtype)
+        if interleaved.numel():  # this class's own layout (its tile width), the bits of the blocks in place
+            args = [interleaved[: raw.shape[0]]], [qtype | INTERLEAVED_TYPE], code
+            outputs[f"{name}-{arithmetic}-interleaved"] = torch.ops.statelm.gguf_matmul(x, *args)
+            outputs[f"{name}-{arithmetic}-interleaved-few"] = torch.ops.statelm.gguf_matmul(x[:1], *args)
 torch.save(outputs, sys.argv[2])
 """
 
@@ -165,7 +201,8 @@ torch.save(outputs, sys.argv[2])
 @pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])
 def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
     """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits, for
-    every block format and arithmetic, in many rows (tiles) and in few (rows alone, and three together)."""
+    every block format and arithmetic, in many rows (tiles) and in few (rows alone, and three together), from the
+    blocks in place and (SIMD classes) interleaved in its own layout."""
     capped, own = select_variant(cpu_flags(), capability), cpu_variant()
     if capped is None or own is None or capped == own:
         pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
@@ -189,6 +226,9 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
             expected = weight.matmul(x[name], arithmetic)
             assert torch.equal(expected, outputs[f"{name}-{arithmetic}"]), (name, arithmetic)
             assert torch.equal(expected[:6], outputs[f"{name}-{arithmetic}-few"]), (name, arithmetic, "few rows")
+            if f"{name}-{arithmetic}-interleaved" in outputs:
+                assert torch.equal(expected, outputs[f"{name}-{arithmetic}-interleaved"]), (name, arithmetic)
+                assert torch.equal(expected[:1], outputs[f"{name}-{arithmetic}-interleaved-few"]), (name, arithmetic)
 
 
 @pytest.mark.invariance

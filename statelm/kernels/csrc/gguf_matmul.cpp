@@ -1,9 +1,10 @@
 // torch.ops.statelm.gguf_matmul(x [M, K] float32, weights, types, arithmetic) -> y [M, N] = x @ W.T
 // torch.ops.statelm.gguf_dequantize(weight, type, rows?) -> the float32 rows of one block matrix
+// torch.ops.statelm.gguf_interleave(weight, type) -> the block matrix in the interleaved layout (gguf_tiles.h)
 //
 // `weights` are uint8 tensors [rows, row bytes], each a block matrix of ggml type `types[i]` as the GGUF file
-// stores it (usually a view of the memory-mapped file); their rows are stacked into the N output columns in
-// order. `arithmetic`: 0 float32 activations, 1 int8, 2 int16 (see gguf_matmul.h).
+// stores it (usually a view of the memory-mapped file), or interleaved (`types[i]` | kInterleavedType: the first
+// `rows` rows of gguf_interleave's result); their rows are stacked into the N output columns in order. `arithmetic`: 0 float32 activations, 1 int8, 2 int16 (see gguf_matmul.h).
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
@@ -14,6 +15,7 @@
 #include <vector>
 
 #include "gguf_matmul.h"
+#include "gguf_tiles.h"
 #include "parallel.h"
 
 namespace statelm::gguf {
@@ -29,6 +31,7 @@ namespace {
 // copy holds the same bytes, so results do not change. (Software prefetches of the next tile did not help: in
 // tile order they halved the rate of long rows, in address order they made no difference.)
 bool stage_tiles(const Part& part, int64_t k) {
+  if (part.interleaved) return false;  // already in the order the builders read
   return k / part.format->values * part.format->bytes <= 2048 || part.format->type == kQ6_K;
 }
 
@@ -96,14 +99,18 @@ std::vector<Part> parts_of(const std::vector<at::Tensor>& weights, at::IntArrayR
   std::vector<Part> parts;
   int64_t column = 0;
   for (size_t i = 0; i < weights.size(); ++i) {
-    const Format* f = find_format(types[i]);
+    const bool interleaved = (types[i] & kInterleavedType) != 0;
+    const Format* f = find_format(types[i] & ~kInterleavedType);
     TORCH_CHECK(f != nullptr, "gguf_matmul: ggml type ", types[i], " is not a supported block format");
+    TORCH_CHECK(!interleaved || interleavable(*f), "gguf_matmul: ", f->name, " has no interleaved layout here");
     const at::Tensor& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
                 "gguf_matmul: weights must be uint8 [rows, row bytes] with contiguous rows");
-    TORCH_CHECK(k % f->values == 0 && w.size(1) == k / f->values * f->bytes, "gguf_matmul: a ", f->name,
-                " weight of ", w.size(1), " bytes a row does not match K = ", k);
-    parts.push_back({w.data_ptr<uint8_t>(), w.stride(0), f, w.size(0), column});
+    const int64_t row_bytes = k / f->values * f->bytes;
+    TORCH_CHECK(k % f->values == 0 && w.size(1) == (interleaved ? interleaved_row_bytes(*f, row_bytes) : row_bytes),
+                "gguf_matmul: a ", f->name, " weight of ", w.size(1), " bytes a row does not match K = ", k);
+    TORCH_CHECK(!interleaved || w.stride(0) == w.size(1), "gguf_matmul: an interleaved weight must be contiguous");
+    parts.push_back({w.data_ptr<uint8_t>(), w.stride(0), f, w.size(0), column, interleaved});
     column += w.size(0);
   }
   return parts;
@@ -199,15 +206,33 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, const c10::op
   return out;
 }
 
+// The block matrix in the interleaved layout (gguf_tiles.h), [rows rounded up to kTileColumns, interleaved row
+// bytes]; an empty tensor where this build has no interleaved layout for the format.
+at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type) {
+  const Format* f = find_format(type);
+  TORCH_CHECK(f != nullptr, "gguf_interleave: ggml type ", type, " is not a supported block format");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
+              "gguf_interleave: weight must be uint8 [rows, row bytes] with contiguous rows");
+  if (!interleavable(*f)) return at::empty({0, 0}, weight.options());
+  const int64_t rows = weight.size(0), row_bytes = weight.size(1);
+  TORCH_CHECK(row_bytes % f->bytes == 0, "gguf_interleave: rows are not whole ", f->name, " blocks");
+  auto out = at::empty({(rows + kTileColumns - 1) / kTileColumns * kTileColumns, interleaved_row_bytes(*f, row_bytes)},
+                       weight.options());
+  interleave_blocks(*f, weight.data_ptr<uint8_t>(), rows, row_bytes, weight.stride(0), out.data_ptr<uint8_t>());
+  return out;
+}
+
 }  // namespace
 }  // namespace statelm::gguf
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def("gguf_matmul(Tensor x, Tensor[] weights, int[] types, int arithmetic) -> Tensor");
   m.def("gguf_dequantize(Tensor weight, int type, Tensor? rows) -> Tensor");
+  m.def("gguf_interleave(Tensor weight, int type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) {
   m.impl("gguf_matmul", &statelm::gguf::gguf_matmul);
   m.impl("gguf_dequantize", &statelm::gguf::gguf_dequantize);
+  m.impl("gguf_interleave", &statelm::gguf::gguf_interleave);
 }

@@ -43,13 +43,18 @@ constexpr int64_t kTileColumns = 8;
 #endif
 
 // One block matrix of the call: `rows` output columns from `first_column` on, each row `row_stride` bytes apart.
+// Interleaved (gguf_tiles.h): data holds tiles of kTileColumns rows of row_stride bytes each (whole words).
 struct Part {
   const uint8_t* data;
   int64_t row_stride;
   const Format* format;
   int64_t rows;
   int64_t first_column;
+  bool interleaved = false;
 };
+
+// A type id with this bit names an interleaved block matrix of that format.
+constexpr int64_t kInterleavedType = 1 << 8;
 
 // x quantized per row and block of 32 (int8 or int16 values) with its per-block scales and per-group sums.
 struct IntRows {

@@ -10,9 +10,11 @@
 #include "gguf_tiles.h"
 
 #include "gguf_simd.h"
+#include "parallel.h"
 
 #include <algorithm>
 #include <cstring>
+#include <vector>
 
 namespace statelm::gguf {
 namespace {
@@ -33,11 +35,64 @@ struct Rows {
   int64_t columns;  // real ones
   const uint8_t* row(int64_t c) const { return base + std::min(c, columns - 1) * stride; }
   Rows at(int64_t offset) const { return {base + offset, stride, columns}; }
+  template <int64_t kType>
+  Rows as() const { return *this; }
 };
 
 Rows rows_of(const Part& part, int64_t column, int64_t first) {
   const uint8_t* base = part.data + column * part.row_stride + first / part.format->values * part.format->bytes;
   return {base, part.row_stride, std::min(kTileColumns, part.rows - column)};
+}
+
+// How a format's blocks lie in an interleaved row: `stored` bytes each (whole words); the block's last `tail` bytes
+// first, then padding, then the rest, so that every field the builders load as vectors starts on a word and
+// (Q6_K: its high bits, scales and d, read before its low bits) the fields lie in the order they are read.
+struct StoredBlock {
+  int64_t bytes, stored, tail;
+  constexpr int64_t position(int64_t within) const {
+    return within >= bytes - tail ? within - (bytes - tail) : within + stored - bytes + tail;
+  }
+};
+
+constexpr StoredBlock stored_block(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kIQ4_NL: return {18, 20, 0};  // padding, d | qs[16]
+    case kQ5_0: return {22, 24, 0};                 // padding, d, qh | qs[16]
+    case kQ8_0: return {34, 36, 0};                 // padding, d | qs[32]
+    case kQ6_K: return {210, 212, 82};              // qh[64] | scales[16] | d, padding | ql[128]
+    case kQ4_1: return {20, 20, 0};
+    case kQ5_1: return {24, 24, 0};
+    case kQ4_K: return {144, 144, 0};
+    case kQ5_K: return {176, 176, 0};
+    case kIQ4_XS: return {136, 136, 0};
+    default: return {0, 0, 0};  // no tile builder: not interleaved
+  }
+}
+
+// The same columns of an interleaved part, as a format's builder reads them: the tile's words [word][kTileColumns]
+// and the chunk's first byte in each column's row (in the file's layout; stored() maps it to the tile's).
+template <int64_t kType>
+struct TileWords {
+  static constexpr StoredBlock kBlockLayout = stored_block(kType);
+  const uint8_t* tile;
+  int64_t start;
+  TileWords at(int64_t offset) const { return {tile, start + offset}; }
+  static int64_t stored(int64_t at) {
+    if constexpr (kBlockLayout.stored == kBlockLayout.bytes) return at;
+    return at / kBlockLayout.bytes * kBlockLayout.stored + kBlockLayout.position(at % kBlockLayout.bytes);
+  }
+};
+
+// An interleaved tile before its format is known: as<type>() gives the format's TileWords.
+struct TileStart {
+  const uint8_t* tile;
+  int64_t start;
+  template <int64_t kType>
+  TileWords<kType> as() const { return {tile, start}; }
+};
+
+TileStart tile_start_of(const Part& part, int64_t column, int64_t first) {
+  return {part.data + column * part.row_stride, first / part.format->values * part.format->bytes};
 }
 
 // The generic path: decode block by block, then interleave (and shift by the offset in SIMD builds).
@@ -98,6 +153,38 @@ __attribute__((always_inline)) inline void four_words(const Rows& rows, int64_t 
   out[0] = _mm256_unpacklo_epi64(t0, t2), out[1] = _mm256_unpackhi_epi64(t0, t2);
   out[2] = _mm256_unpacklo_epi64(t1, t3), out[3] = _mm256_unpackhi_epi64(t1, t3);
 #endif
+}
+
+// The 4 bytes at `offset` of every column of an interleaved tile as one vector (lane c: column c). Block sizes are
+// even, so a field is 0 or 2 bytes past a word: then the high half of one word and the low half of the next.
+template <int64_t kType>
+__attribute__((always_inline)) inline V word_at(const TileWords<kType>& rows, int64_t offset) {
+  const int64_t at = TileWords<kType>::stored(rows.start + offset), word = at / 4;
+  const V low = load(rows.tile + word * W * 4);
+  if (at % 4 == 0) return low;
+  const unsigned shift = static_cast<unsigned>(8 * (at % 4));
+  return vor(srl(low, shift), sll(load(rows.tile + (word + 1) * W * 4), 32 - shift));
+}
+
+// words(), four_words() and words_of_runs() of an interleaved tile: the same vectors, loaded rather than transposed.
+template <int64_t kType>
+__attribute__((always_inline)) inline void words(const TileWords<kType>& rows, int64_t offset, V out[W]) {
+  for (int64_t j = 0; j < W; ++j) out[j] = word_at(rows, offset + 4 * j);
+}
+
+template <int64_t kType>
+__attribute__((always_inline)) inline void four_words(const TileWords<kType>& rows, int64_t offset, V out[4]) {
+  for (int64_t j = 0; j < 4; ++j) out[j] = word_at(rows, offset + 4 * j);
+}
+
+template <int64_t kType>
+__attribute__((always_inline)) inline void words_of_runs(const TileWords<kType>& rows, int64_t offset, int64_t step,
+                                                         int64_t size, int present, V out[W]) {
+  const int64_t per_run = size / 4;
+  for (int64_t j = 0; j < W; ++j) {
+    const int64_t run = j / per_run;
+    out[j] = run < present ? word_at(rows, offset + run * step + 4 * (j % per_run)) : zero();
+  }
 }
 
 // Words of `present` (of kVecBytes / size) runs of `size` bytes per column, the p-th at offset + p * step.
@@ -185,8 +272,8 @@ struct DotSink {
 };
 
 // Q8_0 (d, 32 int8): levels + 128.
-template <class Sink>
-void build_q8_0(const Rows& rows, int64_t blocks, Sink& sink) {
+template <class Sink, class Source>
+void build_q8_0(const Source& rows, int64_t blocks, Sink& sink) {
   constexpr int64_t kRuns = kVecBytes / 32;  // blocks per transposed set
   const V flip = set8(0x80);
   for (int64_t b = 0; b < blocks; b += kRuns) {
@@ -226,8 +313,8 @@ __attribute__((always_inline)) inline void nibble_block(const V* words, int64_t 
 // Q4_1 (d, m, qs[16]: 20 bytes): four blocks are 20 words of each column, block p's d | m word 5p and its nibbles
 // words 5p + 1..5p + 4, so that one transpose of 80 bytes serves four blocks' fields and levels alike. Returns
 // the blocks done (a multiple of four).
-template <class Sink>
-int64_t build_q4_1_fours(const Rows& rows, int64_t blocks, Sink& sink) {
+template <class Sink, class Source>
+int64_t build_q4_1_fours(const Source& rows, int64_t blocks, Sink& sink) {
   int64_t b = 0;
   for (; b + 4 <= blocks; b += 4) {
     V v[20];
@@ -244,8 +331,8 @@ int64_t build_q4_1_fours(const Rows& rows, int64_t blocks, Sink& sink) {
 }
 
 // Q4_0, Q4_1, IQ4_NL: 16 bytes of nibbles per block at `qs`.
-template <class Sink>
-void build_nibble_blocks(const Format& f, const Rows& rows, int64_t blocks, int64_t qs, bool iq4, Sink& sink) {
+template <class Sink, class Source>
+void build_nibble_blocks(const Format& f, const Source& rows, int64_t blocks, int64_t qs, bool iq4, Sink& sink) {
   constexpr int64_t kRuns = kVecBytes / 16;
   for (int64_t b = f.type == kQ4_1 ? build_q4_1_fours(rows, blocks, sink) : 0; b < blocks; b += kRuns) {
     const int present = static_cast<int>(std::min(kRuns, blocks - b));
@@ -263,8 +350,8 @@ void build_nibble_blocks(const Format& f, const Rows& rows, int64_t blocks, int6
 
 // Q5_0 (d, qh, qs[16]) and Q5_1 (d, m, qh, qs[16]): value i's fifth bit is bit i of the 32-bit qh. For quad e,
 // byte e / 2 of each column's qh is spread over the lane's four bytes and byte i keeps bit 4 (e % 2) + i.
-template <class Sink>
-void build_q5_blocks(const Format& f, const Rows& rows, int64_t blocks, int64_t qh_at, Sink& sink) {
+template <class Sink, class Source>
+void build_q5_blocks(const Format& f, const Source& rows, int64_t blocks, int64_t qh_at, Sink& sink) {
   constexpr int64_t kRuns = kVecBytes / 16;
   const V mask = set8(0x0F), one = set8(0x01);
   const V lane_base = lane_bytes();
@@ -294,8 +381,8 @@ void build_q5_blocks(const Format& f, const Rows& rows, int64_t blocks, int64_t 
 
 // 128 bytes of Q4_K / Q5_K nibbles at qs: bytes 32c..32c+31 hold sub-block 2c (low) and 2c+1 (high). high_bits:
 // Q5_K's qh words (bit j of byte i: fifth bit of sub-block j's value i), or null.
-template <class Sink>
-__attribute__((always_inline)) inline void k_nibbles(const Rows& rows, int64_t qs, int64_t block0, const V* high_bits,
+template <class Sink, class Source>
+__attribute__((always_inline)) inline void k_nibbles(const Source& rows, int64_t qs, int64_t block0, const V* high_bits,
                                                      Sink& sink) {
   const V mask = set8(0x0F), one = set8(0x01);
 #pragma GCC unroll 4
@@ -336,10 +423,10 @@ inline void k4_scales(const V h[4], int64_t group0, Sink& sink) {
   }
 }
 
-template <class Sink>
-void build_q4_k(const Rows& rows, int64_t superblocks, Sink& sink) {
+template <class Sink, class Source>
+void build_q4_k(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
-    const Rows at = rows.at(s * 144);
+    const auto at = rows.at(s * 144);
     V header[4];
     four_words(at, 0, header);
     k4_scales(header, 8 * s, sink);
@@ -347,10 +434,10 @@ void build_q4_k(const Rows& rows, int64_t superblocks, Sink& sink) {
   }
 }
 
-template <class Sink>
-void build_q5_k(const Rows& rows, int64_t superblocks, Sink& sink) {
+template <class Sink, class Source>
+void build_q5_k(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
-    const Rows at = rows.at(s * 176);
+    const auto at = rows.at(s * 176);
     V header[4], qh[W];
     four_words(at, 0, header);
     k4_scales(header, 8 * s, sink);
@@ -361,11 +448,11 @@ void build_q5_k(const Rows& rows, int64_t superblocks, Sink& sink) {
 
 // Q6_K: ql[128], qh[64], scales[16] (int8 per 16 values), d. Value 128h + 32s + i: low bits from ql byte
 // 64h + 32(s % 2) + i (low nibble for s < 2), high bits (qh byte 32h + i >> 2s) & 3; levels + 32.
-template <class Sink>
-void build_q6_k(const Rows& rows, int64_t superblocks, Sink& sink) {
+template <class Sink, class Source>
+void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
   const V mask = set8(0x0F), two_bits = set8(0x03);
   for (int64_t s = 0; s < superblocks; ++s) {
-    const Rows at = rows.at(s * 210);
+    const auto at = rows.at(s * 210);
     V scales[4], d_word[4];
     four_words(at, 192, scales);  // the 16 int8 scales
     four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half
@@ -392,10 +479,10 @@ void build_q6_k(const Rows& rows, int64_t superblocks, Sink& sink) {
 }
 
 // IQ4_XS: d, scales_h, scales_l[4], qs[128] (16 bytes per sub-block: low nibbles values 0..15, high 16..31).
-template <class Sink>
-void build_iq4_xs(const Rows& rows, int64_t superblocks, Sink& sink) {
+template <class Sink, class Source>
+void build_iq4_xs(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
-    const Rows at = rows.at(s * 136);
+    const auto at = rows.at(s * 136);
     V header[4];
     four_words(at, 0, header);
     const VF d = half_low(header[0]);
@@ -414,26 +501,26 @@ void build_iq4_xs(const Rows& rows, int64_t superblocks, Sink& sink) {
 }
 
 // Runs the format's builder into sink; false when the format has none (decoded_tile serves it).
-template <class Sink>
-bool build(const Format& f, const Rows& rows, int64_t values, Sink& sink) {
+template <class Sink, class Source>
+bool build(const Format& f, const Source& rows, int64_t values, Sink& sink) {
   const int64_t blocks = values / f.values;
   switch (f.type) {
-    case kQ8_0: build_q8_0(rows, blocks, sink); return true;
-    case kQ4_0: build_nibble_blocks(f, rows, blocks, 2, false, sink); return true;
-    case kQ4_1: build_nibble_blocks(f, rows, blocks, 4, false, sink); return true;
-    case kIQ4_NL: build_nibble_blocks(f, rows, blocks, 2, true, sink); return true;
-    case kQ5_0: build_q5_blocks(f, rows, blocks, 2, sink); return true;
-    case kQ5_1: build_q5_blocks(f, rows, blocks, 4, sink); return true;
-    case kQ4_K: build_q4_k(rows, blocks, sink); return true;
-    case kQ5_K: build_q5_k(rows, blocks, sink); return true;
-    case kQ6_K: build_q6_k(rows, blocks, sink); return true;
-    case kIQ4_XS: build_iq4_xs(rows, blocks, sink); return true;
+    case kQ8_0: build_q8_0(rows.template as<kQ8_0>(), blocks, sink); return true;
+    case kQ4_0: build_nibble_blocks(f, rows.template as<kQ4_0>(), blocks, 2, false, sink); return true;
+    case kQ4_1: build_nibble_blocks(f, rows.template as<kQ4_1>(), blocks, 4, false, sink); return true;
+    case kIQ4_NL: build_nibble_blocks(f, rows.template as<kIQ4_NL>(), blocks, 2, true, sink); return true;
+    case kQ5_0: build_q5_blocks(f, rows.template as<kQ5_0>(), blocks, 2, sink); return true;
+    case kQ5_1: build_q5_blocks(f, rows.template as<kQ5_1>(), blocks, 4, sink); return true;
+    case kQ4_K: build_q4_k(rows.template as<kQ4_K>(), blocks, sink); return true;
+    case kQ5_K: build_q5_k(rows.template as<kQ5_K>(), blocks, sink); return true;
+    case kQ6_K: build_q6_k(rows.template as<kQ6_K>(), blocks, sink); return true;
+    case kIQ4_XS: build_iq4_xs(rows.template as<kIQ4_XS>(), blocks, sink); return true;
     default: return false;
   }
 }
 
-template <int R, bool kG16, bool kMin>
-bool stream_rows(const Part& part, const Rows& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+template <int R, bool kG16, bool kMin, class Source>
+bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
   const Format& f = *part.format;
 #if defined(STATELM_GGUF_VNNI)
   DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
@@ -445,8 +532,8 @@ bool stream_rows(const Part& part, const Rows& rows, int64_t first, int64_t valu
   return true;
 }
 
-template <int R>
-bool stream_rows(const Part& part, const Rows& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+template <int R, class Source>
+bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
   const Format& f = *part.format;
   if (f.group == 16) {
     return f.min ? stream_rows<R, true, true>(part, rows, first, values, x, acc)
@@ -487,23 +574,25 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
   out.mins = out.scales + W * groups;
 #if defined(STATELM_GGUF_AVX2)
   StoreSink sink{out.levels, out.scales, out.mins};
-  if (build(f, rows_of(part, column, first), values, sink)) {
-    return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
-  }
+  const bool built = part.interleaved ? build(f, tile_start_of(part, column, first), values, sink)
+                                      : build(f, rows_of(part, column, first), values, sink);
+  if (built) return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
 #endif
   return decoded_tile(part, column, first, values, out);
 }
 
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc) {
 #if defined(STATELM_GGUF_AVX2)
-  const Rows rows = rows_of(part, column, first);
-  switch (x.rows) {
-    case 1: return stream_rows<1>(part, rows, first, values, x, acc);
-    case 2: return stream_rows<2>(part, rows, first, values, x, acc);
-    case 3: return stream_rows<3>(part, rows, first, values, x, acc);
-    case 4: return stream_rows<4>(part, rows, first, values, x, acc);
-    default: return false;
-  }
+  const auto stream = [&](const auto& rows) {
+    switch (x.rows) {
+      case 1: return stream_rows<1>(part, rows, first, values, x, acc);
+      case 2: return stream_rows<2>(part, rows, first, values, x, acc);
+      case 3: return stream_rows<3>(part, rows, first, values, x, acc);
+      case 4: return stream_rows<4>(part, rows, first, values, x, acc);
+      default: return false;
+    }
+  };
+  return part.interleaved ? stream(tile_start_of(part, column, first)) : stream(rows_of(part, column, first));
 #else
   (void)part, (void)column, (void)first, (void)values, (void)x, (void)acc;
   return false;
@@ -589,6 +678,41 @@ const float* dequantize_tile(const Int8Tile& t) {
   }
 #endif
   return out;
+}
+
+bool interleavable(const Format& f) {
+#if defined(STATELM_GGUF_AVX2)
+  return stored_block(f.type).bytes == f.bytes;
+#else
+  (void)f;
+  return false;
+#endif
+}
+
+int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes) {
+  return row_bytes / f.bytes * stored_block(f.type).stored;
+}
+
+void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
+                       uint8_t* out) {
+  const StoredBlock layout = stored_block(f.type);
+  const int64_t blocks = row_bytes / f.bytes, words = blocks * layout.stored / 4, tiles = (count + W - 1) / W;
+  statelm::parallel_for(tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> stored(words * 4);
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* tile = out + t * W * words * 4;
+      for (int64_t c = 0; c < W; ++c) {
+        std::fill(stored.begin(), stored.end(), 0);
+        if (t * W + c < count) {
+          const uint8_t* row = rows + (t * W + c) * stride;
+          for (int64_t b = 0; b < blocks; ++b) {
+            for (int64_t i = 0; i < f.bytes; ++i) stored[b * layout.stored + layout.position(i)] = row[b * f.bytes + i];
+          }
+        }
+        for (int64_t j = 0; j < words; ++j) std::memcpy(tile + (j * W + c) * 4, stored.data() + 4 * j, 4);
+      }
+    }
+  });
 }
 
 }  // namespace statelm::gguf

@@ -37,4 +37,15 @@ Int8Tile widen_int16(const Int8Tile& tile);
 // The tile's weights dequantized as gguf-py dequantizes them (w = S*q, then + O): [values / 4][kTileColumns][4].
 const float* dequantize_tile(const Int8Tile& tile);
 
+// Interleaved block matrices (gguf_interleave): the rows' bytes rearranged, once at load, into tiles of
+// kTileColumns rows, each tile its rows' 32-bit words [word][kTileColumns], the last tile padded with zero rows.
+// A few formats' blocks are stored a word or half a word larger (gguf_tiles.cpp: stored_block) so that the fields
+// loaded as vectors start on a word. The tile builders then load the vectors they would otherwise transpose out
+// of the rows: the same values in the same order, so every result is bit-identical to the rows read in place.
+// interleavable: formats with a tile builder, in SIMD builds.
+bool interleavable(const Format& f);
+int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes);
+void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
+                       uint8_t* out);
+
 }  // namespace statelm::gguf
