@@ -138,6 +138,10 @@ at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntA
   const FloatRows floats{x.data_ptr<float>(), x.stride(0), rows};
   const int64_t acc_width = kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
   float* out = y.data_ptr<float>();
+  // Rows multiplied straight from the blocks (stream_int8_rows) overlap reading with arithmetic by themselves;
+  // a tile built, then passed over by every row, leaves memory idle while the rows run unless the next chunk of
+  // an interleaved part is asked for ahead (1.2-1.4x at 5-8 rows; at 1-4 rows it halved the rate).
+  const bool prefetch = kind != Arithmetic::kInt8 || rows > kStreamRows;
   statelm::parallel_for(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     float* acc = scratch<float, 6>(rows * acc_width);
     for (int64_t t = begin; t < end; ++t) {
@@ -148,6 +152,11 @@ at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntA
       std::fill(acc, acc + rows * acc_width, 0.0f);
       for (int64_t first = 0; first < k; first += kChunkValues) {
         const int64_t values = std::min(kChunkValues, k - first);
+        if (prefetch && first + kChunkValues < k) {
+          prefetch_chunk(part, column, first + kChunkValues, std::min(kChunkValues, k - first - kChunkValues));
+        } else if (prefetch) {
+          prefetch_chunk(part, column + kTileColumns, 0, std::min(kChunkValues, k));
+        }
         if (kind == Arithmetic::kFloat) {
           float_tile_chunk(part, column, first, values, floats, acc);
         } else {

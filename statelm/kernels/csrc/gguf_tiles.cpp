@@ -689,6 +689,15 @@ bool interleavable(const Format& f) {
 #endif
 }
 
+void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values) {
+  if (!part.interleaved || column >= part.rows) return;
+  const StoredBlock layout = stored_block(part.format->type);
+  const int64_t begin = first / part.format->values * layout.stored * W;
+  const int64_t end = (first + values) / part.format->values * layout.stored * W;
+  const uint8_t* tile = part.data + column * part.row_stride;
+  for (int64_t at = begin; at < end; at += 64) __builtin_prefetch(tile + at, 0, 2);
+}
+
 int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes) {
   return row_bytes / f.bytes * stored_block(f.type).stored;
 }

@@ -44,6 +44,8 @@ const float* dequantize_tile(const Int8Tile& tile);
 // of the rows: the same values in the same order, so every result is bit-identical to the rows read in place.
 // interleavable: formats with a tile builder, in SIMD builds.
 bool interleavable(const Format& f);
+// Asks for the bytes of an interleaved part's chunk (a later one than the kernel is on) to be brought into cache.
+void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values);
 int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes);
 void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
                        uint8_t* out);
