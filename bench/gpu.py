@@ -412,9 +412,9 @@ class Bench:
 
     def decode(self, batch: int, prompt_len: int, warmup: int, steps: int) -> dict[str, Any]:
         """Steady-state decode of `batch` sequences with short prompts."""
-        # the first prompts sample while later ones still prefill, so their tokens must outlast those steps: every
-        # step computes at least one prompt token, and the sequences are aborted after the timed steps anyway
-        params = SamplingParams(temperature=0.0, max_tokens=batch * prompt_len + warmup + steps + 4, ignore_eos=True)
+        step_tokens = self.engine.scheduler.max_num_batched_tokens
+        tokens = prefill_steps(batch, prompt_len, step_tokens) + warmup + steps + 4
+        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         ids = [self.request_id(f"decode{batch}") for _ in range(batch)]
         try:
             for request_id in ids:
@@ -508,6 +508,12 @@ class Bench:
             "bandwidth": (self.weight_bytes + mean_context * self.kv_bytes_per_token) / median,
             "graphs": graphs,
         }
+
+
+def prefill_steps(batch: int, prompt_len: int, step_tokens: int) -> int:
+    """A bound on the steps a batch's prompts take, during which its first sequences already decode: each step's
+    token budget, less one row per decoding sequence, goes to prompt tokens."""
+    return -(-batch * prompt_len // max(1, step_tokens - batch)) + 1
 
 
 def kv_budget(config: dict[str, Any], kv: KVFormat, block_size: int, needs: list[tuple[int, int]]) -> int:
@@ -817,11 +823,9 @@ def main() -> None:
 
     defaults = EngineConfig()
     block_size = overrides.get("block_size", defaults.block_size)
-    # the first sequences of a batch decode while the others prefill: as many steps as a step's token budget left
-    # beside the decode rows takes to compute every prompt
     step_tokens = overrides.get("max_num_batched_tokens", max(defaults.max_num_batched_tokens, max(batches)))
-    prefill_steps = -(-max(batches) * args.prompt_tokens // max(1, step_tokens - max(batches))) + 1
-    per_seq = args.prompt_tokens + prefill_steps + args.warmup + steps + 8
+    prompts_steps = prefill_steps(max(batches), args.prompt_tokens, step_tokens)
+    per_seq = args.prompt_tokens + prompts_steps + args.warmup + steps + 8
     needs = [(max(batches), per_seq), (1, prefill_tokens + 2), *((1, c) for c in contexts)]
     engine_settings: dict[str, Any] = {
         "load_format": "dummy",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -10,8 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from statelm.models.config import ModelConfigError
-from statelm.models.rope import SCALED_KINDS, attention_factor, scaled_inv_freq
+from statelm.models.rope import attention_factor, rope_inv_freq
 
 _INITIAL_ROPE_POSITIONS = 4096
 
@@ -98,39 +96,6 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-
-
-def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with optional linear, llama3, yarn or longrope scaling."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = (scaling or {}).get("rope_type", "default")
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        return _llama3_inv_freq(inv_freq, scaling)
-    if kind in SCALED_KINDS:
-        return scaled_inv_freq(head_dim, theta, scaling)
-    raise ModelConfigError(
-        f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3, yarn, longrope"
-    )
-
-
-def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
-    """Llama 3.1 frequency-dependent rope scaling (low frequencies divided by factor, smooth in between)."""
-    factor = float(scaling["factor"])
-    low_freq_factor = float(scaling["low_freq_factor"])
-    high_freq_factor = float(scaling["high_freq_factor"])
-    old_context_len = float(scaling["original_max_position_embeddings"])
-    low_freq_wavelen = old_context_len / low_freq_factor
-    high_freq_wavelen = old_context_len / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
 
 
 class RotaryEmbedding:

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from statelm.models.variant_config import ModelConfigError
+
 SCALED_KINDS = ("yarn", "longrope", "su")
 
 
@@ -33,13 +35,26 @@ def complete_rope_scaling(scaling: dict[str, Any] | None, max_positions: int) ->
     return scaling
 
 
-def scaled_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] of a YaRN or LongRoPE scaling (completed by complete_rope_scaling)."""
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    if scaling["rope_type"] == "longrope":
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with optional linear, llama3, yarn or longrope scaling (the
+    last two completed by complete_rope_scaling)."""
+    base = theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim)
+    kind = (scaling or {}).get("rope_type", "default")
+    if kind == "default":
+        return 1.0 / base
+    assert scaling is not None
+    if kind == "linear":
+        return 1.0 / base / float(scaling["factor"])
+    if kind == "llama3":
+        return _llama3_inv_freq(1.0 / base, scaling)
+    if kind == "longrope":
         factors = scaling["long_factor"] if scaling.get("use_long_factors") else scaling["short_factor"]
-        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * theta**exponents)
-    return _yarn_inv_freq(theta**exponents, head_dim, theta, scaling)
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * base)
+    if kind == "yarn":
+        return _yarn_inv_freq(base, head_dim, theta, scaling)
+    raise ModelConfigError(
+        f"unsupported rope_scaling type {kind!r}; statelm supports default, linear, llama3, yarn, longrope"
+    )
 
 
 def attention_factor(scaling: dict[str, Any] | None) -> float:
@@ -82,3 +97,19 @@ def _yarn_inv_freq(pos_freqs: torch.Tensor, head_dim: int, theta: float, scaling
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     extrapolation = 1 - ramp
     return (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent rope scaling (low frequencies divided by factor, smooth in between)."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling["low_freq_factor"])
+    high_freq_factor = float(scaling["high_freq_factor"])
+    old_context_len = float(scaling["original_max_position_embeddings"])
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
