@@ -11,11 +11,11 @@ from gguf import GGMLQuantizationType as Q
 from statelm.attention.base import AttentionMetadata
 from statelm.attention.kv_format import Q8_GROUP
 from statelm.engine.kv_cache import KVCache
-from statelm.kernels.build import KernelBuildError, load_kernels
-from statelm.models.compute_path import use_activations, use_compute_path
+from statelm.kernels.build import KernelBuildError, cpu_variant, load_kernels
+from statelm.models.compute_path import use_activations, use_compute_path, use_repack
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
-from statelm.models.packed import ACTIVATIONS
+from statelm.models.packed import ACTIVATIONS, PackedLinear
 from tests.models.tiny_gguf import write_tiny_gguf
 from tests.models.tiny_model_dir import make_tiny_model_dir
 from tests.unit.paged_cases import fill_with_noise
@@ -93,3 +93,22 @@ def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
     use_compute_path(model.model, "kernels")
     assert model.model.fused is None
+
+
+def test_blocks_read_in_place_give_the_interleaved_blocks_bits(loaded: LoadedModel) -> None:
+    # --repack (the default) against --no-repack: the same model, prompt and generated rows, the fused decoder
+    packed = [module for module in loaded.model.modules() if isinstance(module, PackedLinear)]
+    simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
+    assert all(module.weight.interleaved == simd for module in packed)
+    use_activations(loaded.model, "int16-prompt")
+    is_prompt = torch.tensor([True] * 9 + [False] * 2)
+    interleaved, _ = forward(loaded, True, is_prompt, "float16")
+    use_repack(loaded.model, False)
+    use_compute_path(loaded.model, "kernels")
+    try:
+        assert not any(module.weight.interleaved for module in packed)
+        in_place, _ = forward(loaded, True, is_prompt, "float16")
+    finally:
+        use_repack(loaded.model, True)
+        use_compute_path(loaded.model, "kernels")
+    assert torch.equal(interleaved, in_place)
