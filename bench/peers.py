@@ -79,6 +79,18 @@ def llama_version(path: Path) -> str:
     return "; ".join(line for line in lines if line.startswith(("version", "built with"))) or "unknown"
 
 
+def build_with_libllama(llama_server: Path, source: str, program: Path) -> Path:
+    """Compile a C program (its text) against the libllama of llama-server's build; returns the program's path."""
+    bin_dir = llama_server.parent
+    root = bin_dir.parent.parent
+    source_file = program.with_suffix(".c")
+    source_file.write_text(source)
+    includes = [f"-I{root / 'include'}", f"-I{root / 'ggml' / 'include'}"]
+    link = [f"-L{bin_dir}", "-lllama", f"-Wl,-rpath,{bin_dir}"]
+    subprocess.run(["cc", "-O1", "-o", str(program), str(source_file), *includes, *link], check=True)
+    return program
+
+
 def stop(process: subprocess.Popen[bytes]) -> None:
     """Terminate a server and wait for it to exit (killed after 60 s)."""
     process.terminate()
@@ -89,8 +101,11 @@ def stop(process: subprocess.Popen[bytes]) -> None:
         process.wait()
 
 
-def make_servers(args: argparse.Namespace, llama: Path | None, gguf: Path, levels: list[int]) -> list[Server]:
-    """The servers asked for by --servers, llama-server sized with a slot per stream of the largest level."""
+def make_servers(
+    args: argparse.Namespace, llama: Path | None, gguf: Path, levels: list[int], model: str = "default"
+) -> list[Server]:
+    """The servers asked for by --servers, on the same GGUF (statelm's `--model` spelled as `model`), llama-server
+    sized with a slot per stream of the largest level."""
     servers = []
     for label in args.servers.split(","):
         if label == LLAMA and llama is not None:
@@ -105,7 +120,7 @@ def make_servers(args: argparse.Namespace, llama: Path | None, gguf: Path, level
             start = functools.partial(launch, command, args.llama_port)
             servers.append(Server(LLAMA, args.llama_port, shlex.join(command), start))
         elif label == STATELM:
-            serve = ["--model", "default", *shlex.split(args.statelm_args)]
+            serve = ["--model", model, *shlex.split(args.statelm_args)]
             shown = shlex.join(["statelm", "serve", *serve, "--port", str(args.statelm_port)])
             start = functools.partial(start_server, serve, args.statelm_port)
             servers.append(Server(STATELM, args.statelm_port, shown, start))
@@ -157,15 +172,23 @@ async def workloads(server: Server, args: argparse.Namespace, levels: list[int])
     }
 
 
+def memory_mib(pid: int) -> dict[str, float]:
+    """A process's resident memory now (`rss_mib`) and at its peak (`peak_rss_mib`), from /proc."""
+    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    return {key: int(fields[name].split()[0]) / 1024 for key, name in (("rss_mib", "VmRSS"), ("peak_rss_mib", "VmHWM"))}
+
+
 def measure(server: Server, args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
-    """Start one server alone, time its start-up, run the workloads and stop it."""
+    """Start one server alone, time its start-up, run the workloads, read its memory and stop it."""
     process, startup = server.start()
     print(f"{server.label}: up in {startup:.2f} s", flush=True)
     try:
         run = asyncio.run(workloads(server, args, levels))
+        memory = memory_mib(process.pid)
+        print(f"  RSS {memory['rss_mib']:.0f} MiB (peak {memory['peak_rss_mib']:.0f} MiB)", flush=True)
     finally:
         stop(process)
-    return {"startup_s": startup, **run}
+    return {"startup_s": startup, **run, **memory}
 
 
 def usage_report(label: str, runs: list[dict[str, Any]], args: argparse.Namespace) -> list[str]:
@@ -198,6 +221,8 @@ def metrics(levels: list[int], ttft_prompt_tokens: int) -> list[Metric]:
     rows = [
         Metric("start-up: launch to /health 200 (s)", False, lambda run: run["startup_s"]),
         Metric(f"TTFT, unique ≈{ttft_prompt_tokens}-token prompt, median (ms)", False, lambda run: run["ttft_ms"]),
+        Metric("RSS after the workloads (MiB)", False, lambda run: run.get("rss_mib")),
+        Metric("peak RSS (MiB)", False, lambda run: run.get("peak_rss_mib")),
     ]
     for concurrency in levels:
         aggregate = functools.partial(level_figure, concurrency=concurrency, key="output_tok_s")
@@ -237,7 +262,7 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
         "| --- | --- | ---: | ---: | ---: |",
     ]
     for row in rows:
-        digits = 2 if row["metric"].startswith("start-up") else 1
+        digits = 2 if "start" in row["metric"] else 1
         lines.append(
             f"| {row['metric']} | {row['better']} | {fmt(row.get(LLAMA), digits)} | {fmt(row.get(STATELM), digits)} "
             f"| {fmt(row['ratio'], 2)} |"
@@ -245,16 +270,19 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    """Parse the flags, measure each server alone over the rounds, and print the comparison."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_comparison_arguments(
+    parser: argparse.ArgumentParser, concurrency: str, output_tokens: int, ttft_prompt_tokens: int
+) -> None:
+    """The flags of a statelm / llama-server comparison (this module's and bench.realsize's)."""
     parser.add_argument("--llama-server", type=Path, help="llama-server binary; default: the shared build script's")
     parser.add_argument("--servers", default=f"{LLAMA},{STATELM}", help="which to measure, comma-separated")
-    parser.add_argument("--concurrency", default="1,4,16,64", help="comma-separated decode levels (streams)")
+    parser.add_argument("--concurrency", default=concurrency, help="comma-separated decode levels (streams)")
     parser.add_argument("--requests-per-level", type=int, help="default: one request per stream (all at once)")
-    parser.add_argument("--output-tokens", type=int, default=128, help="max_tokens of every decode stream")
+    parser.add_argument("--output-tokens", type=int, default=output_tokens, help="max_tokens of every decode stream")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="approximate prompt length of decode streams")
-    parser.add_argument("--ttft-prompt-tokens", type=int, default=512, help="approximate prompt length for TTFT")
+    parser.add_argument(
+        "--ttft-prompt-tokens", type=int, default=ttft_prompt_tokens, help="approximate prompt length for TTFT"
+    )
     parser.add_argument("--ttft-requests", type=int, default=5, help="TTFT requests (one at a time); median")
     parser.add_argument("--rounds", type=int, default=2, help="start/measure/stop each server this often")
     parser.add_argument("--pick", choices=("best", "median"), default="best", help="how rounds are combined")
@@ -267,6 +295,51 @@ def main() -> None:
     parser.add_argument("--max-duration", type=float, default=3600, help="seconds for one server's decode levels")
     parser.add_argument("--json", type=Path, help="write settings, the table and raw per-request results here")
     parser.set_defaults(shared_prefix=False)  # read by bench.throughput.run_level: every prompt starts unique
+
+
+def settings_line(args: argparse.Namespace, levels: list[int]) -> str:
+    """What the workloads were, for a benchmark's header."""
+    return (
+        f"settings: decode {levels} streams × {args.output_tokens} output tokens (ignore_eos, greedy, streamed), "
+        f"unique ≈{args.prompt_tokens}-token prompts; TTFT: median of {args.ttft_requests} unique "
+        f"≈{args.ttft_prompt_tokens}-token prompts, max_tokens 1; {args.rounds} round(s), alternating order, "
+        f"{args.pick} of the rounds"
+    )
+
+
+def alternate_rounds(servers: list[Server], args: argparse.Namespace, levels: list[int]) -> dict[str, list[Any]]:
+    """Each server measured alone once per round, the order reversed every other round."""
+    runs: dict[str, list[dict[str, Any]]] = {server.label: [] for server in servers}
+    for round_index in range(args.rounds):
+        print(f"\n== round {round_index + 1}/{args.rounds}", flush=True)
+        for server in servers if round_index % 2 == 0 else servers[::-1]:
+            runs[server.label].append(measure(server, args, levels))
+    return runs
+
+
+def print_comparison(
+    runs: dict[str, list[Any]], args: argparse.Namespace, levels: list[int], first: tuple[Metric, ...] = ()
+) -> list[dict[str, Any]]:
+    """The servers' usage check and the comparison table (`first` rows, then metrics()), printed; returns its rows."""
+    rows = comparison(runs, [*first, *metrics(levels, args.ttft_prompt_tokens)], args.pick)
+    for label, server_runs in runs.items():
+        print("\n".join(usage_report(label, server_runs, args)))
+    print(f"\n{markdown_table(rows)}")
+    print(f"\nratio: {STATELM} / {LLAMA}; above 1 is better for statelm where higher is better, below 1 where lower is")
+    return rows
+
+
+def write_json(path: Path, header: str, args: argparse.Namespace, payload: dict[str, Any]) -> None:
+    """Settings, header and results as JSON."""
+    settings = {k: str(value) if isinstance(value, Path) else value for k, value in vars(args).items()}
+    path.write_text(json.dumps({"header": header, "settings": settings, **payload}, indent=2))
+    print(f"\nraw results: {path}")
+
+
+def main() -> None:
+    """Parse the flags, measure each server alone over the rounds, and print the comparison."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_comparison_arguments(parser, concurrency="1,4,16,64", output_tokens=128, ttft_prompt_tokens=512)
     args = parser.parse_args()
     levels = [int(level) for level in args.concurrency.split(",")]
     labels = args.servers.split(",")
@@ -280,10 +353,7 @@ def main() -> None:
             f"llama-server: {peer}",
             f"gguf (statelm's --model default): {gguf}",
             *(f"{server.label}: {server.shown}" for server in servers),
-            f"settings: decode {levels} streams × {args.output_tokens} output tokens (ignore_eos, greedy, streamed), "
-            f"unique ≈{args.prompt_tokens}-token prompts; TTFT: median of {args.ttft_requests} unique "
-            f"≈{args.ttft_prompt_tokens}-token prompts, max_tokens 1; {args.rounds} round(s), alternating order, "
-            f"{args.pick} of the rounds",
+            settings_line(args, levels),
             "start-up is timed with warm caches: each server was started and stopped once before the rounds",
         ]
     )
@@ -292,23 +362,12 @@ def main() -> None:
         process, seconds = server.start()
         stop(process)
         print(f"{server.label}: warm-up start {seconds:.2f} s (not counted)", flush=True)
-    runs: dict[str, list[dict[str, Any]]] = {server.label: [] for server in servers}
-    for round_index in range(args.rounds):
-        print(f"\n== round {round_index + 1}/{args.rounds}", flush=True)
-        for server in servers if round_index % 2 == 0 else servers[::-1]:
-            runs[server.label].append(measure(server, args, levels))
-    rows = comparison(runs, metrics(levels, args.ttft_prompt_tokens), args.pick)
+    runs = alternate_rounds(servers, args, levels)
     print(f"\n{header}")
     print(f"Command: `{shlex.join(['.venv/bin/python', '-m', 'bench.peers', *sys.argv[1:]])}`\n")
-    for label, server_runs in runs.items():
-        print("\n".join(usage_report(label, server_runs, args)))
-    print(f"\n{markdown_table(rows)}")
-    print(f"\nratio: {STATELM} / {LLAMA}; above 1 is better for statelm where higher is better, below 1 where lower is")
+    rows = print_comparison(runs, args, levels)
     if args.json:
-        settings = {k: str(value) if isinstance(value, Path) else value for k, value in vars(args).items()}
-        payload = {"header": header, "settings": settings, "table": rows, "runs": runs}
-        args.json.write_text(json.dumps(payload, indent=2))
-        print(f"\nraw results: {args.json}")
+        write_json(args.json, header, args, {"table": rows, "runs": runs})
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
-"""statelm's quantized matmul kernel alone: GFLOPS on one core for the default model's shapes, per activation kind.
+"""statelm's quantized matmul kernel alone: GFLOPS on one core for the default model's shapes, per arithmetic.
 
 Usage: .venv/bin/python -m bench.qmatmul [--rows 1,16,512] [--repeats 5]
-Random Q4_1 weights of SmolLM2-135M's MLP shapes (1536x576 up, 576x1536 down), float32 activations, one kernel
-thread; the best of --repeats runs of CPU time (thread time), so other work on the machine moves the figures less
-than wall time would. Run it with ATEN_CPU_CAPABILITY=avx2 (or default) to time a smaller CPU class's build.
+Random Q4_1 weights of SmolLM2-135M's MLP shapes (1536x576 up, 576x1536 down), each of the kernel's arithmetics
+(float32, int8, int16 activations), one kernel thread; the best of --repeats runs of CPU time (thread time), so
+other work on the machine moves the figures less than wall time would. Run it with ATEN_CPU_CAPABILITY=avx2 (or
+default) to time a smaller CPU class's library.
 """
 
 from __future__ import annotations
@@ -18,21 +19,21 @@ from gguf.quants import quantize
 
 from bench.common import machine_report
 from statelm.kernels.build import load_kernels
-from statelm.kernels.quant import PackedWeight, pack_gguf
+from statelm.kernels.quant import ARITHMETICS, BlockMatrix, PackedWeight
 
 SHAPES = ((1536, 576), (576, 1536))
 
 
-def gflops(weight: PackedWeight, rows: int, int8: bool, repeats: int) -> float:
+def gflops(weight: PackedWeight, rows: int, arithmetic: str, repeats: int) -> float:
     """Best rate of weight.matmul on `rows` random rows, in GFLOPS of thread time."""
     x = torch.randn(rows, weight.in_features)
     calls = max(1, 2000 // rows)
-    weight.matmul(x, int8_activations=int8)
+    weight.matmul(x, arithmetic)
     best = float("inf")
     for _ in range(repeats):
         started = time.thread_time()
         for _ in range(calls):
-            weight.matmul(x, int8_activations=int8)
+            weight.matmul(x, arithmetic)
         best = min(best, (time.thread_time() - started) / calls)
     return 2 * weight.out_features * weight.in_features * rows / best / 1e9
 
@@ -52,10 +53,10 @@ def main() -> None:
     rng = np.random.default_rng(0)
     for n, k in SHAPES:
         raw = quantize(rng.standard_normal((n, k)).astype(np.float32), GGMLQuantizationType.Q4_1)
-        weight = pack_gguf(GGMLQuantizationType.Q4_1, raw, (n, k))
-        for int8 in (False, True):
-            rates = [f"{gflops(weight, rows, int8, args.repeats):.0f}" for rows in rows_list]
-            print(f"| Q4_1 {n} x {k} | {'int8' if int8 else 'float32'} | " + " | ".join(rates) + " |")
+        weight = PackedWeight([BlockMatrix.of(GGMLQuantizationType.Q4_1, raw, (n, k))])
+        for arithmetic in ARITHMETICS:
+            rates = [f"{gflops(weight, rows, arithmetic, args.repeats):.0f}" for rows in rows_list]
+            print(f"| Q4_1 {n} x {k} | {arithmetic} | " + " | ".join(rates) + " |")
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from pathlib import Path
 import gguf
 
 from bench.common import machine_report
-from bench.peers import find_llama_server
+from bench.peers import build_with_libllama, find_llama_server
 from statelm.gguf_vocab.pre_tokenizers import BPE_PRE_TOKENIZERS
 from statelm.tokenizer import Tokenizer
 from tests.llama_vocab import VECTOR_SEPARATOR, read_gguf_fields, require_vocab_dir
@@ -83,18 +83,6 @@ def random_texts(count: int, seed: int) -> list[str]:
     ]
 
 
-def build_helper(llama_server: Path, directory: Path) -> Path:
-    """Compile the tokenize program against the libllama next to llama-server."""
-    bin_dir = llama_server.parent
-    root = bin_dir.parent.parent
-    source, program = directory / "tokenize.c", directory / "tokenize"
-    source.write_text(HELPER)
-    includes = [f"-I{root / 'include'}", f"-I{root / 'ggml' / 'include'}"]
-    link = [f"-L{bin_dir}", "-lllama", f"-Wl,-rpath,{bin_dir}"]
-    subprocess.run(["cc", "-O1", "-o", str(program), str(source), *includes, *link], check=True)
-    return program
-
-
 def llama_cpp(program: Path, vocab: Path, texts_file: Path) -> list[tuple[list[int], str]]:
     """llama.cpp's ids and detokenized text of every text."""
     done = subprocess.run([str(program), str(vocab), str(texts_file)], capture_output=True, text=True, check=True)
@@ -143,7 +131,7 @@ def main() -> None:
     texts = [t for t in random_texts(args.texts, args.seed) + vectors if t and VECTOR_SEPARATOR not in t]
     with tempfile.TemporaryDirectory() as scratch:
         work = Path(scratch)
-        program = build_helper(find_llama_server(args.llama_server), work)
+        program = build_with_libllama(find_llama_server(args.llama_server), HELPER, work / "tokenize")
         texts_file = work / "texts.txt"
         texts_file.write_text(VECTOR_SEPARATOR.join(texts), encoding="utf-8")
         print(f"\n| vocabulary {COLUMNS}")

@@ -19,11 +19,12 @@ from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.kernels.build import use_kernel_threads
-from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path, use_repack
 from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
 from statelm.models.model_cache import ModelCache
+from statelm.models.packed import ACTIVATIONS
 
 log = logging.getLogger(__name__)
 
@@ -77,11 +78,11 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     loaded = load_model(
         config.model, device, dtype, config.load_format, config.seed, chunking, config.quantization, cache
     )
+    use_repack(loaded.model, config.repack)  # before the self-check runs the kernels
     try:
         if use_activations(loaded.model, config.activations):
-            # what the KV means: snapshots and sessions hold prompt rows' KV only, so int8-decode's is float32's
-            prompt_rows = "float32" if config.activations == "int8-decode" else config.activations
-            loaded.fingerprint.parts["activations"] = prompt_rows
+            # what the KV means: snapshots and sessions hold prompt rows' KV only, so that of their arithmetic
+            loaded.fingerprint.parts["activations"] = ACTIVATIONS[config.activations][0]
     except ValueError as exc:
         raise EngineConfigError(str(exc)) from None
     return loaded

@@ -1,232 +1,206 @@
-"""Weight matrices kept quantized in 32-value blocks, and run through statelm's quantized matmul kernel.
+"""Weight matrices kept in GGUF's quantized block formats, multiplied by statelm's kernel where they lie.
 
-The kernel (csrc/qmatmul*.cpp) keeps activations in float32, so only float rounding separates its result from
-a float matmul on the dequantized weights; or, with int8 activations, it computes as llama.cpp's CPU kernels
-do: activations quantized to int8 per row and block of 32 values, each block's dot product exact in integers,
-2.5-3x faster on many rows. What int8 activations cost against the float model is measured by
-bench/accuracy.py and reported in docs/benchmarks.md.
+A GGUF tensor is used as the file stores it: its blocks row-major, one row per output feature, read in place
+from the memory-mapped file (no re-quantization). On the kernels path a matrix's bytes are by default also
+rearranged once at load into the kernel's interleaved layout (`--repack`, `BlockMatrix.interleave`: a few output
+columns' rows side by side, word by word, as llama.cpp's CPU back end repacks its blocks), in memory, never on disk;
+results are bit-identical either way. The kernel (csrc/gguf_matmul*.cpp) decodes the blocks of a
+few output columns at a time into a small per-thread buffer and multiplies them with one of three arithmetics
+(`ARITHMETICS`): `float32` (the float model's: the weights as gguf-py dequantizes them, times float32
+activations), `int8` (activations quantized per row and block of 32 values, as llama.cpp's CPU kernels do, every
+group's dot product exact in integers) or `int16` (the same with 16-bit activations: within float rounding of
+`float32`, at near-int8 speed). Every arithmetic gives a row the same bits whatever the batch and the CPU class.
 
-Two packed kinds, both with a float32 scale per block of 32 values along the input dimension:
-
-- `q8`: int8 values, w = d·q. GGUF Q8_0 packs into it exactly; Q5_0, Q5_1, Q2_K…Q6_K are dequantized and
-  re-quantized into it (symmetric int8 per 32 values: a relative error of at most 1/254 of each block's
-  largest weight, far below what 5- and 6-bit sources already carry; 2- and 3-bit sources gain nothing).
-- `q4`: 4-bit values 0…15, w = d·q + m. GGUF Q4_0 (m = −8d) and Q4_1 pack into it exactly.
-
-Float checkpoints quantize at load with `quantize`: int8 → `q8`, int4 → `q4` (asymmetric: min and max of each
-block map to 0 and 15, which fits skewed blocks better than Q4_0's symmetric grid).
-
-Layout: output rows are interleaved in groups of 8 (the last group padded with zeros), so that one 32-byte
-load gives the kernel 4 consecutive values of 8 rows. Per group and block: q8 values [8 quads, 8 rows, 4],
-q4 bytes [4 quads, 8 rows, 4] whose low nibbles hold the block's values 0…15 and high nibbles 16…31 (GGML's
-nibble order, so a Q4 block's 16 bytes move as they are), scales and mins [8 rows].
+Formats read natively: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
+(`BLOCK_TYPES`). A float checkpoint quantized at load (`--quantization int8|int4`) becomes Q8_0 or Q4_1 blocks,
+quantized as gguf-py's `quantize` does.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import dataclasses
+import mmap
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from statelm.kernels.build import load_kernels
 
-BLOCK = 32
-GROUP = 8  # output rows interleaved together
-KINDS = ("q8", "q4")
 Q = GGMLQuantizationType
+BLOCK_TYPES = frozenset(
+    {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
+)
+ARITHMETICS = {"float32": 0, "int8": 1, "int16": 2}  # the kernel's codes
+_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+_MADV_PAGEOUT = 21  # Linux 5.4+; older kernels refuse it and keep the pages
+INTERLEAVED_TYPE = 1 << 8  # a type id with this bit names an interleaved block matrix (csrc/gguf_tiles.h)
+QUANTIZE_TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization of float checkpoints
 
 
-@dataclass
-class PackedWeight:
-    """A [out_features, in_features] matrix in a packed kind: values, per-block scales, and mins for q4.
+@dataclass(frozen=True)
+class BlockMatrix:
+    """One matrix [rows, in_features] in a GGML block format: uint8 data [rows, row bytes], as a GGUF stores it."""
 
-    The tensors are in the interleaved layout described in the module docstring: values [groups, blocks, quads,
-    8, 4] (uint8 for q4, int8 for q8), scales and mins float32 [groups, blocks, 8], groups = ceil(out / 8).
-    """
-
-    kind: str
-    out_features: int
+    qtype: GGMLQuantizationType
+    data: torch.Tensor
     in_features: int
-    values: torch.Tensor
-    scales: torch.Tensor
-    mins: torch.Tensor | None = None  # q4 only
+    interleaved: torch.Tensor | None = None  # the same blocks in the kernel's interleaved layout, if made
+    mapped: bool = False  # data views a mapped file: once interleaved, its pages are handed back to the OS
 
     @classmethod
-    def from_rows(
-        cls, kind: str, values: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None
-    ) -> PackedWeight:
-        """A weight from row-major blocks: values [out, in] (q8) or [out, in / 2] (q4, GGML nibbles), scales
-        and mins [out, in / 32]."""
-        out_features, blocks = scales.shape
-        groups = -(-out_features // GROUP)
-        pad = groups * GROUP - out_features
-        width = BLOCK // 2 if kind == "q4" else BLOCK
+    def of(
+        cls,
+        qtype: GGMLQuantizationType,
+        data: torch.Tensor | np.ndarray,
+        shape: tuple[int, int],
+        mapped: bool = False,
+    ) -> BlockMatrix:
+        """The matrix of shape (rows, in_features) whose blocks are data (any shape holding exactly its bytes);
+        mapped: data views a mapped file."""
+        if qtype not in BLOCK_TYPES:
+            raise ValueError(f"{qtype.name} is not a block format statelm's kernel reads")
+        rows, in_features = shape
+        values, size = GGML_QUANT_SIZES[qtype]
+        if in_features % values:
+            raise ValueError(f"input size {in_features} is not a multiple of {qtype.name}'s {values}-value blocks")
+        tensor = torch.as_tensor(data) if isinstance(data, np.ndarray) else data
+        row_bytes = in_features // values * size
+        if tensor.dtype != torch.uint8 or tensor.numel() != rows * row_bytes:
+            raise ValueError(f"{tuple(tensor.shape)} {tensor.dtype} is not a {qtype.name} matrix of shape {shape}")
+        return cls(qtype, tensor.reshape(rows, row_bytes), in_features, mapped=mapped)
 
-        def interleave(tensor: torch.Tensor, inner: tuple[int, ...]) -> torch.Tensor:
-            padded = torch.nn.functional.pad(tensor.reshape(out_features, -1), (0, 0, 0, pad))
-            grouped = padded.reshape(groups, GROUP, blocks, *inner)
-            return grouped.movedim(1, -2 if inner else -1).contiguous()
+    @property
+    def rows(self) -> int:
+        """Output features."""
+        return int(self.data.shape[0])
 
-        weight = cls(
-            kind,
-            out_features,
-            blocks * BLOCK,
-            interleave(values.contiguous(), (width // 4, 4)),
-            interleave(scales.float(), ()),
-            None if mins is None else interleave(mins.float(), ()),
-        )
-        weight.check()
-        return weight
-
-    def rows(self, index: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """Row-major values, scales and mins (as from_rows takes them) of all rows, or of rows index."""
-        rows = torch.arange(self.out_features) if index is None else index
-        group, member = rows // GROUP, rows % GROUP
-        values = self.values[group, :, :, member, :].reshape(rows.numel(), -1)  # [rows, blocks, quads, 4]
-        scales = self.scales[group, :, member]
-        mins = None if self.mins is None else self.mins[group, :, member]
-        return values, scales, mins
-
-    def matmul(self, x: torch.Tensor, int8_activations: bool = False) -> torch.Tensor:
-        """x [M, in] float32 @ W.T -> [M, out] float32; activations stay float32 or are quantized to int8."""
+    def interleave(self) -> BlockMatrix:
+        """This matrix with its blocks also in the kernel's interleaved layout (the same bytes, the rows of a few
+        output columns word by word side by side: the matmul loads what it would otherwise transpose), or as it is
+        where the loaded kernels have no such layout for the format."""
+        if self.interleaved is not None:
+            return self
         load_kernels()
-        x = x.float().contiguous()
-        return torch.ops.statelm.quantized_matmul(
-            x, self.values, self.scales, self.mins, self.out_features, int8_activations
-        )
+        interleaved = torch.ops.statelm.gguf_interleave(self.data, int(self.qtype))
+        if not interleaved.numel():
+            return self
+        if self.mapped:
+            release_pages(self.data)
+        return dataclasses.replace(self, interleaved=interleaved)
 
-    def dequantize(self) -> torch.Tensor:
-        """The float32 matrix [out, in]."""
-        return self._dequantize(None)
+    def kernel_argument(self) -> tuple[torch.Tensor, int]:
+        """The data and type id torch.ops.statelm.gguf_matmul takes for this matrix: interleaved where made."""
+        if self.interleaved is None:
+            return self.data, int(self.qtype)
+        return self.interleaved[: self.rows], int(self.qtype) | INTERLEAVED_TYPE
 
-    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids [T] of the matrix, dequantized to float32 [T, in]."""
-        return self._dequantize(ids)
 
-    def select_rows(self, index: torch.Tensor) -> PackedWeight:
-        """The matrix of rows index (new row i is old row index[i])."""
-        return PackedWeight.from_rows(self.kind, *self.rows(index))
+class PackedWeight:
+    """A weight [out_features, in_features] as block matrices whose rows stack into its output features (a fused
+    projection such as q, k and v keeps each part in its own format)."""
 
-    @staticmethod
-    def concat(weights: list[PackedWeight]) -> PackedWeight:
-        """One matrix of the given ones' rows stacked in order (all of one kind and input size)."""
-        first = weights[0]
-        if any(w.kind != first.kind or w.in_features != first.in_features for w in weights):
-            raise ValueError("only weights of one kind and input size can be concatenated")
-        if all(w.out_features % GROUP == 0 for w in weights):  # whole groups: stack them as they are
-            mins = torch.cat([w.mins for w in weights]) if first.mins is not None else None  # type: ignore[misc]
-            out = sum(w.out_features for w in weights)
-            values, scales = torch.cat([w.values for w in weights]), torch.cat([w.scales for w in weights])
-            return PackedWeight(first.kind, out, first.in_features, values, scales, mins)
-        parts = [w.rows() for w in weights]
-        mins = torch.cat([p[2] for p in parts]) if first.mins is not None else None  # type: ignore[misc]
-        return PackedWeight.from_rows(
-            first.kind, torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), mins
-        )
+    def __init__(self, parts: Sequence[BlockMatrix]) -> None:
+        if not parts or any(p.in_features != parts[0].in_features for p in parts):
+            raise ValueError("a packed weight needs one or more block matrices of one input size")
+        self.parts = tuple(parts)
+        self.in_features = parts[0].in_features
+        self.out_features = sum(p.rows for p in parts)
 
-    def state(self) -> dict[str, torch.Tensor]:
-        """The tensors to store (see from_state)."""
-        tensors = {"values": self.values, "scales": self.scales}
-        return tensors if self.mins is None else {**tensors, "mins": self.mins}
-
-    @classmethod
-    def from_state(
-        cls, kind: str, out_features: int, in_features: int, tensors: dict[str, torch.Tensor]
-    ) -> PackedWeight:
-        """A weight back from state() tensors, checked against its kind and shape."""
-        weight = cls(kind, out_features, in_features, tensors["values"], tensors["scales"], tensors.get("mins"))
-        weight.check()
-        return weight
+    @property
+    def kind(self) -> str:
+        """The parts' formats, e.g. `Q4_K` or `Q4_K+Q6_K`."""
+        return "+".join(dict.fromkeys(p.qtype.name for p in self.parts))
 
     @property
     def nbytes(self) -> int:
-        """Bytes the packed tensors take."""
-        return sum(t.numel() * t.element_size() for t in self.state().values())
+        """Bytes of the blocks."""
+        return sum(p.data.numel() for p in self.parts)
 
-    def check(self) -> None:
-        """Raise ValueError unless the tensors fit the kind and shape."""
-        groups, blocks = -(-self.out_features // GROUP), self.in_features // BLOCK
-        quads = 4 if self.kind == "q4" else 8
-        dtype = torch.uint8 if self.kind == "q4" else torch.int8
-        ok = (
-            self.kind in KINDS
-            and self.in_features % BLOCK == 0
-            and self.values.dtype == dtype
-            and tuple(self.values.shape) == (groups, blocks, quads, GROUP, 4)
-            and self.scales.dtype == torch.float32
-            and tuple(self.scales.shape) == (groups, blocks, GROUP)
-            and (self.mins is None) == (self.kind != "q4")
-            and (self.mins is None or tuple(self.mins.shape) == (groups, blocks, GROUP))
-        )
-        if not ok:
-            shape = f"{self.out_features}x{self.in_features}"
-            raise ValueError(f"tensors do not make a {self.kind} weight of shape {shape}")
+    @property
+    def interleaved(self) -> bool:
+        """Whether the matmul reads an interleaved copy of every part (see BlockMatrix.interleave)."""
+        return all(p.interleaved is not None for p in self.parts)
 
-    def _dequantize(self, index: torch.Tensor | None) -> torch.Tensor:
-        values, scales, mins = self.rows(index)
-        count = values.shape[0]
-        if self.kind == "q8":
-            blocks = values.view(count, -1, BLOCK).float() * scales.unsqueeze(-1)
-        else:
-            assert mins is not None
-            packed = values.view(count, -1, BLOCK // 2)
-            levels = torch.cat([packed & 0x0F, packed >> 4], dim=-1).float()
-            blocks = levels * scales.unsqueeze(-1) + mins.unsqueeze(-1)
-        return blocks.reshape(count, self.in_features)
+    def interleave(self) -> PackedWeight:
+        """This weight with its parts interleaved where the kernels can (bit-identical results, faster reads)."""
+        return PackedWeight([p.interleave() for p in self.parts])
+
+    def in_place(self) -> PackedWeight:
+        """This weight read from its blocks as they lie (no interleaved copies)."""
+        return PackedWeight([dataclasses.replace(p, interleaved=None) for p in self.parts])
+
+    def kernel_arguments(self) -> tuple[list[torch.Tensor], list[int]]:
+        """The parts' data and type ids, as torch.ops.statelm.gguf_matmul takes them."""
+        data, types = zip(*(p.kernel_argument() for p in self.parts), strict=True)
+        return list(data), list(types)
+
+    def matmul(self, x: torch.Tensor, arithmetic: str = "float32") -> torch.Tensor:
+        """x [M, in] float32 @ W.T -> [M, out] float32, in one of ARITHMETICS."""
+        load_kernels()
+        data, types = self.kernel_arguments()
+        return torch.ops.statelm.gguf_matmul(x.float().contiguous(), data, types, ARITHMETICS[arithmetic])
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix [out, in], as gguf-py dequantizes it."""
+        load_kernels()
+        return torch.cat([torch.ops.statelm.gguf_dequantize(p.data, int(p.qtype), None) for p in self.parts])
+
+    def embedding(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ids [T] of the matrix, dequantized to float32 [T, in]."""
+        load_kernels()
+        if len(self.parts) == 1:
+            part = self.parts[0]
+            return torch.ops.statelm.gguf_dequantize(part.data, int(part.qtype), ids)
+        return self.dequantize()[ids]
+
+    @staticmethod
+    def concat(weights: Sequence[PackedWeight]) -> PackedWeight:
+        """One weight of the given ones' rows stacked in order (no copy: their block matrices side by side)."""
+        return PackedWeight([part for weight in weights for part in weight.parts])
 
 
-def pack_gguf(tensor_type: GGMLQuantizationType, data: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
-    """A GGUF tensor's raw blocks (as gguf.GGUFReader gives them) as a packed weight of shape (out, in)."""
-    out_features, in_features = shape
-    raw = np.ascontiguousarray(data).view(np.uint8).reshape(out_features, -1)
-    if tensor_type == Q.Q8_0:  # blocks of fp16 d, 32 int8
-        blocks = raw.reshape(out_features, -1, 34)
-        scales = blocks[:, :, :2].copy().view(np.float16).astype(np.float32)[..., 0]
-        values = blocks[:, :, 2:].copy().view(np.int8).reshape(out_features, in_features)
-        return _weight("q8", values, scales, None)
-    if tensor_type in (Q.Q4_0, Q.Q4_1):  # blocks of fp16 d (, fp16 m), 16 bytes of nibbles
-        header = 2 if tensor_type == Q.Q4_0 else 4
-        blocks = raw.reshape(out_features, -1, header + 16)
-        halves = blocks[:, :, :header].copy().view(np.float16).astype(np.float32)
-        scales = halves[..., 0]
-        mins = -8.0 * scales if tensor_type == Q.Q4_0 else halves[..., 1]
-        values = blocks[:, :, header:].reshape(out_features, in_features // 2)
-        return _weight("q4", values, scales, mins)
-    floats = np.asarray(gguf_dequantize(data, tensor_type), dtype=np.float32).reshape(shape)
-    return quantize(torch.from_numpy(floats), "int8")
+def release_pages(tensor: torch.Tensor) -> None:
+    """Ask the OS to take back the resident pages wholly inside a tensor viewing a mapped file (MADV_PAGEOUT, a hint:
+    what is read again later comes back from the file), so that a copy made of it does not count twice."""
+    page = mmap.PAGESIZE
+    start = -(-tensor.data_ptr() // page) * page
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
+    if end > start and hasattr(_LIBC, "madvise"):
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)  # failure: pages stay
 
 
 def quantize(weight: torch.Tensor, kind: str) -> PackedWeight:
-    """A float matrix [out, in] (in a multiple of 32) quantized to `int8` (q8) or `int4` (q4)."""
-    out_features, in_features = weight.shape
-    if in_features % BLOCK:
-        raise ValueError(f"input size {in_features} is not a multiple of {BLOCK}")
-    blocks = weight.detach().float().reshape(out_features, -1, BLOCK)
+    """A float matrix [out, in] (in a multiple of 32) as Q8_0 (`int8`) or Q4_1 (`int4`) blocks, with gguf-py's
+    arithmetic: Q8_0 scales each block by its largest magnitude over 127 and rounds half away from zero; Q4_1 maps
+    its minimum to 0 and (max - min) / 15 per step, rounding half up; scales and minimums are stored as float16."""
+    if kind not in QUANTIZE_TYPES:
+        raise ValueError(f"unknown quantization {kind!r}; choose int8 or int4")
+    rows, in_features = weight.shape
+    if in_features % 32:
+        raise ValueError(f"input size {in_features} is not a multiple of 32")
+    blocks = weight.detach().float().reshape(rows, -1, 32)
+
+    def halves(values: torch.Tensor) -> torch.Tensor:
+        return values.to(torch.float16).unsqueeze(-1).view(torch.uint8)
+
     if kind == "int8":
-        scales = blocks.abs().amax(dim=-1) / 127.0
-        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-        values = torch.round(blocks * inverse.unsqueeze(-1)).clamp(-127, 127).to(torch.int8)
-        return _weight("q8", values.reshape(out_features, in_features), scales, None)
-    if kind == "int4":
-        low, high = blocks.amin(dim=-1), blocks.amax(dim=-1)
-        scales = (high - low) / 15.0
-        inverse = torch.where(scales > 0, 1.0 / scales, torch.zeros_like(scales))
-        levels = torch.round((blocks - low.unsqueeze(-1)) * inverse.unsqueeze(-1)).clamp(0, 15).to(torch.uint8)
-        packed = levels[..., : BLOCK // 2] | (levels[..., BLOCK // 2 :] << 4)
-        return _weight("q4", packed.reshape(out_features, -1), scales, low)
-    raise ValueError(f"unknown quantization {kind!r}; choose int8 or int4")
-
-
-def _weight(
-    kind: str,
-    values: np.ndarray | torch.Tensor,
-    scales: np.ndarray | torch.Tensor,
-    mins: np.ndarray | torch.Tensor | None,
-) -> PackedWeight:
-    def tensor(array: np.ndarray | torch.Tensor) -> torch.Tensor:
-        return torch.as_tensor(np.ascontiguousarray(array) if isinstance(array, np.ndarray) else array)
-
-    return PackedWeight.from_rows(kind, tensor(values), tensor(scales), None if mins is None else tensor(mins))
+        d = blocks.abs().amax(dim=-1, keepdim=True) / 127
+        inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        magnitude = (blocks * inverse).abs()
+        whole = magnitude.floor()
+        rounded = whole + (2 * (magnitude - whole)).floor()  # half away from zero, exactly (as ggml's roundf)
+        levels = ((blocks * inverse).sign() * rounded).to(torch.int8).view(torch.uint8)
+        data = torch.cat([halves(d.squeeze(-1)), levels], dim=-1)
+    else:
+        high, low = blocks.amax(dim=-1, keepdim=True), blocks.amin(dim=-1, keepdim=True)
+        d = (high - low) / 15
+        inverse = torch.where(d == 0, torch.zeros_like(d), 1 / d)
+        levels = ((blocks - low) * inverse + 0.5).trunc().clamp(0, 15).to(torch.uint8)
+        nibbles = levels[..., :16] | (levels[..., 16:] << 4)
+        data = torch.cat([halves(d.squeeze(-1)), halves(low.squeeze(-1)), nibbles], dim=-1)
+    return PackedWeight([BlockMatrix.of(QUANTIZE_TYPES[kind], data.contiguous(), (rows, in_features))])

@@ -1,8 +1,9 @@
 """The CPU classes statelm's kernels are compiled for, one library each, and the choice of one for this CPU.
 
 A class is here only where the kernels have a code path for it (their `#if defined(__AVX2__)`… branches): the
-scalar x86-64-v2 baseline, AVX2+FMA+F16C, AVX-512 (F, BW, DQ, VL) and AVX-512 with VNNI (the int8 dot products
-of qmatmul_int8.cpp). A kernel that gains a path for another feature (`__AVX512BF16__`, say) adds a class here.
+scalar x86-64-v2 baseline, AVX2+FMA+F16C, AVX-512 (F, BW, DQ, VL) and AVX-512 with VNNI (the int8 and int16 dot
+products of gguf_matmul_int.cpp and gguf_tiles.cpp). A kernel that gains a path for another feature
+(`__AVX512BF16__`, say) adds a class here.
 
 This module is read by setup.py before the package is installed: standard library only.
 """

@@ -3,7 +3,8 @@
 `install_packed` swaps the linears whose checkpoint weights came packed (GGUF blocks, int8, int4) for PackedLinear
 layers; `use_compute_path` sets the model's attention backend and element-wise layer ops, runs its packed linears
 through statelm's kernel or through torch on a dequantized copy, and (on the kernels path, all linears packed) fuses
-its decoder layers into one C++ call; `use_activations` sets how the packed matmuls treat activations. The start-up
+its decoder layers into one C++ call; `use_activations` sets how the packed matmuls treat activations and
+`use_repack` whether they read interleaved copies of their blocks. The start-up
 self-check (invariance.py) picks the path. An architecture takes the pass by naming its parts as the Llama family
 does: `backend`, `ops`, `fused`, `chunking`, `activations`, `compute_path`, `embed_tokens`, `lm_head`, `packed_head`,
 and the fused linears of its weight map (`linear_groups`).
@@ -24,13 +25,11 @@ from statelm.kernels.build import kernels_available
 from statelm.models.fused_decoder import FusedDecoder
 from statelm.models.layers import KernelLayerOps, LayerOps, RowChunking
 from statelm.models.llama import LlamaForCausalLM
-from statelm.models.packed import PackedEmbedding, PackedLinear
+from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
 from statelm.models.variants import VariantForCausalLM
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
-
-ACTIVATIONS = ("float32", "int8", "int8-decode")
 
 
 def compute_paths(model: LlamaForCausalLM) -> list[str]:
@@ -84,8 +83,8 @@ def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
 
 
 def use_activations(model: LlamaForCausalLM, activations: str) -> int:
-    """How packed linears on the kernels path treat activations: `float32`, `int8` per 32 values, or
-    `int8-decode` (int8 for generated tokens' rows, float32 for prompt rows); returns how many packed linears
+    """How packed linears on the kernels path treat activations, prompt rows and generated rows (a key of
+    ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`); returns how many packed linears
     there are (none: the setting changes nothing)."""
     if activations not in ACTIVATIONS:
         raise ValueError(f"unknown activations {activations!r}; choose {', '.join(ACTIVATIONS)}")
@@ -94,6 +93,15 @@ def use_activations(model: LlamaForCausalLM, activations: str) -> int:
         module.activations = activations
     model.activations = activations
     return len(packed)
+
+
+def use_repack(model: LlamaForCausalLM, repack: bool) -> None:
+    """Whether packed linears run by the kernels read an interleaved copy of their blocks (--repack)."""
+    for module in model.modules():
+        if isinstance(module, PackedLinear):
+            module.repack = repack
+            if module.use_kernel and kernels_available():
+                module.use(kernel=True)
 
 
 def install_packed(model: LlamaForCausalLM, packed: dict[str, PackedWeight]) -> None:

@@ -48,6 +48,7 @@ class ModelConfig:
     attention_bias: bool = False
     qk_norm: bool = False
     sliding_window: int | None = None
+    rope_interleaved: bool = False  # q/k rows in llama.cpp's rotary order (adjacent pairs), as a GGUF stores them
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
     hidden_activation: str = "silu"  # of the gated MLP: silu (SwiGLU) or gelu_tanh (GeGLU)

@@ -13,13 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from gguf import GGUFReader
 
 from statelm.config import Pooling
 from statelm.models import nomic_bert
 from statelm.models.bert import GGUF_NAMES, HF_BERT_NAMES, BertConfig, BertEncoder
 from statelm.models.config import ModelConfigError
-from statelm.models.gguf import _dequantize, _field_value
+from statelm.models.gguf import dequantized
+from statelm.models.gguf_file import GGUFFile
 from statelm.models.loader import ModelLoadError, _read_safetensors, _safetensors_files, resolve_source
 from statelm.tokenizer import Tokenizer, TokenizerError
 
@@ -82,7 +82,7 @@ def encoder_weight_bytes(spec: str, dtype: torch.dtype = torch.float32) -> int:
     """Bytes the weights of the encoder at spec take once loaded in dtype, read from the files' headers alone."""
     source = resolve_source(spec)
     if source.is_gguf:
-        elements = sum(int(tensor.n_elements) for tensor in GGUFReader(source.path).tensors)
+        elements = sum(math.prod(info.shape) for info in GGUFFile(source.path).header.tensors.values())
     else:
         headers = [_safetensors_header(file) for file in _safetensors_files(source.path)]
         elements = sum(math.prod(entry["shape"]) for header in headers for entry in header.values() if "shape" in entry)
@@ -125,17 +125,14 @@ def _read_json(path: Path) -> Any:
 
 
 def _load_gguf(path: Path, name: str, dtype: torch.dtype) -> LoadedEncoder:
-    reader = GGUFReader(path)
-    fields = {key: _field_value(field) for key, field in reader.fields.items()}
+    file = GGUFFile(path)  # mapped: each tensor is converted from the file's pages into the model's dtype
+    fields, tensors = file.header.fields, file.header.tensors
     architecture = fields.get("general.architecture")
-    tensors = {tensor.name: tensor for tensor in reader.tensors}
-    _, vocab = (int(d) for d in tensors["token_embd.weight"].shape.tolist())  # GGUF order: (hidden, vocab)
-    types = int(tensors["token_types.weight"].shape.tolist()[1]) if "token_types.weight" in tensors else 0
+    vocab = tensors["token_embd.weight"].shape[0]  # torch order: (vocab, hidden)
+    types = tensors["token_types.weight"].shape[0] if "token_types.weight" in tensors else 0
     config = BertConfig.from_gguf(fields, set(tensors), vocab, types)
     model = BertEncoder(config, dtype)
-    model.load_weights(
-        ((tensor.name, torch.from_numpy(_dequantize(tensor)).to(dtype)) for tensor in tensors.values()), GGUF_NAMES
-    )
+    model.load_weights(((name, dequantized(file, info).to(dtype)) for name, info in tensors.items()), GGUF_NAMES)
     pooling = _gguf_pooling(int(fields.get(f"{architecture}.pooling_type", 1)), config)
     if config.num_labels and not config.pooler:
         log.warning(

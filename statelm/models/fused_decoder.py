@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from statelm.kernels.quant import ARITHMETICS
 from statelm.models.packed import PackedLinear
 
 if TYPE_CHECKING:
@@ -18,54 +19,65 @@ class FusedDecoder:
     """torch.ops.statelm.decoder_layers over a model whose linears are all packed, on the kernels path.
 
     The op makes the same kernel calls as LlamaForCausalLM.forward on the kernels path, in the same order, so its
-    hidden states are the same bit for bit; it only serves forwards whose rows all take one kind of activations
-    (every step under `float32` or `int8`; under `int8-decode`, steps of prompt rows only or generated rows only).
+    hidden states are the same bit for bit; it only serves forwards whose rows all take one arithmetic (every step
+    under `float32` or `int8`; under `int8-decode` or `int16-prompt`, steps of prompt rows only or generated rows
+    only).
     """
 
-    def __init__(self, model: LlamaForCausalLM, weights: list[torch.Tensor | None], dims: list[int]) -> None:
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        tensors: list[torch.Tensor | None],
+        blocks: list[torch.Tensor],
+        block_types: list[int],
+        parts: list[int],
+    ) -> None:
         self.model = model
-        self.weights = weights
-        self.dims = dims
-        self.eps = model.config.rms_norm_eps
-        self.scale = model.config.head_dim**-0.5
+        self.tensors = tensors
+        self.block_data = blocks
+        self.block_types = block_types
+        self.parts = parts
+        config = model.config
+        heads, window = (config.num_attention_heads, config.num_key_value_heads), config.sliding_window or 0
+        self.dims = [*heads, config.head_dim, window]
+        self.eps = config.rms_norm_eps
+        self.scale = config.head_dim**-0.5
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
         """The fused decoder of a model, or None when a linear of it is not packed."""
-        weights: list[torch.Tensor | None] = []
+        tensors: list[torch.Tensor | None] = []
+        blocks: list[torch.Tensor] = []
+        block_types: list[int] = []
+        parts: list[int] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if not all(isinstance(linear, PackedLinear) for linear in linears):
                 return None
-            qkv, o, gate_up, down = linears
-            weights += [layer.input_layernorm.weight, *_packed(qkv), qkv.bias, *_packed(o), o.bias]
-            weights += [layer.post_attention_layernorm.weight, *_packed(gate_up), *_packed(down)]
+            for linear in linears:
+                data, types = linear.weight.kernel_arguments()
+                blocks += data
+                block_types += types
+                parts.append(len(data))
+            qkv, o = attn.qkv_proj, attn.o_proj
+            tensors += [layer.input_layernorm.weight, qkv.bias, o.bias, layer.post_attention_layernorm.weight]
             norms = attn.q_norm, attn.k_norm
-            weights += [None, None] if None in norms else [norm.weight for norm in norms]  # type: ignore[union-attr]
-        first = model.layers[0]
-        attn, mlp = first.self_attn, first.mlp
-        dims = [
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            attn.qkv_proj.out_features,
-            attn.o_proj.out_features,
-            mlp.gate_up_proj.out_features,
-            mlp.down_proj.out_features,
-            model.config.sliding_window or 0,
-        ]
-        return cls(model, weights, dims)
+            tensors += [None, None] if None in norms else [norm.weight for norm in norms]  # type: ignore[union-attr]
+        return cls(model, tensors, blocks, block_types, parts)
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, int8: bool
+        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
     ) -> torch.Tensor:
         """Hidden states after the final norm, from the embeddings x [T, hidden]."""
         return torch.ops.statelm.decoder_layers(
             x,
             rope.positions,
             rope.table,
-            self.weights,
+            self.tensors,
+            self.block_data,
+            self.block_types,
+            self.parts,
             kv_cache.k,
             kv_cache.v,
             kv_cache.k_scale,
@@ -78,11 +90,6 @@ class FusedDecoder:
             self.dims,
             self.eps,
             self.scale,
-            int8,
+            ARITHMETICS[arithmetic],
+            rope.interleaved,
         )
-
-
-def _packed(linear: PackedLinear) -> list[torch.Tensor | None]:
-    """A packed linear's values, scales and mins (None for q8)."""
-    weight = linear.weight
-    return [weight.values, weight.scales, weight.mins]

@@ -1,7 +1,8 @@
-"""Read GGUF files: config and tokenizer from metadata, weights dequantized to Hugging Face names."""
+"""Read GGUF files: config and tokenizer from metadata; weights under Hugging Face names, dequantized or in place."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 import re
@@ -13,11 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 from tqdm import tqdm
 
+from statelm.kernels.build import kernels_available
 from statelm.models.config import SUPPORTED_ARCHITECTURES, ModelConfig
+from statelm.models.gguf_file import GGUFFile, GGUFFormatError, GGUFHeader, TensorInfo
 from statelm.models.gguf_variants import (
     LONGROPE_TENSORS,
     block_names,
@@ -32,12 +35,14 @@ if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
 Q = GGMLQuantizationType
-SUPPORTED_QUANT_TYPES = frozenset(
-    {Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K}
-)
-# llama.cpp's converter interleaves the rows of Q/K for these architectures (rotary layout); see unpermute_qk.
+BLOCK_TYPES = frozenset(
+    {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
+)  # what statelm.kernels.quant reads in place (kept here so that loading a GGUF does not import the kernels)
+SUPPORTED_QUANT_TYPES = BLOCK_TYPES | {Q.F32, Q.F16, Q.BF16}
+# llama.cpp's converter interleaves the rows of Q/K for these architectures (rotary layout): a model whose weights
+# stay in place rotates adjacent pairs as llama.cpp does (ModelConfig.rope_interleaved); a dequantized one has its
+# rows put back in Hugging Face's order (unpermute_qk).
 PERMUTED_QK_ARCHITECTURES = frozenset({"llama", "mistral", "granite", "mixtral"})
-FLOAT_TYPES = frozenset({Q.F32, Q.F16, Q.BF16})
 # Tensors the loader reads into the config instead of yielding as weights.
 _CONFIG_TENSORS = frozenset({"rope_freqs.weight", *LONGROPE_TENSORS})
 
@@ -89,43 +94,45 @@ def unpermute_qk(tensor: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 @dataclass
 class GGUFModel:
-    """A GGUF file opened for loading: its config, tokenizer, fingerprint and (lazily) its weights."""
+    """A GGUF file opened for loading: its config, tokenizer, fingerprint and (lazily) its weights.
+
+    packed: quantized matrices are used in place (views of the mapped file) and Q/K rows stay in llama.cpp's
+    order; else every tensor is dequantized to `dtype` in Hugging Face's layout.
+    """
 
     path: Path
     config: ModelConfig
     tokenizer: Tokenizer
     metadata_digest: str
     dtype: torch.dtype
-    reader: GGUFReader
-    fields: dict[str, Any]  # the decoded key/value metadata
+    file: GGUFFile
+    packed: bool
 
-    def tensors(self, packed: bool = False) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
-        """Yield `(hf_name, tensor)` pairs with a progress bar on stderr.
+    @property
+    def fields(self) -> dict[str, Any]:
+        """The decoded key/value metadata."""
+        return self.file.header.fields
 
-        Tensors are dequantized to `dtype`; with `packed`, quantized matrices stay in a packed layout instead
-        (see statelm.kernels.quant.pack_gguf for what each GGUF type becomes).
-        """
-        weights = [t for t in self.reader.tensors if t.name not in _CONFIG_TENSORS]
+    def tensors(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
+        """Yield `(hf_name, tensor)` pairs: packed weights in place, other tensors converted (with a progress bar
+        on stderr when that takes a while: a dequantized model). A mixture of experts' 3-D expert tensors are
+        always dequantized (models/moe.py)."""
+        weights = [info for info in self.file.header.tensors.values() if info.name not in _CONFIG_TENSORS]
         arch = self.config.architecture
-        for tensor in tqdm(weights, desc="converting GGUF", unit="tensor", file=sys.stderr):
-            name = hf_tensor_name(tensor.name, arch)
-            if packed and tensor.tensor_type not in FLOAT_TYPES and len(tensor.shape) == 2:
-                yield name, self._pack(tensor)
+        for info in tqdm(weights, desc="converting GGUF", unit="tensor", file=sys.stderr, disable=self.packed):
+            name = hf_tensor_name(info.name, arch)
+            if self.packed and info.qtype in BLOCK_TYPES and len(info.shape) == 2:
+                yield name, self._in_place(info)
             else:
-                yield name, self._convert(tensor, name)
+                yield name, self._convert(info, name)
 
-    def _convert(self, tensor: ReaderTensor, hf_name: str) -> torch.Tensor:
-        value = to_hf_values(self.config.architecture, hf_name, torch.from_numpy(_dequantize(tensor))).to(self.dtype)
-        heads = self._permuted_heads(tensor.name)
+    def _convert(self, info: TensorInfo, hf_name: str) -> torch.Tensor:
+        value = to_hf_values(self.config.architecture, hf_name, dequantized(self.file, info)).to(self.dtype)
+        heads = None if self.config.rope_interleaved else self._permuted_heads(info.name)
         return value if heads is None else unpermute_qk(value, heads)
 
-    def _pack(self, tensor: ReaderTensor) -> PackedWeight:
-        from statelm.kernels.quant import pack_gguf
-
-        out_features, in_features = (int(d) for d in reversed(tensor.shape.tolist()))
-        weight = pack_gguf(tensor.tensor_type, tensor.data, (out_features, in_features))
-        heads = self._permuted_heads(tensor.name)
-        return weight if heads is None else weight.select_rows(unpermute_qk(torch.arange(out_features), heads))
+    def _in_place(self, info: TensorInfo) -> PackedWeight:
+        return in_place(self.file, info)
 
     def _permuted_heads(self, name: str) -> int | None:
         """The head count llama.cpp permuted this tensor's rows by, or None when it did not."""
@@ -137,45 +144,40 @@ class GGUFModel:
         return self.config.num_key_value_heads if part.group(2) == "attn_k" else None
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> GGUFModel:
-    """Open a GGUF file and read its config, tokenizer and fingerprint; weights are read by `tensors()`."""
+def load_gguf(
+    path: Path, dtype: torch.dtype = torch.float32, packed: bool = False, header: GGUFHeader | None = None
+) -> GGUFModel:
+    """Open a GGUF file and read its config, tokenizer and fingerprint; weights are read by `tensors()`.
+
+    header: the file's header as parsed before (the model cache's), to skip parsing it again.
+    """
     path = Path(path)
     try:
-        reader = GGUFReader(path)
-    except (OSError, ValueError, IndexError, KeyError) as exc:
+        file = GGUFFile(path, header)
+    except (OSError, GGUFFormatError) as exc:
         raise GGUFError(f"{path}: not a readable GGUF file ({exc})") from exc
-    fields = {name: _field_value(field) for name, field in reader.fields.items()}
-    _check_tensors(path, reader, str(fields.get("general.architecture", "")))
+    fields = file.header.fields
+    _check_tensors(path, file, str(fields.get("general.architecture", "")))
     try:
         tokenizer = Tokenizer.from_gguf_fields(fields)
     except TokenizerError as exc:
         raise GGUFError(f"{path}: {exc}") from exc
-    return GGUFModel(
-        path=path,
-        config=_config(path, fields, reader, tokenizer),
-        tokenizer=tokenizer,
-        metadata_digest=metadata_digest(reader),
-        dtype=dtype,
-        reader=reader,
-        fields=fields,
-    )
+    config = _config(path, fields, file, tokenizer)
+    if packed and config.architecture in PERMUTED_QK_ARCHITECTURES:
+        config = dataclasses.replace(config, rope_interleaved=True)
+    return GGUFModel(path, config, tokenizer, metadata_digest(file), dtype, file, packed)
 
 
-def metadata_digest(reader: GGUFReader) -> str:
+def metadata_digest(file: GGUFFile) -> str:
     """sha256 of the file's header: key/value metadata and tensor names, types, shapes and offsets."""
-    return hashlib.sha256(memoryview(reader.data[: reader.data_offset])).hexdigest()
+    return hashlib.sha256(file.header_bytes).hexdigest()
 
 
-def _field_value(field: Any) -> Any:
-    value = field.contents()
-    return value.tolist() if isinstance(value, np.ndarray) else value
-
-
-def _check_tensors(path: Path, reader: GGUFReader, arch: str) -> None:
-    for tensor in reader.tensors:
-        if tensor.tensor_type not in SUPPORTED_QUANT_TYPES:
+def _check_tensors(path: Path, file: GGUFFile, arch: str) -> None:
+    for tensor in file.header.tensors.values():
+        if tensor.qtype not in SUPPORTED_QUANT_TYPES:
             raise GGUFError(
-                f"{path}: tensor {tensor.name} has unsupported type {tensor.tensor_type.name}; supported: "
+                f"{path}: tensor {tensor.name} has unsupported type {tensor.qtype.name}; supported: "
                 + ", ".join(sorted(t.name for t in SUPPORTED_QUANT_TYPES))
             )
         if tensor.name not in _CONFIG_TENSORS:
@@ -185,13 +187,29 @@ def _check_tensors(path: Path, reader: GGUFReader, arch: str) -> None:
                 raise GGUFError(f"{path}: {exc}") from exc
 
 
-def _dequantize(tensor: ReaderTensor) -> np.ndarray:
-    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
-    data = dequantize(tensor.data, tensor.tensor_type)
-    return np.require(data, np.float32, ["C", "W"]).reshape(shape)
+def in_place(file: GGUFFile, info: TensorInfo) -> PackedWeight:
+    """A tensor in a block format as a packed weight viewing the mapped file (no copy): its rows are the last
+    dimension's, the leading dimensions flattened (a mixture of experts' [experts, rows, columns] stacks them)."""
+    from statelm.kernels.quant import BlockMatrix, PackedWeight
+
+    shape = (math.prod(info.shape[:-1]), info.shape[-1])
+    return PackedWeight([BlockMatrix.of(info.qtype, file.raw(info), shape, mapped=True)])
 
 
-def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: Tokenizer) -> ModelConfig:
+def dequantized(file: GGUFFile, info: TensorInfo) -> torch.Tensor:
+    """A tensor of the file in float32, gguf-py's values: a block matrix or stack of them by statelm's kernel (on
+    every core) where the kernels are built, anything else by gguf-py; a float32 tensor views the mapped file."""
+    if info.qtype in BLOCK_TYPES and len(info.shape) >= 2 and kernels_available():
+        return in_place(file, info).dequantize().reshape(info.shape)
+    return torch.from_numpy(_dequantize(file, info))
+
+
+def _dequantize(file: GGUFFile, info: TensorInfo) -> np.ndarray:
+    data = dequantize(file.array(info), info.qtype)
+    return np.require(data, np.float32, ["C", "W"]).reshape(info.shape)
+
+
+def _config(path: Path, fields: dict[str, Any], file: GGUFFile, tokenizer: Tokenizer) -> ModelConfig:
     arch = str(fields.get("general.architecture", ""))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: unsupported architecture {arch!r}; statelm runs {', '.join(SUPPORTED_ARCHITECTURES)}")
@@ -199,7 +217,7 @@ def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: T
     def key(name: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{name}", default)
 
-    names = {t.name for t in reader.tensors}
+    names = set(file.header.tensors)
     try:
         hidden = int(key("embedding_length"))
         heads = int(key("attention.head_count"))
@@ -219,8 +237,8 @@ def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: T
             "rms_norm_eps": float(key("attention.layer_norm_rms_epsilon", 1e-6)),
             "rope_theta": theta,
             "rope_scaling": complete_rope_scaling(
-                longrope_scaling(key, _config_tensors(reader, LONGROPE_TENSORS))
-                or _rope_scaling(fields, arch, reader, theta, head_dim),
+                longrope_scaling(key, _config_tensors(file, LONGROPE_TENSORS))
+                or _rope_scaling(fields, arch, file, theta, head_dim),
                 int(key("context_length", 2048)),
             ),
             "tie_word_embeddings": "output.weight" not in names,
@@ -235,9 +253,9 @@ def _config(path: Path, fields: dict[str, Any], reader: GGUFReader, tokenizer: T
         raise GGUFError(f"{path}: missing or malformed {arch} metadata ({exc!r})") from exc
 
 
-def _config_tensors(reader: GGUFReader, names: tuple[str, ...]) -> dict[str, np.ndarray]:
+def _config_tensors(file: GGUFFile, names: tuple[str, ...]) -> dict[str, np.ndarray]:
     """The named tensors' values (float32), empty unless the file has all of them."""
-    found = {t.name: _dequantize(t) for t in reader.tensors if t.name in names}
+    found = {name: _dequantize(file, file.header.tensors[name]) for name in names if name in file.header.tensors}
     return found if len(found) == len(names) else {}
 
 
@@ -247,14 +265,14 @@ def _eos_id(fields: dict[str, Any]) -> int | None:
 
 
 def _rope_scaling(
-    fields: dict[str, Any], arch: str, reader: GGUFReader, theta: float, head_dim: int
+    fields: dict[str, Any], arch: str, file: GGUFFile, theta: float, head_dim: int
 ) -> dict[str, Any] | None:
     kind = fields.get(f"{arch}.rope.scaling.type")
     factor = fields.get(f"{arch}.rope.scaling.factor")
     original = fields.get(f"{arch}.rope.scaling.original_context_length")
-    freqs = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    freqs = file.header.tensors.get("rope_freqs.weight")
     if freqs is not None:
-        return llama3_rope_scaling(_dequantize(freqs).reshape(-1), theta, head_dim, original or 8192)
+        return llama3_rope_scaling(_dequantize(file, freqs).reshape(-1), theta, head_dim, original or 8192)
     if kind in (None, "none") or factor is None:
         return None
     scaling: dict[str, Any] = {"rope_type": str(kind), "factor": float(factor)}

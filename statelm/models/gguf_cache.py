@@ -1,24 +1,25 @@
-"""A GGUF model converted once and kept in the model cache: later starts skip parsing and converting the file.
+"""A GGUF model's parsed header kept in the model cache; its weights are always read from the file itself.
 
-Parsing a GGUF's metadata with the gguf package costs seconds (its vocabulary is read element by element) and
-converting its tensors more; the cache keeps the decoded metadata as JSON and the converted tensors (packed
-weights included) in safetensors, memory-mapped on the next start. An entry is keyed by the file's content
-and by the conversion settings, so a changed file is converted again.
+Quantized matrices are used in place from the memory-mapped file, and other tensors are small or converted at
+load (dequantized models), so the cache holds no weights: only the decoded header (key/value metadata with the
+tokenizer's vocabulary, tensor infos) and its digest, a few megabytes at most. A later start skips parsing the
+header again. An entry is keyed by the file's content (statelm.models.model_cache), so a changed file is read
+anew, and counts towards the cache's size cap like any other.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from statelm.models.config import ModelConfig
 from statelm.models.gguf import load_gguf
+from statelm.models.gguf_file import GGUFHeader
 from statelm.models.model_cache import ModelCache
 from statelm.tokenizer import Tokenizer
 
@@ -27,13 +28,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-CONVERSION_VERSION = 2  # 2: packed weights interleaved in groups of 8 rows
-_PACKED_SEPARATOR = "::"  # packed weight `name` is stored as tensors `name::part`
+HEADER_VERSION = 3  # 3: the header only (2 held the converted tensors)
 
 
 @dataclass
 class ConvertedGGUF:
-    """What the loader needs from a GGUF file: config, tokenizer, header digest and the converted weights."""
+    """What the loader needs from a GGUF file: config, tokenizer, header digest and the weights."""
 
     config: ModelConfig
     tokenizer: Tokenizer
@@ -42,58 +42,18 @@ class ConvertedGGUF:
 
 
 def load_converted_gguf(path: Path, dtype: torch.dtype, packed: bool, cache: ModelCache | None = None) -> ConvertedGGUF:
-    """The GGUF file's model from the cache, or converted now (with a progress bar) and then cached."""
+    """The GGUF file opened with its header from the cache (or parsed now, then cached); packed: quantized matrices
+    in place, else every tensor dequantized to dtype (see statelm.models.gguf.GGUFModel)."""
     cache = cache or ModelCache()
-    variant = f"v{CONVERSION_VERSION}:{str(dtype).removeprefix('torch.')}:{'packed' if packed else 'float'}"
+    variant = f"v{HEADER_VERSION}:header"
     cached = cache.load(path, variant)
-    if cached is not None:
-        metadata = cached.metadata
-        weights = _weights_from(cached.tensors, metadata["packed"])
-        return ConvertedGGUF(
-            config=ModelConfig(**{**metadata["config"], "eos_token_ids": tuple(metadata["config"]["eos_token_ids"])}),
-            tokenizer=Tokenizer.from_gguf_fields(metadata["fields"]),
-            metadata_digest=metadata["digest"],
-            weights=lambda: iter(weights),
-        )
-    log.info("converting %s once into the model cache %s; later starts read it from there", path.name, cache.root)
-    gguf = load_gguf(path, dtype)
-    converted = list(gguf.tensors(packed=packed))
-    tensors: dict[str, torch.Tensor] = {}
-    packed_layout: dict[str, dict[str, Any]] = {}
-    for name, value in converted:
-        if isinstance(value, torch.Tensor):
-            tensors[name] = value
-        else:
-            packed_layout[name] = {"kind": value.kind, "shape": [value.out_features, value.in_features]}
-            tensors.update({f"{name}{_PACKED_SEPARATOR}{part}": t for part, t in value.state().items()})
-    metadata = {
-        "fields": gguf.fields,
-        "config": dataclasses.asdict(gguf.config),
-        "digest": gguf.metadata_digest,
-        "packed": packed_layout,
-    }
-    try:
-        cache.store(path, variant, metadata, tensors)
-    except OSError as exc:
-        log.warning("could not write the model cache (%s); the next start converts %s again", exc, path.name)
-    return ConvertedGGUF(gguf.config, gguf.tokenizer, gguf.metadata_digest, lambda: iter(converted))
-
-
-def _weights_from(
-    tensors: dict[str, torch.Tensor], packed_layout: dict[str, dict[str, Any]]
-) -> list[tuple[str, torch.Tensor | PackedWeight]]:
-    """Cached tensors back as (name, tensor or packed weight) pairs."""
-    parts: dict[str, dict[str, torch.Tensor]] = {name: {} for name in packed_layout}
-    weights: list[tuple[str, torch.Tensor | PackedWeight]] = []
-    for key, tensor in tensors.items():
-        name, _, part = key.partition(_PACKED_SEPARATOR)
-        if part:
-            parts[name][part] = tensor
-        else:
-            weights.append((name, tensor))
-    if packed_layout:
-        from statelm.kernels.quant import PackedWeight
-    for name, layout in packed_layout.items():
-        out_features, in_features = layout["shape"]
-        weights.append((name, PackedWeight.from_state(layout["kind"], out_features, in_features, parts[name])))
-    return weights
+    if cached is None:
+        log.info("parsing %s's header once into the model cache %s (weights are read in place)", path.name, cache.root)
+    header = GGUFHeader.from_dict(cached.metadata["header"]) if cached is not None else None
+    gguf = load_gguf(path, dtype, packed, header)
+    if cached is None:
+        try:
+            cache.store(path, variant, {"header": gguf.file.header.to_dict()}, {})
+        except OSError as exc:
+            log.warning("could not write the model cache (%s); the next start parses %s again", exc, path.name)
+    return ConvertedGGUF(gguf.config, gguf.tokenizer, gguf.metadata_digest, gguf.tensors)

@@ -19,6 +19,7 @@ class RopeInputs:
     """One forward's rope inputs: positions, and cos/sin rows (torch ops) or the whole table (kernels)."""
 
     positions: torch.Tensor
+    interleaved: bool  # rotary pairs are adjacent dimensions (llama.cpp's layout), else halves (Hugging Face's)
     cos: torch.Tensor | None = None  # [T, 1, head_dim]
     sin: torch.Tensor | None = None
     table: torch.Tensor | None = None  # [P, 2, head_dim]
@@ -51,13 +52,13 @@ class LayerOps:
     def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
         """What rope() needs for one forward's tokens, computed once for all layers."""
         cos, sin = rotary.cos_sin(positions, max_position)
-        return RopeInputs(positions, cos=cos, sin=sin)
+        return RopeInputs(positions, rotary.interleaved, cos=cos, sin=sin)
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, inputs: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k [T, heads, head_dim] rotated by their tokens' positions."""
         cos, sin = inputs.cos, inputs.sin
         assert cos is not None and sin is not None
-        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return apply_rope(q, cos, sin, inputs.interleaved), apply_rope(k, cos, sin, inputs.interleaved)
 
 
 class KernelLayerOps(LayerOps):
@@ -79,12 +80,12 @@ class KernelLayerOps(LayerOps):
 
     def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
         """The tokens' positions and the whole table (the kernel looks rows up itself)."""
-        return RopeInputs(positions, table=rotary.table_for(positions, max_position))
+        return RopeInputs(positions, rotary.interleaved, table=rotary.table_for(positions, max_position))
 
     def rope(self, q: torch.Tensor, k: torch.Tensor, inputs: RopeInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rotated in place."""
-        torch.ops.statelm.rope_(q, inputs.positions, inputs.table)
-        torch.ops.statelm.rope_(k, inputs.positions, inputs.table)
+        torch.ops.statelm.rope_(q, inputs.positions, inputs.table, inputs.interleaved)
+        torch.ops.statelm.rope_(k, inputs.positions, inputs.table, inputs.interleaved)
         return q, k
 
 
@@ -98,12 +99,16 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding:
-    """Table of rope cos/sin per position (grown lazily), applied in Hugging Face's rotate-half layout."""
+    """Table of rope cos/sin per position (grown lazily), in Hugging Face's rotate-half layout (frequency i rotates
+    dimensions i and i + head_dim / 2) or, interleaved, in llama.cpp's (dimensions 2i and 2i + 1)."""
 
-    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype) -> None:
+    def __init__(
+        self, head_dim: int, theta: float, scaling: dict[str, Any] | None, dtype: torch.dtype, interleaved: bool = False
+    ) -> None:
         self.inv_freq = rope_inv_freq(head_dim, theta, scaling)
         self.attention_factor = attention_factor(scaling)  # cos and sin are multiplied by it (models/rope.py)
         self.dtype = dtype
+        self.interleaved = interleaved
         self.table = torch.empty(0, 2, head_dim, dtype=dtype)
 
     def table_for(self, positions: torch.Tensor, max_position: int) -> torch.Tensor:
@@ -121,18 +126,23 @@ class RotaryEmbedding:
         size = 1 << (num_positions - 1).bit_length()
         inv_freq = self.inv_freq.to(device)
         freqs = torch.outer(torch.arange(size, device=device, dtype=torch.float32), inv_freq)
-        angles = torch.cat([freqs, freqs], dim=-1)
-        sin = angles.sin()
-        half = inv_freq.shape[0]
-        sin[:, :half] = -sin[:, :half]
-        table = torch.stack([angles.cos(), sin], dim=1)
+        cos, sin = freqs.cos(), freqs.sin()
+        if self.interleaved:  # dimension 2i: x cos - y sin, 2i + 1: y cos + x sin
+            cos = cos.repeat_interleave(2, dim=-1)
+            sin = torch.stack([-sin, sin], dim=-1).flatten(-2)
+        else:  # dimension i: x cos - y sin, i + half: y cos + x sin
+            cos = torch.cat([cos, cos], dim=-1)
+            sin = torch.cat([-sin, sin], dim=-1)
+        table = torch.stack([cos, sin], dim=1)
         if self.attention_factor != 1.0:
             table = table * self.attention_factor
         self.table = table.to(self.dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """x * cos + rotate_half(x) * sin, where rotate_half's sign is folded into signed_sin."""
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
+    """x * cos + partner(x) * sin: the other dimension of each rotary pair (the sign folded into signed_sin)."""
+    if interleaved:
+        return x * cos + x.unflatten(-1, (-1, 2)).flip(-1).flatten(-2) * signed_sin
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 

@@ -27,7 +27,7 @@ from statelm.models.layers import (
     RowChunking,
     chunked_linear,
 )
-from statelm.models.packed import PackedLinear
+from statelm.models.packed import ACTIVATIONS, PackedLinear
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
@@ -39,7 +39,7 @@ class DecoderStack(Protocol):
     """Every decoder layer and the final norm in one call (the compute-path pass sets one: FusedDecoder)."""
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, int8: bool
+        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
     ) -> torch.Tensor:
         """Hidden states after the final norm, from the embeddings x [T, hidden]."""
         ...
@@ -171,7 +171,9 @@ class LlamaForCausalLM(nn.Module):
         if not config.tie_word_embeddings:
             self.lm_head = nn.Parameter(torch.empty(config.vocab_size, config.hidden_size, dtype=dtype, device=meta))
         _materialize(self, torch.device(device))
-        self.rotary = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling, dtype)
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.rope_scaling, dtype, interleaved=config.rope_interleaved
+        )
         self._targets = self._hf_targets()
 
     def forward(
@@ -194,9 +196,9 @@ class LlamaForCausalLM(nn.Module):
             ops=self.ops,
         )
         x, residual = self.embed_tokens(input_ids), None
-        int8 = self._int8_rows()
-        if self.fused is not None and int8 is not None:
-            return self.fused(x, step.rope, kv_cache, meta, int8=int8)
+        arithmetic = self._arithmetic()
+        if self.fused is not None and arithmetic is not None:
+            return self.fused(x, step.rope, kv_cache, meta, arithmetic)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, kv_cache.layers[i], step)
         assert residual is not None
@@ -208,19 +210,17 @@ class LlamaForCausalLM(nn.Module):
         """Decoder layer `index` (a variant's class builds its own, models/variants.py)."""
         return LlamaDecoderLayer(self.config, dtype=dtype, device=device, chunking=chunking)
 
-    def _int8_rows(self) -> bool | None:
-        """Whether this forward's packed matmuls quantize activations to int8: one answer for all rows, or None
-        for a step that mixes prompt and generated rows under `int8-decode`."""
-        if self.activations != "int8-decode":
-            return self.activations == "int8"
-        chunking = self.chunking
-        if chunking.prompt_rows is None:
-            return True  # all rows generated
-        return False if chunking.generated_rows is None else None
+    def _arithmetic(self) -> str | None:
+        """The arithmetic of this forward's packed matmuls (see ACTIVATIONS): one for all rows, or None for a step
+        that mixes prompt and generated rows of different arithmetics."""
+        prompt, generated = ACTIVATIONS[self.activations]
+        if prompt == generated or self.chunking.prompt_rows is None:
+            return generated
+        return prompt if self.chunking.generated_rows is None else None
 
     def compute_logits(self, hidden: torch.Tensor, is_prompt: torch.Tensor | None = None) -> torch.Tensor:
         """Float32 logits [N, vocab] for the rows that sample; is_prompt ([N] bool) marks last prompt tokens' rows
-        (None: all generated), which `int8-decode` activations compute in float32."""
+        (None: all generated), which take the prompt rows' arithmetic."""
         head = self.packed_head
         if head is not None and head.use_kernel:
             self.chunking.set_rows(is_prompt, self.device)

@@ -142,7 +142,7 @@ def load_model(
 
     quantization: `none` (float weights), `auto` (a GGUF's quantized matrices stay packed), or `int8` / `int4`
     (float matrices are quantized at load; a GGUF's quantized ones stay packed as they are). cache: where a
-    GGUF's conversion is kept (default: the user's model cache with its default cap).
+    GGUF's parsed header is kept (default: the user's model cache with its default cap).
     """
     if load_format not in ("auto", "dummy"):
         raise ModelLoadError(f"unknown load format {load_format!r}; choose auto or dummy")

@@ -1,4 +1,4 @@
-"""Linear and embedding layers whose weights stay in a packed quantized layout (GGUF blocks, int8, int4)."""
+"""Linear and embedding layers whose weights stay in GGUF block formats (read in place, or quantized at load)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,15 @@ from statelm.models.layers import RowChunking
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
+
+# --activations: the kernel's arithmetic for (prompt rows, generated rows). A row's kind never depends on its batch
+# (see RowChunking), so neither does its arithmetic.
+ACTIVATIONS = {
+    "float32": ("float32", "float32"),
+    "int8": ("int8", "int8"),
+    "int8-decode": ("float32", "int8"),
+    "int16-prompt": ("int16", "int8"),
+}
 
 
 class PackedLinear(nn.Module):
@@ -28,9 +37,8 @@ class PackedLinear(nn.Module):
         self.in_features = weight.in_features
         self.out_features = weight.out_features
         self.use_kernel = True
-        # the kernel's arithmetic: float32 activations, int8 as llama.cpp's, or int8-decode (int8 for generated
-        # tokens' rows, float32 for prompt rows: a row's kind never depends on its batch, see RowChunking)
-        self.activations = "float32"
+        self.activations = "float32"  # a key of ACTIVATIONS
+        self.repack = True  # interleave the blocks for the kernel (--repack)
         self._dense: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -41,15 +49,14 @@ class PackedLinear(nn.Module):
         return self.chunking.linear(x, self.dense(x.dtype), self.bias)
 
     def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed matmul with each row's activations as the setting and the row's kind say."""
-        if self.activations != "int8-decode":
-            return self.weight.matmul(x, self.activations == "int8")
+        """The packed matmul with each row's arithmetic as the setting and the row's kind say."""
+        prompt_arithmetic, generated_arithmetic = ACTIVATIONS[self.activations]
         prompt, generated = self.chunking.prompt_rows, self.chunking.generated_rows
-        if prompt is None or generated is None:
-            return self.weight.matmul(x, prompt is None)  # all rows of one kind
+        if prompt is None or generated is None or prompt_arithmetic == generated_arithmetic:
+            return self.weight.matmul(x, generated_arithmetic if prompt is None else prompt_arithmetic)
         out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
-        out[generated] = self.weight.matmul(x[generated], True)
-        out[prompt] = self.weight.matmul(x[prompt], False)
+        out[generated] = self.weight.matmul(x[generated], generated_arithmetic)
+        out[prompt] = self.weight.matmul(x[prompt], prompt_arithmetic)
         return out
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
@@ -59,14 +66,16 @@ class PackedLinear(nn.Module):
         return self._dense
 
     def use(self, kernel: bool) -> None:
-        """Run through the kernel, or through torch on the dequantized weight (dropping it when not needed)."""
+        """Run through the kernel (on the interleaved blocks where `repack`), or through torch on the dequantized
+        weight; each drops what the other needed."""
         self.use_kernel = kernel
         if kernel:
             self._dense = None
+        self.weight = self.weight.interleave() if kernel and self.repack else self.weight.in_place()
 
     def extra_repr(self) -> str:
-        """Shape and packing, for print(model)."""
-        shape = f"in={self.in_features}, out={self.out_features}, kind={self.weight.kind}"
+        """Shape and formats, for print(model)."""
+        shape = f"in={self.in_features}, out={self.out_features}, formats={self.weight.kind}"
         return f"{shape}, activations={self.activations}, bias={self.bias is not None}"
 
 

@@ -141,7 +141,9 @@ class VariantForCausalLM(LlamaForCausalLM):
         super().__init__(config, dtype=dtype, device=device, chunking=chunking)
         local_theta = config.rope_local_theta
         self.local_rotary = (
-            self.rotary if local_theta is None else RotaryEmbedding(config.head_dim, local_theta, None, dtype)
+            self.rotary
+            if local_theta is None
+            else RotaryEmbedding(config.head_dim, local_theta, None, dtype, interleaved=config.rope_interleaved)
         )
         self.local_backend: AttentionBackend = self.backend
         self.use_attention(TorchAttentionBackend)

@@ -76,7 +76,8 @@ def module_bytes(module: nn.Module) -> int:
         tensors = [*part.parameters(recurse=False), *part.buffers(recurse=False)]
         for value in vars(part).values():
             if isinstance(value, PackedWeight):
-                tensors.extend(value.state().values())
+                tensors.extend(part.data for part in value.parts)
+                tensors.extend(part.interleaved for part in value.parts if part.interleaved is not None)
             elif isinstance(value, torch.Tensor):  # a dequantized copy kept beside a packed weight
                 tensors.append(value)
         for tensor in tensors:

@@ -21,7 +21,7 @@ COMPILERS = ("c++", "g++", "gcc", "cc", "clang", "clang++", "cc1plus", "ninja")
 # every step of a start that can take more than a second, in order, by the line that announces it
 STEPS = (
     "statelm.models.loader: loading model SmolLM2-135M-Instruct from",
-    "statelm.models.gguf_cache: converting SmolLM2-135M-Instruct.Q4_1.gguf once into the model cache",
+    "statelm.models.gguf_cache: parsing SmolLM2-135M-Instruct.Q4_1.gguf's header once into the model cache",
     "statelm.kernels.build: loading statelm's kernels for",
     "statelm.models.invariance: self-check: probing the compute paths",
     "statelm.engine.builder: allocating the KV cache",
@@ -62,7 +62,7 @@ def test_a_start_announces_each_step_runs_no_compiler_and_survives_a_kill_during
     while STEPS[1] not in killed_log.read_text():
         assert killed.poll() is None and time.monotonic() < deadline, killed_log.read_text()[-3000:]
         time.sleep(0.05)
-    os.kill(killed.pid, signal.SIGKILL)  # in the middle of converting the model into the cache
+    os.kill(killed.pid, signal.SIGKILL)  # in the middle of building the model's cache entry
     killed.wait()
 
     started = time.monotonic()

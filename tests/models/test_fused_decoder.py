@@ -6,14 +6,17 @@ from pathlib import Path
 
 import pytest
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from statelm.attention.base import AttentionMetadata
 from statelm.attention.kv_format import Q8_GROUP
 from statelm.engine.kv_cache import KVCache
-from statelm.kernels.build import KernelBuildError, load_kernels
-from statelm.models.compute_path import use_activations, use_compute_path
+from statelm.kernels.build import KernelBuildError, cpu_variant, load_kernels
+from statelm.models.compute_path import use_activations, use_compute_path, use_repack
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
+from statelm.models.packed import ACTIVATIONS, PackedLinear
+from tests.models.tiny_gguf import write_tiny_gguf
 from tests.models.tiny_model_dir import make_tiny_model_dir
 from tests.unit.paged_cases import fill_with_noise
 
@@ -26,12 +29,18 @@ pytestmark = pytest.mark.invariance
 BLOCK = 16
 
 
-@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral"])
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "llama-gguf"])
 def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
-    """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3)."""
-    overrides = {"sliding_window": 5} if request.param == "mistral" else {}
-    folder = make_tiny_model_dir(request.param, tmp_path_factory.mktemp(request.param), **overrides)
-    model = load_model(str(folder), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
+    """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3); or a
+    GGUF of mixed formats used in place, with interleaved rope (llama-gguf)."""
+    folder = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama-gguf":
+        mix = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_k": Q.Q8_0, "token_embd": Q.Q6_K}  # as in a Q4_K_M
+        source = write_tiny_gguf(folder / "mixed.gguf", Q.Q4_K, formats=mix)
+    else:
+        overrides = {"sliding_window": 5} if request.param == "mistral" else {}
+        source = make_tiny_model_dir(request.param, folder, **overrides)
+    model = load_model(str(source), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
                        quantization="int8")  # fmt: skip
     use_compute_path(model.model, "kernels")
     assert model.model.fused is not None
@@ -58,7 +67,7 @@ def forward(loaded: LoadedModel, fused: bool, is_prompt: torch.Tensor, kv: str) 
 
 
 @pytest.mark.parametrize("kv", ["float32", "float16", "q8_0"])
-@pytest.mark.parametrize("activations", ["float32", "int8", "int8-decode"])
+@pytest.mark.parametrize("activations", list(ACTIVATIONS))
 def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations: str, kv: str) -> None:
     if kv == "q8_0" and loaded.config.head_dim % Q8_GROUP:
         pytest.skip(f"q8_0 needs a head dim that is a multiple of {Q8_GROUP}")
@@ -84,3 +93,22 @@ def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
     use_compute_path(model.model, "kernels")
     assert model.model.fused is None
+
+
+def test_blocks_read_in_place_give_the_interleaved_blocks_bits(loaded: LoadedModel) -> None:
+    # --repack (the default) against --no-repack: the same model, prompt and generated rows, the fused decoder
+    packed = [module for module in loaded.model.modules() if isinstance(module, PackedLinear)]
+    simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
+    assert all(module.weight.interleaved == simd for module in packed)
+    use_activations(loaded.model, "int16-prompt")
+    is_prompt = torch.tensor([True] * 9 + [False] * 2)
+    interleaved, _ = forward(loaded, True, is_prompt, "float16")
+    use_repack(loaded.model, False)
+    use_compute_path(loaded.model, "kernels")
+    try:
+        assert not any(module.weight.interleaved for module in packed)
+        in_place, _ = forward(loaded, True, is_prompt, "float16")
+    finally:
+        use_repack(loaded.model, True)
+        use_compute_path(loaded.model, "kernels")
+    assert torch.equal(interleaved, in_place)

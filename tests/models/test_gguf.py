@@ -26,6 +26,7 @@ from statelm.models.gguf import (
     unpermute_qk,
 )
 from statelm.tokenizer import IncrementalDetokenizer
+from tests.unit.gguf_blocks import random_blocks
 
 SMOLLM_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CHAT_TEMPLATE = (
@@ -281,23 +282,6 @@ def test_smollm_weights(smollm: Any) -> None:
 # --- dequantization, names, permutation ------------------------------------------------------------
 
 
-def _random_k_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
-    """Valid raw K-quant blocks: random bytes with sane f16 scale fields (gguf cannot quantize K types)."""
-    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(rows * cols // block_elems, block_bytes), dtype=np.uint8)
-    scale_offsets = {
-        Q.Q4_K: (0, 2),
-        Q.Q5_K: (0, 2),
-        Q.Q6_K: (block_bytes - 2,),
-        Q.Q2_K: (block_bytes - 4, block_bytes - 2),
-        Q.Q3_K: (block_bytes - 2,),
-    }[qtype]
-    for offset in scale_offsets:
-        scales = rng.uniform(0.001, 0.05, size=len(blocks)).astype(np.float16)
-        blocks[:, offset : offset + 2] = scales.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(rows, cols // block_elems * block_bytes)
-
-
 @pytest.mark.parametrize("qtype", [Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1])
 def test_dequantize_quantizable_types(tmp_path: Path, qtype: Q) -> None:
     rng = np.random.default_rng(int(qtype))
@@ -316,10 +300,10 @@ def test_dequantize_quantizable_types(tmp_path: Path, qtype: Q) -> None:
     assert (tensor - torch.from_numpy(weight)).abs().mean() < 0.15
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K])
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q5_K, Q.Q2_K, Q.Q3_K, Q.IQ4_XS, Q.IQ4_NL])
 def test_dequantize_k_quants(tmp_path: Path, qtype: Q) -> None:
     rng = np.random.default_rng(int(qtype))
-    blocks = _random_k_blocks(qtype, 64, 512, rng)
+    blocks = random_blocks(qtype, 64, 512, rng)
     path = write_gguf(tmp_path / "k.gguf", {"blk.0.ffn_down.weight": (blocks, qtype)})
     ((name, tensor),) = load_gguf(path, torch.bfloat16).tensors()
     assert name == "model.layers.0.mlp.down_proj.weight" and tensor.shape == (64, 512)
@@ -481,9 +465,9 @@ def test_unsupported_architecture(tmp_path: Path) -> None:
 
 
 def test_unsupported_quant_type(tmp_path: Path) -> None:
-    blocks = np.zeros((4, 2 * 18), np.uint8)  # IQ4_NL: 32 values in 18 bytes
-    with pytest.raises(GGUFError, match="unsupported type IQ4_NL"):
-        load_gguf(write_gguf(tmp_path / "i.gguf", {"blk.0.ffn_up.weight": (blocks, Q.IQ4_NL)}))
+    blocks = np.zeros((4, 66), np.uint8)  # IQ2_XXS: 256 values in 66 bytes
+    with pytest.raises(GGUFError, match="unsupported type IQ2_XXS"):
+        load_gguf(write_gguf(tmp_path / "i.gguf", {"blk.0.ffn_up.weight": (blocks, Q.IQ2_XXS)}))
 
 
 def test_unknown_tensor_name(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""A GGUF model is converted once: later loads come from the model cache, until the file changes or the entry breaks."""
+"""A GGUF's parsed header is cached, and only that: later loads skip parsing it, until the file changes or the
+entry breaks; weights always come from the file."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from statelm.models import gguf_cache
+from statelm.models import gguf_file
 from statelm.models.gguf_cache import load_converted_gguf
-from statelm.models.model_cache import TENSORS, ModelCache
+from statelm.models.model_cache import METADATA, TENSORS, ModelCache
 from tests.models.test_gguf import _attention_tensors, write_gguf
 
 
@@ -20,25 +21,30 @@ def as_dict(weights: Any) -> dict[str, torch.Tensor]:
 
 
 @pytest.fixture
-def gguf_file(tmp_path: Path) -> Path:
+def gguf_file_path(tmp_path: Path) -> Path:
     stored, _ = _attention_tensors(np.random.default_rng(3), permute=True)
     return write_gguf(tmp_path / "model.gguf", stored, arch="llama")
 
 
-def forbid_conversion(monkeypatch: pytest.MonkeyPatch) -> None:
+def forbid_parsing(monkeypatch: pytest.MonkeyPatch) -> None:
     def fail(*_: object) -> None:
-        raise AssertionError("the GGUF file was parsed again")
+        raise AssertionError("the GGUF header was parsed again")
 
-    monkeypatch.setattr(gguf_cache, "load_gguf", fail)
+    monkeypatch.setattr(gguf_file, "_parse", fail)
 
 
-def test_a_second_load_comes_from_the_cache_unchanged(
-    gguf_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def entry_of(root: Path) -> Path:
+    (entry,) = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")]
+    return entry
+
+
+def test_a_second_load_reads_the_header_from_the_cache(
+    gguf_file_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = ModelCache(tmp_path / "cache")
-    first = load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache)
-    forbid_conversion(monkeypatch)
-    second = load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache)
+    first = load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
+    forbid_parsing(monkeypatch)
+    second = load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
     assert second.config == first.config
     assert second.metadata_digest == first.metadata_digest
     assert second.tokenizer.content_hash() == first.tokenizer.content_hash()
@@ -48,25 +54,34 @@ def test_a_second_load_comes_from_the_cache_unchanged(
     assert all(torch.equal(expected[name], cached[name]) for name in expected)
 
 
-def test_a_changed_file_is_converted_again(gguf_file: Path, tmp_path: Path) -> None:
+def test_the_cache_holds_the_header_and_no_weights(gguf_file_path: Path, tmp_path: Path) -> None:
     cache = ModelCache(tmp_path / "cache")
-    load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache)
+    load_converted_gguf(gguf_file_path, torch.float32, packed=True, cache=cache)
+    entry = entry_of(tmp_path / "cache")
+    assert (entry / TENSORS).stat().st_size < 100  # an empty safetensors file
+    assert (entry / METADATA).stat().st_size < gguf_file_path.stat().st_size
+    load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)  # one entry serves both
+    assert entry_of(tmp_path / "cache") == entry
+
+
+def test_a_changed_file_is_parsed_again(gguf_file_path: Path, tmp_path: Path) -> None:
+    cache = ModelCache(tmp_path / "cache")
+    load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
     stored, _ = _attention_tensors(np.random.default_rng(4), permute=True)
-    write_gguf(gguf_file, stored, arch="llama", metadata={"context_length": 512})
-    reloaded = load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache)
+    write_gguf(gguf_file_path, stored, arch="llama", metadata={"context_length": 512})
+    reloaded = load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
     assert reloaded.config.max_position_embeddings == 512
 
 
 def test_a_damaged_entry_is_rebuilt_with_one_warning(
-    gguf_file: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+    gguf_file_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     cache = ModelCache(tmp_path / "cache")
-    first = load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache)
-    (entry,) = [p for p in (tmp_path / "cache").iterdir() if p.is_dir() and not p.name.startswith(".")]
-    tensors = entry / TENSORS
-    tensors.write_bytes(tensors.read_bytes()[:100])
-    rebuilt = load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache)
+    first = load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
+    metadata = entry_of(tmp_path / "cache") / METADATA
+    metadata.write_bytes(metadata.read_bytes()[:100])
+    rebuilt = load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
     assert [r.levelname for r in caplog.records if r.name == "statelm.models.model_cache"] == ["WARNING"]
     assert as_dict(rebuilt.weights).keys() == as_dict(first.weights).keys()
-    forbid_conversion(monkeypatch)
-    assert as_dict(load_converted_gguf(gguf_file, torch.float32, packed=False, cache=cache).weights).keys()
+    forbid_parsing(monkeypatch)
+    assert as_dict(load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache).weights).keys()

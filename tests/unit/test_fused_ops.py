@@ -42,17 +42,33 @@ def test_silu_mul_matches_torch() -> None:
     torch.testing.assert_close(KERNELS.silu_mul(gate_up), TORCH.silu_mul(gate_up))
 
 
-def test_rope_matches_torch_on_strided_views() -> None:
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_rope_matches_torch_on_strided_views(interleaved: bool) -> None:
     heads, kv_heads, dim = 4, 2, 32
     qkv = rows(10, (heads + 2 * kv_heads) * dim, 6)
     positions = torch.tensor([0, 1, 2, 3, 50, 51, 52, 1000, 4095, 7])
-    rotary = RotaryEmbedding(dim, 10000.0, None, torch.float32)
+    rotary = RotaryEmbedding(dim, 10000.0, None, torch.float32, interleaved=interleaved)
     q, k, _ = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], dim=-1)
     q, k = q.view(10, heads, dim), k.view(10, kv_heads, dim)
     expected = TORCH.rope(q, k, TORCH.prepare_rope(positions, 4096, rotary))
     rotated = KERNELS.rope(q.clone(), k.clone(), KERNELS.prepare_rope(positions, 4096, rotary))
     torch.testing.assert_close(rotated[0], expected[0])
     torch.testing.assert_close(rotated[1], expected[1])
+
+
+@pytest.mark.parametrize("ops", [TORCH, KERNELS], ids=["torch", "kernels"])
+def test_interleaved_rope_on_llama_cpp_rows_is_rotate_half_on_hugging_face_rows(ops: LayerOps) -> None:
+    """llama.cpp's converter moves each head's dimension i + D/2 next to i: rotating adjacent pairs of its rows is
+    rotating halves of Hugging Face's, the same operations on the same values."""
+    heads, dim = 3, 16
+    hf = rows(5, heads * dim, 7).view(5, heads, dim)
+    gguf_order = hf.unflatten(-1, (2, dim // 2)).transpose(-1, -2).flatten(-2)  # llama.cpp's permute of q/k rows
+    positions = torch.tensor([0, 3, 9, 100, 4000])
+    halves = RotaryEmbedding(dim, 10000.0, None, torch.float32)
+    pairs = RotaryEmbedding(dim, 10000.0, None, torch.float32, interleaved=True)
+    expected, _ = ops.rope(hf.clone(), hf.clone(), ops.prepare_rope(positions, 4096, halves))
+    rotated, _ = ops.rope(gguf_order.clone(), gguf_order.clone(), ops.prepare_rope(positions, 4096, pairs))
+    assert torch.equal(rotated, expected.unflatten(-1, (2, dim // 2)).transpose(-1, -2).flatten(-2))
 
 
 def test_rope_rejects_a_position_outside_the_table() -> None:

@@ -1,5 +1,6 @@
-"""Packed GGUF and int8/int4 weights: exact unpacking, the kernel against dequantize-then-matmul (with the
-kernel's int8 activations), odd shapes, and invariance."""
+"""The GGUF matmul kernel on every block format: dequantization bit for bit equal to gguf-py's, each arithmetic
+against float64 matmuls, odd shapes and mixed formats, invariance in any batch and thread count, and the same bits
+from every lower CPU class's library."""
 
 from __future__ import annotations
 
@@ -12,15 +13,15 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from gguf.quants import dequantize, quantize
+from gguf.quants import dequantize
+from gguf.quants import quantize as gguf_quantize
 
 from statelm.cpu import cpu_flags
 from statelm.kernels.build import LIBRARY_DIR, KernelBuildError, cpu_variant, load_kernels
-from statelm.kernels.quant import PackedWeight, pack_gguf
-from statelm.kernels.quant import quantize as quantize_float
+from statelm.kernels.quant import INTERLEAVED_TYPE, BlockMatrix, PackedWeight, quantize
 from statelm.kernels.variants import select_variant
 from tests.models.test_cpu_classes import ONEDNN_ISA
-from tests.models.test_gguf import _random_k_blocks
+from tests.unit.gguf_blocks import FORMATS, random_blocks, random_columns
 from tests.unit.kernel_threads import kernel_threads
 
 try:
@@ -28,127 +29,188 @@ try:
 except KernelBuildError as exc:
     pytest.skip(f"statelm kernels unavailable: {exc}", allow_module_level=True)
 
-EXACT_TYPES = [Q.Q8_0, Q.Q4_0, Q.Q4_1]  # packed bit for bit
-REPACKED_TYPES = [Q.Q5_0, Q.Q5_1]  # dequantized and re-quantized to q8
-K_TYPES = [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K]
+ARITHMETICS = ["float32", "int8", "int16"]
+LIMITS = {"int8": 127, "int16": 32767}
 
 
-def gguf_tensor(qtype: Q, rows: int, cols: int, seed: int) -> np.ndarray:
-    rng = np.random.default_rng(seed)
-    if qtype in K_TYPES:
-        return _random_k_blocks(qtype, rows, cols, rng)
-    return quantize(rng.standard_normal((rows, cols)).astype(np.float32), qtype)
+def matrix(qtype: Q, rows: int, cols: int, seed: int) -> tuple[PackedWeight, torch.Tensor]:
+    """A random matrix of the format and its dequantization by gguf-py (the oracle)."""
+    raw = random_blocks(qtype, rows, cols, np.random.default_rng(seed))
+    dense = np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(rows, cols)
+    return PackedWeight([BlockMatrix.of(qtype, raw, (rows, cols))]), torch.from_numpy(dense)
 
 
-def reference(raw: np.ndarray, qtype: Q, shape: tuple[int, int]) -> torch.Tensor:
-    return torch.from_numpy(np.asarray(dequantize(raw, qtype), dtype=np.float32).reshape(shape))
-
-
-def int8_activations(x: torch.Tensor) -> torch.Tensor:
-    """x as the kernel sees it: per row and block of 32, round(x * 127 / amax) * (amax / 127), in float64."""
+def seen_activations(x: torch.Tensor, arithmetic: str) -> torch.Tensor:
+    """x as the kernel multiplies it, in float64: per row and block of 32, round(x * L / amax) * (amax / L)."""
+    if arithmetic == "float32":
+        return x.double()
     blocks = x.view(x.shape[0], -1, 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
-    inverse = torch.where(amax > 0, 127.0 / amax, torch.zeros_like(amax))
+    inverse = torch.where(amax > 0, LIMITS[arithmetic] / amax, torch.zeros_like(amax))
     levels = torch.round(blocks * inverse)  # half to even, as the kernel rounds
-    return (levels.double() * (amax / 127.0).double()).view_as(x)
+    return (levels.double() * (amax / LIMITS[arithmetic]).double()).view_as(x)
 
 
-def assert_matmul_close(weight: PackedWeight, dense: torch.Tensor, rows: int, seed: int) -> None:
-    """Both kernel paths against float64 matmuls on dense: only float rounding may differ.
-
-    The float path is compared with x @ dense.T, the int8 path with x̂ @ dense.T, x̂ the int8-quantized
-    activations; against x, the int8 path stays within what 8-bit activations cost (under 1% of the sum of
-    the products' magnitudes).
-    """
-    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(seed))
-    for int8, seen in ((False, x.double()), (True, int8_activations(x))):
-        result = weight.matmul(x, int8_activations=int8).double()
-        magnitude = (seen.abs() @ dense.double().abs().T).max()  # what float rounding is relative to
-        assert float((result - seen @ dense.double().T).abs().max() / magnitude) < 1e-6, int8
-        assert float((result - x.double() @ dense.double().T).abs().max() / magnitude) < 0.01, int8
+def assert_matmul_close(weight: PackedWeight, dense: torch.Tensor, x: torch.Tensor) -> None:
+    """Every arithmetic against a float64 matmul of what it multiplies: only float rounding may differ; against x
+    itself, int8 within what 8-bit activations cost and int16 within 1e-4 (relative to the products' sizes)."""
+    for arithmetic in ARITHMETICS:
+        result = weight.matmul(x, arithmetic).double()
+        seen = seen_activations(x, arithmetic)
+        magnitude = (x.double().abs() @ dense.double().abs().T).max()
+        assert float((result - seen @ dense.double().T).abs().max() / magnitude) < 1e-6, arithmetic
+        bound = {"float32": 1e-6, "int16": 1e-4, "int8": 0.01}[arithmetic]
+        assert float((result - x.double() @ dense.double().T).abs().max() / magnitude) < bound, arithmetic
 
 
-@pytest.mark.parametrize("qtype", EXACT_TYPES)
-@pytest.mark.parametrize(("rows", "cols"), [(96, 64), (33, 576), (7, 1536), (1, 32)])
-def test_exact_types_unpack_bit_for_bit_and_multiply_right(qtype: Q, rows: int, cols: int) -> None:
-    raw = gguf_tensor(qtype, rows, cols, seed=rows + cols)
-    weight = pack_gguf(qtype, raw, (rows, cols))
-    dense = reference(raw, qtype, (rows, cols))
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_dequantization_is_gguf_py_bit_for_bit(qtype: Q) -> None:
+    weight, dense = matrix(qtype, 37, random_columns(qtype), seed=int(qtype))
     assert torch.equal(weight.dequantize(), dense)
-    for count in (1, 5, 64):
-        assert_matmul_close(weight, dense, count, seed=count)
+    ids = torch.tensor([36, 0, 5, 5])
+    assert torch.equal(weight.embedding(ids), dense[ids])
 
 
-@pytest.mark.parametrize("qtype", REPACKED_TYPES + K_TYPES)
-def test_other_types_repack_to_q8_within_its_rounding(qtype: Q) -> None:
-    raw = gguf_tensor(qtype, 24, 512, seed=int(qtype))
-    weight = pack_gguf(qtype, raw, (24, 512))
-    dense = reference(raw, qtype, (24, 512))
-    assert weight.kind == "q8"
-    blocks = dense.view(24, -1, 32)
-    bound = blocks.abs().amax(dim=-1, keepdim=True) / 254 * (1 + 1e-5)
-    assert bool(((weight.dequantize().view(24, -1, 32) - blocks).abs() <= bound).all())
-    assert_matmul_close(weight, weight.dequantize(), 3, seed=1)
-
-
-@pytest.mark.parametrize("kind", ["int8", "int4"])
-def test_float_weights_quantize_at_load(kind: str) -> None:
-    dense = torch.randn(40, 96, generator=torch.Generator().manual_seed(2))
-    weight = quantize_float(dense, kind)
-    step = dense.view(40, -1, 32).abs().amax(-1) / 127 if kind == "int8" else None
-    error = (weight.dequantize() - dense).view(40, -1, 32).abs().amax(-1)
-    if step is not None:
-        assert bool((error <= step / 2 + 1e-6).all())
-    else:
-        spread = dense.view(40, -1, 32).amax(-1) - dense.view(40, -1, 32).amin(-1)
-        assert bool((error <= spread / 30 + 1e-6).all())
-    assert_matmul_close(weight, weight.dequantize(), 9, seed=3)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        quantize_float(torch.zeros(4, 40), kind)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+@pytest.mark.parametrize("rows", [1, 5, 19])
+def test_every_arithmetic_multiplies_right(qtype: Q, rows: int) -> None:
+    # 37 output columns: a partial tile; 768 or 800 inputs: a partial K chunk (and an odd count of 32-value blocks)
+    weight, dense = matrix(qtype, 37, random_columns(qtype), seed=rows)
+    x = torch.randn(rows, weight.in_features, generator=torch.Generator().manual_seed(rows))
+    assert_matmul_close(weight, dense, x)
 
 
 @pytest.mark.invariance
-@pytest.mark.parametrize("int8", [False, True])
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_1])
+@pytest.mark.parametrize(("qtype", "cols"), [(Q.Q8_0, 2048), (Q.Q4_K, 4096), (Q.Q5_K, 4096)], ids=lambda v: str(v))
+def test_long_rows_read_in_place_multiply_right(qtype: Q, cols: int) -> None:
+    # rows over 2 KiB are read where they lie (shorter ones are copied first, as every other test here has them)
+    weight, dense = matrix(qtype, 21, cols, seed=cols)
+    x = torch.randn(6, cols, generator=torch.Generator().manual_seed(1))
+    assert_matmul_close(weight, dense, x)
+    for arithmetic in ARITHMETICS:
+        alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(6)])
+        assert torch.equal(weight.matmul(x, arithmetic), alone), arithmetic
+
+
+def test_parts_of_different_formats_stack_into_one_output() -> None:
+    parts = [matrix(qtype, rows, 256, seed=rows) for qtype, rows in ((Q.Q4_K, 24), (Q.Q6_K, 9), (Q.Q8_0, 16))]
+    weight = PackedWeight.concat([part for part, _ in parts])
+    dense = torch.cat([d for _, d in parts])
+    assert weight.kind == "Q4_K+Q6_K+Q8_0" and (weight.out_features, weight.in_features) == (49, 256)
+    assert torch.equal(weight.dequantize(), dense)
+    x = torch.randn(6, 256, generator=torch.Generator().manual_seed(3))
+    assert_matmul_close(weight, dense, x)
+    for arithmetic in ARITHMETICS:
+        alone = torch.cat([part.matmul(x, arithmetic) for part, _ in parts], dim=1)
+        assert torch.equal(weight.matmul(x, arithmetic), alone)
+
+
+NO_TILE_BUILDER = (Q.Q2_K, Q.Q3_K)  # decoded block by block: never interleaved
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_interleaved_blocks_give_the_bits_of_the_blocks_in_place(qtype: Q) -> None:
+    # 45 rows: the last tile is partly padding; 37 rows of x cross the few-row and tile paths
+    weight, dense = matrix(qtype, 45, random_columns(qtype), seed=11)
+    interleaved = weight.interleave()
+    simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
+    assert interleaved.interleaved == (simd and qtype not in NO_TILE_BUILDER)
+    assert interleaved.interleave() is not interleaved and torch.equal(interleaved.dequantize(), dense)
+    x = torch.randn(37, weight.in_features, generator=torch.Generator().manual_seed(12))
+    for arithmetic in ARITHMETICS:
+        alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(37)])
+        for count in (1, 2, 3, 4, 5, 9, 17, 37):
+            assert torch.equal(interleaved.matmul(x[:count], arithmetic), alone[:count]), (arithmetic, count)
+    assert not interleaved.in_place().interleaved and torch.equal(interleaved.in_place().matmul(x), weight.matmul(x))
+
+
+def test_interleaved_and_in_place_parts_stack_into_one_output() -> None:
+    parts = [matrix(qtype, rows, 256, seed=rows)[0] for qtype, rows in ((Q.Q4_K, 24), (Q.Q3_K, 9), (Q.Q6_K, 17))]
+    mixed = PackedWeight.concat([parts[0].interleave(), parts[1].interleave(), parts[2]])
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(13))
+    for arithmetic in ARITHMETICS:
+        assert torch.equal(mixed.matmul(x, arithmetic), PackedWeight.concat(parts).matmul(x, arithmetic))
+
+
+def test_block_matrices_are_checked() -> None:
+    raw = random_blocks(Q.Q4_K, 4, 256, np.random.default_rng(0))
+    with pytest.raises(ValueError, match="multiple of Q4_K's 256-value blocks"):
+        BlockMatrix.of(Q.Q4_K, raw, (8, 128))
+    with pytest.raises(ValueError, match="is not a Q4_K matrix"):
+        BlockMatrix.of(Q.Q4_K, raw, (5, 256))
+    with pytest.raises(ValueError, match="not a block format"):
+        BlockMatrix.of(Q.F16, raw, (4, 256))
+    with pytest.raises(RuntimeError, match="does not match K"):
+        PackedWeight([BlockMatrix.of(Q.Q4_K, raw, (4, 256))]).matmul(torch.zeros(1, 512))
+    q3_k = torch.from_numpy(random_blocks(Q.Q3_K, 4, 256, np.random.default_rng(0))).reshape(4, -1)
+    with pytest.raises(RuntimeError, match="Q3_K has no interleaved layout"):
+        torch.ops.statelm.gguf_matmul(torch.zeros(1, 256), [q3_k], [int(Q.Q3_K) | INTERLEAVED_TYPE], 1)
+
+
+@pytest.mark.parametrize(("kind", "qtype"), [("int8", Q.Q8_0), ("int4", Q.Q4_1)])
+def test_float_weights_quantize_as_gguf_py_does(kind: str, qtype: Q) -> None:
+    dense = torch.randn(40, 96, generator=torch.Generator().manual_seed(2)) * 3
+    dense[0, :32] = 0  # a block of zeros: scale 0
+    weight = quantize(dense, kind)
+    assert weight.kind == qtype.name
+    assert np.array_equal(weight.parts[0].data.numpy(), gguf_quantize(dense.numpy(), qtype).reshape(40, -1))
+    with pytest.raises(ValueError, match="multiple of 32"):
+        quantize(torch.zeros(4, 40), kind)
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("arithmetic", ARITHMETICS)
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 @pytest.mark.parametrize("threads", [1, 2, 7])  # 7: more pool threads than cores, some never scheduled in time
-def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int, int8: bool) -> None:
-    weight = pack_gguf(qtype, gguf_tensor(qtype, 200, 576, seed=5), (200, 576))
-    x = torch.randn(65, 576, generator=torch.Generator().manual_seed(6))
+def test_a_row_gets_the_same_bits_in_any_batch_and_thread_count(qtype: Q, threads: int, arithmetic: str) -> None:
+    # a row alone takes the few-row path (rows multiplied straight from the blocks), a batch of many the tile path:
+    # every count from 1 to 17 crosses from one to the other, and both must give each row the same bits
+    weight, _ = matrix(qtype, 200, random_columns(qtype), seed=5)
+    x = torch.randn(65, weight.in_features, generator=torch.Generator().manual_seed(6))
     with kernel_threads(threads):
-        alone = torch.cat([weight.matmul(x[i : i + 1], int8) for i in range(65)])
-        for count in (2, 3, 5, 7, 16, 64, 65):
-            assert torch.equal(weight.matmul(x[:count], int8), alone[:count]), count
+        alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(65)])
+        for count in (*range(2, 18), 64, 65):
+            assert torch.equal(weight.matmul(x[:count], arithmetic), alone[:count]), count
 
 
 CLASS_LIBRARY_CHILD = """
 import sys, torch
 from statelm.kernels.build import load_kernels, loaded_library
-from statelm.kernels.quant import PackedWeight
+from statelm.kernels.quant import ARITHMETICS, INTERLEAVED_TYPE
 load_kernels()
 print("library:", loaded_library())
 data = torch.load(sys.argv[1])
 outputs = {}
-for name, (kind, shape, state) in data["weights"].items():
-    weight = PackedWeight.from_state(kind, *shape, state)
-    for int8 in (False, True):
-        outputs[f"{name}-{int8}"] = weight.matmul(data["x"], int8_activations=int8)
+for name, (raw, qtype) in data["weights"].items():
+    for arithmetic, code in ARITHMETICS.items():
+        x = data["x"][name]
+        outputs[f"{name}-{arithmetic}"] = torch.ops.statelm.gguf_matmul(x, [raw], [qtype], code)
+        few = [torch.ops.statelm.gguf_matmul(x[i : i + 1], [raw], [qtype], code) for i in range(3)]
+        few.append(torch.ops.statelm.gguf_matmul(x[3:6], [raw], [qtype], code))
+        outputs[f"{name}-{arithmetic}-few"] = torch.cat(few)
+        interleaved = torch.ops.statelm.gguf_interleave(raw, qtype)
+        if interleaved.numel():  # this class's own layout (its tile width), the bits of the blocks in place
+            args = [interleaved[: raw.shape[0]]], [qtype | INTERLEAVED_TYPE], code
+            outputs[f"{name}-{arithmetic}-interleaved"] = torch.ops.statelm.gguf_matmul(x, *args)
+            outputs[f"{name}-{arithmetic}-interleaved-few"] = torch.ops.statelm.gguf_matmul(x[:1], *args)
 torch.save(outputs, sys.argv[2])
 """
 
 
 @pytest.mark.parametrize("capability", ["avx512", "avx2", "default"])
 def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
-    """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits."""
+    """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits, for
+    every block format and arithmetic, in many rows (tiles) and in few (rows alone, and three together), from the
+    blocks in place and (SIMD classes) interleaved in its own layout."""
     capped, own = select_variant(cpu_flags(), capability), cpu_variant()
     if capped is None or own is None or capped == own:
         pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
-    weights = {qtype.name: pack_gguf(qtype, gguf_tensor(qtype, 77, 96, seed=8), (77, 96)) for qtype in EXACT_TYPES}
-    x = torch.randn(37, 96, generator=torch.Generator().manual_seed(9))  # every tile kind, widened blocks too
-    inputs = {
-        "x": x,
-        "weights": {name: (w.kind, (w.out_features, w.in_features), w.state()) for name, w in weights.items()},
-    }
-    torch.save(inputs, tmp_path / "in.pt")
+    rng = np.random.default_rng(8)
+    weights = {q.name: (torch.from_numpy(random_blocks(q, 45, random_columns(q), rng)), int(q)) for q in FORMATS}
+    generator = torch.Generator().manual_seed(9)
+    x = {q.name: torch.randn(37, random_columns(q), generator=generator) for q in FORMATS}  # every row tile kind
+    torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     if capability in ONEDNN_ISA:
         env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[capability]
@@ -158,44 +220,35 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
     library = LIBRARY_DIR / f"{capped.library_stem}"
     assert f"library: {library}" in child.stdout, f"not the built {capped.name} library (run `make kernels`)\n{child}"
     outputs = torch.load(tmp_path / "out.pt")
-    for name, weight in weights.items():
-        for int8 in (False, True):
-            assert torch.equal(weight.matmul(x, int8_activations=int8), outputs[f"{name}-{int8}"]), (name, int8)
-
-
-def test_rows_select_concat_embed_and_round_trip_their_state() -> None:
-    a = pack_gguf(Q.Q4_1, gguf_tensor(Q.Q4_1, 6, 64, seed=7), (6, 64))
-    b = pack_gguf(Q.Q4_1, gguf_tensor(Q.Q4_1, 4, 64, seed=8), (4, 64))
-    both = PackedWeight.concat([a, b])
-    assert torch.equal(both.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
-    index = torch.tensor([3, 0, 9, 9])
-    assert torch.equal(both.select_rows(index).dequantize(), both.dequantize()[index])
-    assert torch.equal(both.embedding(torch.tensor([9, 1])), both.dequantize()[[9, 1]])
-    again = PackedWeight.from_state(both.kind, both.out_features, both.in_features, both.state())
-    assert torch.equal(again.dequantize(), both.dequantize()) and again.nbytes == both.nbytes
-    with pytest.raises(ValueError, match="one kind"):
-        PackedWeight.concat([a, pack_gguf(Q.Q8_0, gguf_tensor(Q.Q8_0, 2, 64, seed=9), (2, 64))])
-    with pytest.raises(ValueError, match="do not make"):
-        PackedWeight.from_state("q4", 6, 64, {"values": a.values, "scales": a.scales})
+    for name, (raw, qtype) in weights.items():
+        weight = PackedWeight([BlockMatrix.of(Q(qtype), raw, (45, x[name].shape[1]))])
+        for arithmetic in ARITHMETICS:
+            expected = weight.matmul(x[name], arithmetic)
+            assert torch.equal(expected, outputs[f"{name}-{arithmetic}"]), (name, arithmetic)
+            assert torch.equal(expected[:6], outputs[f"{name}-{arithmetic}-few"]), (name, arithmetic, "few rows")
+            if f"{name}-{arithmetic}-interleaved" in outputs:
+                assert torch.equal(expected, outputs[f"{name}-{arithmetic}-interleaved"]), (name, arithmetic)
+                assert torch.equal(expected[:1], outputs[f"{name}-{arithmetic}-interleaved-few"]), (name, arithmetic)
 
 
 @pytest.mark.invariance
-def test_int8_decode_activations_quantize_generated_rows_only() -> None:
-    """int8-decode: generated tokens' rows take the int8 path and prompt rows the float32 one, whatever the mix."""
+@pytest.mark.parametrize("activations", ["int8-decode", "int16-prompt"])
+def test_prompt_and_generated_rows_take_their_own_arithmetic(activations: str) -> None:
+    """Mixed activations: prompt rows and generated rows each take their arithmetic, whatever the mix."""
     from statelm.models.layers import RowChunking
-    from statelm.models.packed import PackedLinear
+    from statelm.models.packed import ACTIVATIONS, PackedLinear
 
-    dense = torch.randn(40, 64, generator=torch.Generator().manual_seed(5))
-    weight = quantize_float(dense, "int8")
+    prompt_arithmetic, generated_arithmetic = ACTIVATIONS[activations]
+    weight = quantize(torch.randn(40, 64, generator=torch.Generator().manual_seed(5)), "int8")
     chunking = RowChunking.batch_invariant()
     linear = PackedLinear(weight, None, chunking)
-    linear.activations = "int8-decode"
+    linear.activations = activations
     x = torch.randn(9, 64, generator=torch.Generator().manual_seed(6))
     is_prompt = torch.tensor([True, False, False, True, True, False, True, False, True])
     chunking.set_rows(is_prompt)
     mixed = linear(x)
-    assert torch.equal(mixed[is_prompt], weight.matmul(x[is_prompt], int8_activations=False))
-    assert torch.equal(mixed[~is_prompt], weight.matmul(x[~is_prompt], int8_activations=True))
+    assert torch.equal(mixed[is_prompt], weight.matmul(x[is_prompt], prompt_arithmetic))
+    assert torch.equal(mixed[~is_prompt], weight.matmul(x[~is_prompt], generated_arithmetic))
     chunking.set_rows(None)  # all generated
     assert torch.equal(linear(x[1:2]), mixed[1:2])
     chunking.set_rows(torch.ones(1, dtype=torch.bool))  # all prompt

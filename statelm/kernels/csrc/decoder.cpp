@@ -5,10 +5,10 @@
 // the same tensors, from C++ (so its result is the Python forward's, bit for bit), and releases the GIL for the
 // whole model. It serves the kernels compute path on packed weights; the Python forward stays the reference.
 //
-// Per layer, `weights` holds kLayerTensors tensors (an undefined one is absent):
-//   input_norm, qkv.values, qkv.scales, qkv.mins, qkv.bias, o.values, o.scales, o.mins, o.bias, post_norm,
-//   gate_up.values, gate_up.scales, gate_up.mins, down.values, down.scales, down.mins, q_norm, k_norm
-// and `dims` is [num_heads, num_kv_heads, head_dim, qkv_out, o_out, gate_up_out, down_out, sliding_window].
+// Per layer, `tensors` holds kLayerTensors tensors (an undefined one is absent):
+//   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm
+// and its four packed linears (qkv, o, gate_up, down) are `parts[4 * layer + i]` consecutive block matrices of
+// `blocks` (types in `block_types`); `dims` is [num_heads, num_kv_heads, head_dim, sliding_window].
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -18,21 +18,22 @@
 
 namespace {
 
-constexpr int64_t kLayerTensors = 18;
+constexpr int64_t kLayerTensors = 6;
+constexpr int64_t kLinears = 4;
 
-enum Slot : int64_t {
-  kInputNorm, kQkvValues, kQkvScales, kQkvMins, kQkvBias, kOValues, kOScales, kOMins, kOBias, kPostNorm,
-  kGateUpValues, kGateUpScales, kGateUpMins, kDownValues, kDownScales, kDownMins, kQNorm, kKNorm
+enum Slot : int64_t { kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm };
+
+// One packed linear: its block matrices and their ggml types.
+struct Linear {
+  std::vector<at::Tensor> blocks;
+  std::vector<int64_t> types;
 };
 
-c10::optional<at::Tensor> maybe(const at::Tensor& t) { return t.defined() ? c10::optional<at::Tensor>(t) : c10::nullopt; }
-
-at::Tensor matmul(const at::Tensor& x, const at::Tensor* w, int64_t out_features, const at::Tensor& bias, bool int8) {
+at::Tensor matmul(const at::Tensor& x, const Linear& w, const at::Tensor& bias, int64_t arithmetic) {
   static auto op = c10::Dispatcher::singleton()
-                       .findSchemaOrThrow("statelm::quantized_matmul", "")
-                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                                         const c10::optional<at::Tensor>&, int64_t, bool)>();
-  at::Tensor out = op.call(x, w[0], w[1], maybe(w[2]), out_features, int8);
+                       .findSchemaOrThrow("statelm::gguf_matmul", "")
+                       .typed<at::Tensor(const at::Tensor&, at::TensorList, at::IntArrayRef, int64_t)>();
+  at::Tensor out = op.call(x, w.blocks, w.types, arithmetic);
   return bias.defined() ? out + bias : out;
 }
 
@@ -50,11 +51,11 @@ at::Tensor add_rms_norm(at::Tensor& residual, const at::Tensor& delta, const at:
   return op.call(residual, delta, weight, eps);
 }
 
-void rope(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table) {
+void rope(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table, bool interleaved) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("statelm::rope_", "")
-                       .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&)>();
-  op.call(x, positions, table);
+                       .typed<void(at::Tensor&, const at::Tensor&, const at::Tensor&, bool)>();
+  op.call(x, positions, table, interleaved);
 }
 
 at::Tensor silu_mul(const at::Tensor& gate_up) {
@@ -97,28 +98,41 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 
 // Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer.
 at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& rope_table,
-                          const c10::List<c10::optional<at::Tensor>>& weight_list, at::TensorList k_caches,
+                          const c10::List<c10::optional<at::Tensor>>& tensor_list, at::TensorList blocks,
+                          at::IntArrayRef block_types, at::IntArrayRef parts, at::TensorList k_caches,
                           at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start, const at::Tensor& final_norm, at::IntArrayRef dims,
-                          double eps, double scale, bool int8_activations) {
+                          double eps, double scale, int64_t arithmetic, bool interleaved_rope) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
-  std::vector<at::Tensor> weights;  // undefined where absent
-  weights.reserve(weight_list.size());
-  for (const c10::optional<at::Tensor>& t : weight_list) weights.push_back(t.has_value() ? *t : at::Tensor());
-  TORCH_CHECK(static_cast<int64_t>(weights.size()) == layers * kLayerTensors && v_caches.size() == k_caches.size(),
-              "decoder_layers: weights must hold ", kLayerTensors, " tensors per layer");
-  TORCH_CHECK(dims.size() == 8, "decoder_layers: dims must have 8 entries");
+  std::vector<at::Tensor> tensors;  // undefined where absent
+  tensors.reserve(tensor_list.size());
+  for (const c10::optional<at::Tensor>& t : tensor_list) tensors.push_back(t.has_value() ? *t : at::Tensor());
+  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors && v_caches.size() == k_caches.size(),
+              "decoder_layers: tensors must hold ", kLayerTensors, " tensors per layer");
+  TORCH_CHECK(static_cast<int64_t>(parts.size()) == layers * kLinears && blocks.size() == block_types.size(),
+              "decoder_layers: parts must count the block matrices of ", kLinears, " linears a layer");
+  std::vector<Linear> linears(parts.size());
+  size_t next = 0;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    for (int64_t p = 0; p < parts[i]; ++p, ++next) {
+      TORCH_CHECK(next < blocks.size(), "decoder_layers: fewer block matrices than parts counts");
+      linears[i].blocks.push_back(blocks[next]);
+      linears[i].types.push_back(block_types[next]);
+    }
+  }
+  TORCH_CHECK(next == blocks.size(), "decoder_layers: more block matrices than parts counts");
+  TORCH_CHECK(dims.size() == 4, "decoder_layers: dims must have 4 entries");
   TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == k_caches.size()),
               "decoder_layers: k_scales and v_scales hold one tensor per layer (q8_0) or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(), "x must be [T, H] float32");
-  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2];
-  const int64_t qkv_out = dims[3], o_out = dims[4], gate_up_out = dims[5], down_out = dims[6], window = dims[7];
+  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], window = dims[3];
   const int64_t tokens = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor x = x_in;
   at::Tensor residual;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const at::Tensor* w = weights.data() + layer * kLayerTensors;
+    const at::Tensor* w = tensors.data() + layer * kLayerTensors;
+    const Linear* linear = linears.data() + layer * kLinears;
     at::Tensor h;
     if (layer == 0) {
       residual = x;
@@ -126,7 +140,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     } else {
       h = add_rms_norm(residual, x, w[kInputNorm], eps);
     }
-    at::Tensor qkv = matmul(h, w + kQkvValues, qkv_out, w[kQkvBias], int8_activations);
+    at::Tensor qkv = matmul(h, linear[0], w[kQkvBias], arithmetic);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
@@ -134,8 +148,8 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
       q = head_norm(q, w[kQNorm], eps);
       k = head_norm(k, w[kKNorm], eps);
     }
-    rope(q, positions, rope_table);
-    rope(k, positions, rope_table);
+    rope(q, positions, rope_table, interleaved_rope);
+    rope(k, positions, rope_table, interleaved_rope);
     LayerKV cache{k_caches[layer], v_caches[layer]};
     if (!k_scales.empty()) {
       cache.k_scale = k_scales[layer];
@@ -143,10 +157,10 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     }
     kv_store(k, v, cache, slot_mapping);
     at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, window);
-    at::Tensor o = matmul(out.reshape({tokens, q_size}), w + kOValues, o_out, w[kOBias], int8_activations);
+    at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
     h = add_rms_norm(residual, o, w[kPostNorm], eps);
-    at::Tensor gate_up = matmul(h, w + kGateUpValues, gate_up_out, at::Tensor(), int8_activations);
-    x = matmul(silu_mul(gate_up), w + kDownValues, down_out, at::Tensor(), int8_activations);
+    at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
+    x = matmul(silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
   }
   return add_rms_norm(residual, x, final_norm, eps);
 }
@@ -155,9 +169,10 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def(
-      "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor?[] weights, Tensor[] k_caches, "
-      "Tensor[] v_caches, Tensor[] k_scales, Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-      "Tensor final_norm, int[] dims, float eps, float scale, bool int8_activations) -> Tensor");
+      "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor?[] tensors, Tensor[] blocks, "
+      "int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
+      "Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
+      "Tensor final_norm, int[] dims, float eps, float scale, int arithmetic, bool interleaved_rope) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }

@@ -80,9 +80,10 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
-// x [T, heads, D] (rows may be strided, heads and D contiguous) rotated in place by each token's position,
-// in the rotate-half layout: table [P, 2, D] holds cos and the sign-folded sin per position.
-void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table) {
+// x [T, heads, D] (rows may be strided, heads and D contiguous) rotated in place by each token's position: table
+// [P, 2, D] holds cos and the sign-folded sin per position, and each dimension's rotary partner is the one half a
+// head away (Hugging Face's rotate-half layout) or, interleaved, its neighbour (llama.cpp's: dimensions 2i, 2i+1).
+void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table, bool interleaved) {
   TORCH_CHECK(x.dim() == 3 && x.scalar_type() == at::kFloat, "x must be a 3-D float32 tensor");
   TORCH_CHECK(x.stride(2) == 1 && x.stride(1) == x.size(2), "x must have contiguous heads");
   TORCH_CHECK(table.is_contiguous() && table.scalar_type() == at::kFloat && table.size(2) == x.size(2));
@@ -92,16 +93,18 @@ void rope_(at::Tensor& x, const at::Tensor& positions, const at::Tensor& table) 
   for (int64_t t = 0; t < x.size(0); ++t) {
     TORCH_CHECK(pos[t] >= 0 && pos[t] < table.size(0), "position ", pos[t], " outside the rope table");
   }
+  const int64_t first_step = interleaved ? 2 : 1, partner = interleaved ? 1 : half;
+  const int64_t pairs_end = interleaved ? dim : half;
   at::parallel_for(0, x.size(0), kRowGrain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* cos = table.data_ptr<float>() + pos[t] * 2 * dim;
       const float* sin = cos + dim;
       for (int64_t h = 0; h < heads; ++h) {
         float* row = x.data_ptr<float>() + t * x.stride(0) + h * dim;
-        for (int64_t i = 0; i < half; ++i) {
-          const float a = row[i], b = row[i + half];
+        for (int64_t i = 0; i < pairs_end; i += first_step) {
+          const float a = row[i], b = row[i + partner];
           row[i] = a * cos[i] + b * sin[i];
-          row[i + half] = b * cos[i + half] + a * sin[i + half];
+          row[i + partner] = b * cos[i + partner] + a * sin[i + partner];
         }
       }
     }
@@ -114,7 +117,7 @@ TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
-  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table) -> ()");
+  m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table, bool interleaved) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) {

@@ -1,0 +1,247 @@
+// torch.ops.statelm.gguf_matmul(x [M, K] float32, weights, types, arithmetic) -> y [M, N] = x @ W.T
+// torch.ops.statelm.gguf_dequantize(weight, type, rows?) -> the float32 rows of one block matrix
+// torch.ops.statelm.gguf_interleave(weight, type) -> the block matrix in the interleaved layout (gguf_tiles.h)
+//
+// `weights` are uint8 tensors [rows, row bytes], each a block matrix of ggml type `types[i]` as the GGUF file
+// stores it (usually a view of the memory-mapped file), or interleaved (`types[i]` | kInterleavedType: the first
+// `rows` rows of gguf_interleave's result); their rows are stacked into the N output columns in order. `arithmetic`: 0 float32 activations, 1 int8, 2 int16 (see gguf_matmul.h).
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "gguf_matmul.h"
+#include "gguf_tiles.h"
+#include "parallel.h"
+
+namespace statelm::gguf {
+
+namespace {
+
+// Whether a tile's rows are first copied into a per-thread buffer, in address order, and read from there. The tile
+// builders read their 8 or 16 rows side by side, a few hundred bytes of each at a time: the hardware prefetchers
+// keep up with that only where rows are long and read in address order. Short rows (up to 2 KiB: Q4_K, Q6_K, Q4_1
+// at K = 2048 and less) and Q6_K's blocks (read from their end: the scales first) came from memory at 4-6 GB/s
+// where one copy streams them at the machine's rate and the kernel then reads them from L1/L2 (bench.qdecode:
+// 1.4-1.7x at one to eight rows); longer rows of the other formats read directly were faster than copied. The
+// copy holds the same bytes, so results do not change. (Software prefetches of the next tile did not help: in
+// tile order they halved the rate of long rows, in address order they made no difference.)
+bool stage_tiles(const Part& part, int64_t k) {
+  if (part.interleaved) return false;  // already in the order the builders read
+  return k / part.format->values * part.format->bytes <= 2048 || part.format->type == kQ6_K;
+}
+
+// The tile of columns [column, column + kTileColumns) of part as a part of its own: its rows copied side by side
+// into this thread's buffer (valid until the next call on the thread).
+Part staged_tile(const Part& part, int64_t column, int64_t k) {
+  const int64_t row_bytes = k / part.format->values * part.format->bytes;
+  const int64_t count = std::min(kTileColumns, part.rows - column);
+  uint8_t* buffer = scratch<uint8_t, 7>(kTileColumns * row_bytes);
+  if (part.row_stride == row_bytes) {
+    std::memcpy(buffer, part.data + column * row_bytes, count * row_bytes);
+  } else {
+    for (int64_t c = 0; c < count; ++c) {
+      std::memcpy(buffer + c * row_bytes, part.data + (column + c) * part.row_stride, row_bytes);
+    }
+  }
+  return {buffer, row_bytes, part.format, count, part.first_column + column};
+}
+
+// Per row and block of 32: q = round(x * limit / amax) (half to even), dx = amax / limit; sums of the levels per 16
+// and per 32 values, and dx times them.
+template <typename T>
+void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, IntRows& out) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock;
+  out.k = k;
+  out.rows = rows;
+  levels.resize(rows * k);
+  out.dx.resize(rows * blocks);
+  out.sums16.resize(rows * blocks * 2);
+  out.sums32.resize(rows * blocks);
+  out.sx16.resize(rows * blocks * 2);
+  out.sx32.resize(rows * blocks);
+  const float* in = x.data_ptr<float>();
+  const int64_t grain = std::max<int64_t>(1, 8192 / k);
+  statelm::parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m) {
+      for (int64_t b = 0; b < blocks; ++b) {
+        const float* values = in + m * stride + b * kBlock;
+        float amax = 0.0f;
+        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
+        const float inverse = amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f;
+        const float dx = amax / static_cast<float>(limit);
+        int32_t halves[2] = {0, 0};
+        T* q = levels.data() + m * k + b * kBlock;
+        for (int64_t i = 0; i < kBlock; ++i) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(values[i] * inverse));
+          q[i] = static_cast<T>(v);
+          halves[i / 16] += v;
+        }
+        const int64_t at = m * blocks + b;
+        out.dx[at] = dx;
+        for (int h = 0; h < 2; ++h) {
+          out.sums16[2 * at + h] = halves[h];
+          out.sx16[2 * at + h] = dx * static_cast<float>(halves[h]);
+        }
+        out.sums32[at] = halves[0] + halves[1];
+        out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
+      }
+    }
+  });
+}
+
+std::vector<Part> parts_of(const std::vector<at::Tensor>& weights, at::IntArrayRef types, int64_t k) {
+  TORCH_CHECK(weights.size() == types.size(), "gguf_matmul: one type per weight");
+  std::vector<Part> parts;
+  int64_t column = 0;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    const bool interleaved = (types[i] & kInterleavedType) != 0;
+    const Format* f = find_format(types[i] & ~kInterleavedType);
+    TORCH_CHECK(f != nullptr, "gguf_matmul: ggml type ", types[i], " is not a supported block format");
+    TORCH_CHECK(!interleaved || interleavable(*f), "gguf_matmul: ", f->name, " has no interleaved layout here");
+    const at::Tensor& w = weights[i];
+    TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
+                "gguf_matmul: weights must be uint8 [rows, row bytes] with contiguous rows");
+    const int64_t row_bytes = k / f->values * f->bytes;
+    TORCH_CHECK(k % f->values == 0 && w.size(1) == (interleaved ? interleaved_row_bytes(*f, row_bytes) : row_bytes),
+                "gguf_matmul: a ", f->name, " weight of ", w.size(1), " bytes a row does not match K = ", k);
+    TORCH_CHECK(!interleaved || w.stride(0) == w.size(1), "gguf_matmul: an interleaved weight must be contiguous");
+    parts.push_back({w.data_ptr<uint8_t>(), w.stride(0), f, w.size(0), column, interleaved});
+    column += w.size(0);
+  }
+  return parts;
+}
+
+at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntArrayRef types, int64_t arithmetic) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
+  TORCH_CHECK(arithmetic >= 0 && arithmetic <= 2, "arithmetic must be 0 (float32), 1 (int8) or 2 (int16)");
+  const int64_t rows = x.size(0), k = x.size(1);
+  TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
+  const std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
+  const std::vector<Part> parts = parts_of(weights, types, k);
+  int64_t n = 0;
+  std::vector<std::pair<int64_t, int64_t>> tiles;  // (part, first column of the part)
+  for (size_t p = 0; p < parts.size(); ++p) {
+    for (int64_t c = 0; c < parts[p].rows; c += kTileColumns) tiles.emplace_back(p, c);
+    n += parts[p].rows;
+  }
+  auto y = at::empty({rows, n}, x.options());
+  if (rows == 0 || n == 0) return y;
+  const auto kind = static_cast<Arithmetic>(arithmetic);
+  IntRows quantized;
+  if (kind == Arithmetic::kInt8) quantize_rows(x, 127, quantized.q8, quantized);
+  if (kind == Arithmetic::kInt16) quantize_rows(x, 32767, quantized.q16, quantized);
+  const FloatRows floats{x.data_ptr<float>(), x.stride(0), rows};
+  const int64_t acc_width = kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
+  float* out = y.data_ptr<float>();
+  // Rows multiplied straight from the blocks (stream_int8_rows) overlap reading with arithmetic by themselves;
+  // a tile built, then passed over by every row, leaves memory idle while the rows run unless the next chunk of
+  // an interleaved part is asked for ahead (1.2-1.4x at 5-8 rows; at 1-4 rows it halved the rate).
+  const bool prefetch = kind != Arithmetic::kInt8 || rows > kStreamRows;
+  statelm::parallel_for(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
+    float* acc = scratch<float, 6>(rows * acc_width);
+    for (int64_t t = begin; t < end; ++t) {
+      const Part& home = parts[tiles[t].first];
+      const bool staged = stage_tiles(home, k);
+      const Part part = staged ? staged_tile(home, tiles[t].second, k) : home;
+      const int64_t column = staged ? 0 : tiles[t].second;
+      std::fill(acc, acc + rows * acc_width, 0.0f);
+      for (int64_t first = 0; first < k; first += kChunkValues) {
+        const int64_t values = std::min(kChunkValues, k - first);
+        if (prefetch && first + kChunkValues < k) {
+          prefetch_chunk(part, column, first + kChunkValues, std::min(kChunkValues, k - first - kChunkValues));
+        } else if (prefetch) {
+          prefetch_chunk(part, column + kTileColumns, 0, std::min(kChunkValues, k));
+        }
+        if (kind == Arithmetic::kFloat) {
+          float_tile_chunk(part, column, first, values, floats, acc);
+        } else {
+          int_tile_chunk(part, column, first, values, quantized, kind == Arithmetic::kInt16, acc);
+        }
+      }
+      const int64_t columns = std::min(kTileColumns, part.rows - column);
+      for (int64_t m = 0; m < rows; ++m) {
+        float* dst = out + m * n + part.first_column + column;
+        for (int64_t c = 0; c < columns; ++c) {
+          if (kind == Arithmetic::kFloat) {
+            const float* chains = acc + (m * kTileColumns + c) * 4;
+            dst[c] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
+          } else {
+            dst[c] = acc[m * kTileColumns + c];
+          }
+        }
+      }
+    }
+  });
+  return y;
+}
+
+// Rows (all, or those listed) of one block matrix as float32, w = S*q (+ O) exactly as gguf-py dequantizes.
+at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, const c10::optional<at::Tensor>& rows) {
+  const Format* f = find_format(type);
+  TORCH_CHECK(f != nullptr, "gguf_dequantize: ggml type ", type, " is not a supported block format");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
+              "gguf_dequantize: weight must be uint8 [rows, row bytes] with contiguous rows");
+  TORCH_CHECK(weight.size(1) % f->bytes == 0, "gguf_dequantize: rows are not whole ", f->name, " blocks");
+  const int64_t k = weight.size(1) / f->bytes * f->values;
+  at::Tensor index = rows.has_value() ? rows->to(at::kLong).contiguous() : at::arange(weight.size(0), at::kLong);
+  const int64_t count = index.numel();
+  const int64_t* ids = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(ids[i] >= 0 && ids[i] < weight.size(0), "gguf_dequantize: row ", ids[i], " out of range");
+  }
+  auto out = at::empty({count, k}, at::TensorOptions().dtype(at::kFloat));
+  const uint8_t* data = weight.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  statelm::parallel_for(count, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
+    int8_t q[kMaxBlockValues];
+    float scales[kMaxBlockValues / 16], mins[kMaxBlockValues / 16];
+    for (int64_t i = begin; i < end; ++i) {
+      const uint8_t* row = data + ids[i] * weight.stride(0);
+      for (int64_t b = 0; b < k / f->values; ++b) {
+        f->decode(row + b * f->bytes, q, scales, mins);
+        float* w = dst + i * k + b * f->values;
+        for (int64_t v = 0; v < f->values; ++v) {
+          w[v] = scales[v / f->group] * static_cast<float>(q[v]);
+          if (f->min) w[v] += mins[v / f->group];
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// The block matrix in the interleaved layout (gguf_tiles.h), [rows rounded up to kTileColumns, interleaved row
+// bytes]; an empty tensor where this build has no interleaved layout for the format.
+at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type) {
+  const Format* f = find_format(type);
+  TORCH_CHECK(f != nullptr, "gguf_interleave: ggml type ", type, " is not a supported block format");
+  TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
+              "gguf_interleave: weight must be uint8 [rows, row bytes] with contiguous rows");
+  if (!interleavable(*f)) return at::empty({0, 0}, weight.options());
+  const int64_t rows = weight.size(0), row_bytes = weight.size(1);
+  TORCH_CHECK(row_bytes % f->bytes == 0, "gguf_interleave: rows are not whole ", f->name, " blocks");
+  auto out = at::empty({(rows + kTileColumns - 1) / kTileColumns * kTileColumns, interleaved_row_bytes(*f, row_bytes)},
+                       weight.options());
+  interleave_blocks(*f, weight.data_ptr<uint8_t>(), rows, row_bytes, weight.stride(0), out.data_ptr<uint8_t>());
+  return out;
+}
+
+}  // namespace
+}  // namespace statelm::gguf
+
+TORCH_LIBRARY_FRAGMENT(statelm, m) {
+  m.def("gguf_matmul(Tensor x, Tensor[] weights, int[] types, int arithmetic) -> Tensor");
+  m.def("gguf_dequantize(Tensor weight, int type, Tensor? rows) -> Tensor");
+  m.def("gguf_interleave(Tensor weight, int type) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(statelm, CPU, m) {
+  m.impl("gguf_matmul", &statelm::gguf::gguf_matmul);
+  m.impl("gguf_dequantize", &statelm::gguf::gguf_dequantize);
+  m.impl("gguf_interleave", &statelm::gguf::gguf_interleave);
+}

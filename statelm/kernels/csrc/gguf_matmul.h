@@ -1,0 +1,110 @@
+// The matmul on GGUF block matrices read in place (gguf_matmul.cpp), and its three arithmetics.
+//
+// y [M, N] = x [M, K] @ W.T, W one or more row-major block matrices as the GGUF file stores them (their rows are
+// output columns; a fused projection such as q, k and v is several matrices, each in its own format). Threads
+// split the output columns into tiles of kTileColumns; for each tile and chunk of K, the blocks of its columns are
+// decoded (gguf_formats.h) and laid out in a small per-thread buffer so that one vector load holds a few values of
+// every column of the tile, and every row of x passes over that buffer. The arithmetic of an output element never
+// depends on M, on the tile or on the thread, and the scalar, AVX2 and AVX-512 builds make the same operations:
+//
+// - float (x in float32): w = S*q (+ O) as gguf-py dequantizes it, then four chains per output element, chain i
+//   summing fma(w_k, x_k) over k = i mod 4 in K order, and (c0 + c1) + (c2 + c3) at the end.
+// - int8 / int16 (x quantized per row and block of 32 values: q = round(x * L / amax), dx = amax / L with L = 127
+//   or 32767): per group g of the format (16 or 32 values) the integer I_g = sum_k q_w * q_x is exact, and in K
+//   order   acc = fma(float(I_g), S_g * dx, acc),   then with a minimum   acc = fma(O_g, sx_g, acc)
+//   where sx_g = dx * float(sum of q_x over the group).
+// so a row's result is the same in any batch, and the same on every CPU class.
+
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "gguf_formats.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#define STATELM_GGUF_AVX2 1
+#include <immintrin.h>
+#endif
+#if defined(STATELM_GGUF_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define STATELM_GGUF_VNNI 1
+#endif
+
+namespace statelm::gguf {
+
+constexpr int64_t kBlock = 32;  // activation quantization block, and the unit of the tile layouts
+
+enum class Arithmetic : int64_t { kFloat = 0, kInt8 = 1, kInt16 = 2 };
+
+#if defined(STATELM_GGUF_VNNI)
+constexpr int64_t kTileColumns = 16;
+#else
+constexpr int64_t kTileColumns = 8;
+#endif
+
+// One block matrix of the call: `rows` output columns from `first_column` on, each row `row_stride` bytes apart.
+// Interleaved (gguf_tiles.h): data holds tiles of kTileColumns rows of row_stride bytes each (whole words).
+struct Part {
+  const uint8_t* data;
+  int64_t row_stride;
+  const Format* format;
+  int64_t rows;
+  int64_t first_column;
+  bool interleaved = false;
+};
+
+// A type id with this bit names an interleaved block matrix of that format.
+constexpr int64_t kInterleavedType = 1 << 8;
+
+// x quantized per row and block of 32 (int8 or int16 values) with its per-block scales and per-group sums.
+struct IntRows {
+  int64_t k = 0;
+  int64_t rows = 0;
+  std::vector<int8_t> q8;
+  std::vector<int16_t> q16;
+  std::vector<float> dx;        // [M, K/32]
+  std::vector<int32_t> sums16;  // [M, K/16]: sum of the levels over each 16 values
+  std::vector<int32_t> sums32;  // [M, K/32]
+  std::vector<float> sx16;      // [M, K/16]: dx * float(sums16)
+  std::vector<float> sx32;      // [M, K/32]
+
+  int32_t sum(int64_t m, int64_t group, int64_t size) const {
+    return size == 16 ? sums16[m * (k / 16) + group] : sums32[m * (k / 32) + group];
+  }
+  float sx(int64_t m, int64_t group, int64_t size) const {
+    return size == 16 ? sx16[m * (k / 16) + group] : sx32[m * (k / 32) + group];
+  }
+  float scale(int64_t m, int64_t block) const { return dx[m * (k / kBlock) + block]; }
+};
+
+struct FloatRows {
+  const float* x;
+  int64_t stride;
+  int64_t rows;
+};
+
+// The levels, scales and mins of `count` columns of part from column `column`, values [first, first + values)
+// of each: levels [kTileColumns, values], scales and mins [kTileColumns, values / group]. Columns past the part's
+// last are zero.
+void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
+                    float* mins);
+
+// Values per chunk of K that a tile is decoded for at a time (a multiple of every format's block).
+constexpr int64_t kChunkValues = 512;
+
+// Adds the contribution of values [first, first + values) of the tile of columns from `column` to acc, the
+// tile's running results: int kinds [M, kTileColumns] (gguf_matmul_int.cpp), float [M, kTileColumns, 4] chains.
+void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
+                    float* acc);
+void float_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const FloatRows& x,
+                      float* acc);
+
+// Per-thread scratch of at least `count` elements, kept across calls (written before read, never cleared).
+template <typename T, int kSlot>
+T* scratch(int64_t count) {
+  thread_local std::vector<T> buffer;
+  if (static_cast<int64_t>(buffer.size()) < count) buffer.resize(count);
+  return buffer.data();
+}
+
+}  // namespace statelm::gguf

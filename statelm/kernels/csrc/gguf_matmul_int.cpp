@@ -1,0 +1,202 @@
+// The int8 and int16 arithmetics of the GGUF matmul (see gguf_matmul.h): exact integer group sums, then float.
+//
+// A tile's decoded levels are laid out so that one vector load holds a few values of every column of the tile,
+// and each row's activations are broadcast against it; vector lanes are output columns, so no horizontal sums:
+//   AVX512-VNNI, 16 columns: int8 levels + offset as uint8 [block][8 quads][16][4], one vpdpbusd per quad and
+//     row; int16 levels [block][16 pairs][16][2], one vpdpwssd per pair and row.
+//   AVX2, 8 columns: int8 as uint8 levels + offset (narrow formats: vpmaddubsw pairs of two quads add in int16)
+//     or as signed levels (Q8_0, IQ4: the sign moves to the activations); int16 levels with vpmaddwd.
+//   scalar: the decoded levels as they are.
+// Levels stored with an offset give sum((q + offset) * x) = I + offset * sum(x): the group's activation sum
+// times the offset is subtracted, so every build reaches the same exact I.
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <type_traits>
+
+#include "gguf_matmul.h"
+#include "gguf_simd.h"
+#include "gguf_tiles.h"
+
+namespace statelm::gguf {
+namespace {
+
+constexpr int64_t W = kTileColumns;
+constexpr int kRowsPerTile = 8;
+
+#if defined(STATELM_GGUF_AVX2)
+using namespace simd;
+
+// acc[r] += the float steps of block b's groups (kb in K) for R rows, in K order.
+template <int R, bool kG16, bool kMin>
+inline void add_groups(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t b, int64_t kb, int offset,
+                       V sums[2][R], VF acc[R]) {
+  for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
+    const int64_t size = kG16 ? 16 : 32, group = kG16 ? 2 * kb + h : kb, tile_group = kG16 ? 2 * b + h : b;
+    const VF scales = load_f(t.scales + tile_group * W);
+    for (int r = 0; r < R; ++r) {
+      const int32_t offset_sum = offset ? offset * x.sum(m0 + r, group, size) : 0;
+      acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, scales, x.scale(m0 + r, kb), t.mins + tile_group * W,
+                                kMin ? x.sx(m0 + r, group, size) : 0.0f);
+    }
+  }
+}
+#endif
+
+#if defined(STATELM_GGUF_VNNI)
+// R rows: one vpdpbusd (uint8 levels + offset) or vpdpwssd (int16 pairs) per quad or pair and row.
+template <int R, bool kInt16, bool kG16, bool kMin>
+void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
+  constexpr int kSteps = kInt16 ? 16 : 8;
+  constexpr int64_t kBlockBytes = kInt16 ? 2 * W * kBlock : W * kBlock;
+  VF a[R];
+  for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const int64_t kb = block0 + b;
+    V sums[2][R];
+    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
+#pragma GCC unroll 16
+    for (int step = 0; step < kSteps; ++step) {
+      const V w = _mm512_loadu_si512(t.levels + b * kBlockBytes + step * 64);
+      const int half = kG16 && step >= kSteps / 2 ? 1 : 0;
+      for (int r = 0; r < R; ++r) {
+        const int64_t at = (m0 + r) * x.k + kb * kBlock + step * (kInt16 ? 2 : 4);
+        if constexpr (kInt16) {
+          sums[half][r] = _mm512_dpwssd_epi32(sums[half][r], w, _mm512_set1_epi32(load32(x.q16.data() + at)));
+        } else {
+          sums[half][r] = _mm512_dpbusd_epi32(sums[half][r], w, _mm512_set1_epi32(load32(x.q8.data() + at)));
+        }
+      }
+    }
+    add_groups<R, kG16, kMin>(t, x, m0, b, kb, t.offset, sums, a);
+  }
+  for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
+}
+#elif defined(STATELM_GGUF_AVX2)
+// R rows: int16 pairs with vpmaddwd; narrow uint8 levels + offset with vpmaddubsw, two quads' pair sums added in
+// int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x.
+template <int R, bool kInt16, bool kG16, bool kMin>
+void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
+  const __m256i ones = _mm256_set1_epi16(1);
+  const bool wide = !kInt16 && !t.format->narrow;
+  VF a[R];
+  for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
+  for (int64_t b = 0; b < t.blocks; ++b) {
+    const int64_t kb = block0 + b;
+    V sums[2][R];
+    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
+    if constexpr (kInt16) {
+#pragma GCC unroll 16
+      for (int pair = 0; pair < 16; ++pair) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * 2 * W * kBlock + pair * 32));
+        const int half = kG16 && pair >= 8 ? 1 : 0;
+        for (int r = 0; r < R; ++r) {
+          const __m256i xs = _mm256_set1_epi32(load32(x.q16.data() + (m0 + r) * x.k + kb * kBlock + 2 * pair));
+          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(w, xs));
+        }
+      }
+    } else if (wide) {
+#pragma GCC unroll 8
+      for (int quad = 0; quad < 8; ++quad) {
+        const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
+        const int half = kG16 && quad >= 4 ? 1 : 0;
+        for (int r = 0; r < R; ++r) {
+          sums[half][r] = dot_wide(sums[half][r], w, load32(x.q8.data() + (m0 + r) * x.k + kb * kBlock + 4 * quad));
+        }
+      }
+    } else {
+#pragma GCC unroll 4
+      for (int quad = 0; quad < 8; quad += 2) {
+        const uint8_t* w = t.levels + b * W * kBlock + quad * 32;
+        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+        const int half = kG16 && quad >= 4 ? 1 : 0;
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q8.data() + (m0 + r) * x.k + kb * kBlock + 4 * quad;
+          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(load32(q))),
+                                                    _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load32(q + 4))));
+          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(products, ones));
+        }
+      }
+    }
+    add_groups<R, kG16, kMin>(t, x, m0, b, kb, wide ? 0 : t.offset, sums, a);
+  }
+  for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
+}
+#else
+// The scalar build: signed levels [W, values] as decoded.
+template <bool kInt16, bool kG16, bool kMin>
+void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
+  const int8_t* levels = reinterpret_cast<const int8_t*>(t.levels);
+  const int64_t values = t.blocks * kBlock, size = kG16 ? 16 : 32, groups = values / size;
+  for (int64_t r = 0; r < x.rows; ++r) {
+    for (int64_t c = 0; c < W; ++c) {
+      float a = acc[r * W + c];
+      for (int64_t g = 0; g < groups; ++g) {
+        const int64_t k0 = block0 * kBlock + g * size, group = k0 / size;
+        int32_t total = 0;
+        for (int64_t i = 0; i < size; ++i) {
+          const int32_t xq = kInt16 ? x.q16[r * x.k + k0 + i] : x.q8[r * x.k + k0 + i];
+          total += levels[c * values + g * size + i] * xq;
+        }
+        a = std::fma(static_cast<float>(total), t.scales[g * W + c] * x.scale(r, k0 / kBlock), a);
+        if constexpr (kMin) a = std::fma(t.mins[g * W + c], x.sx(r, group, size), a);
+      }
+      acc[r * W + c] = a;
+    }
+  }
+}
+#endif
+
+template <bool kInt16, bool kG16, bool kMin>
+void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
+#if defined(STATELM_GGUF_AVX2)
+  for (int64_t m0 = 0; m0 < x.rows; m0 += kRowsPerTile) {
+    const auto tile = [&](auto rows) { rows_tile<decltype(rows)::value, kInt16, kG16, kMin>(t, x, m0, block0, acc); };
+    switch (std::min<int64_t>(kRowsPerTile, x.rows - m0)) {
+      case 8: tile(std::integral_constant<int, 8>()); break;
+      case 7: tile(std::integral_constant<int, 7>()); break;
+      case 6: tile(std::integral_constant<int, 6>()); break;
+      case 5: tile(std::integral_constant<int, 5>()); break;
+      case 4: tile(std::integral_constant<int, 4>()); break;
+      case 3: tile(std::integral_constant<int, 3>()); break;
+      case 2: tile(std::integral_constant<int, 2>()); break;
+      default: tile(std::integral_constant<int, 1>()); break;
+    }
+  }
+#else
+  rows_scalar<kInt16, kG16, kMin>(t, x, block0, acc);
+#endif
+}
+
+template <bool kInt16>
+void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
+  const Format& f = *t.format;
+  if (f.group == 16) {
+    if (f.min) {
+      run_rows<kInt16, true, true>(t, x, block0, acc);
+    } else {
+      run_rows<kInt16, true, false>(t, x, block0, acc);
+    }
+  } else if (f.min) {
+    run_rows<kInt16, false, true>(t, x, block0, acc);
+  } else {
+    run_rows<kInt16, false, false>(t, x, block0, acc);
+  }
+}
+
+}  // namespace
+
+void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
+                    float* acc) {
+  if (!int16 && x.rows <= kStreamRows && stream_int8_rows(part, column, first, values, x, acc)) return;
+  const Int8Tile tile = build_int8_tile(part, column, first, values);
+  if (int16) {
+    dispatch<true>(widen_int16(tile), x, first / kBlock, acc);
+  } else {
+    dispatch<false>(tile, x, first / kBlock, acc);
+  }
+}
+
+}  // namespace statelm::gguf

@@ -1,0 +1,727 @@
+// Builds a tile's int8 layout straight from the blocks of its columns (see gguf_tiles.h).
+//
+// Every column's bytes are loaded as they lie in its row, one vector per column, and the vectors are transposed
+// in registers (16 x 16 or 8 x 8 32-bit words), so that vector j holds word j of every column: a quad of four
+// levels per column, or a scale field per column. From there the format's unpacking (nibbles, high bits, the
+// IQ4 table) works on whole vectors, lanes being columns, and each result is one quad of the tile. Formats
+// without a builder here (Q2_K, Q3_K, Q5_0, Q5_1), and the scalar build, decode block by block
+// (gguf_formats.cpp) and interleave.
+
+#include "gguf_tiles.h"
+
+#include "gguf_simd.h"
+#include "parallel.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace statelm::gguf {
+namespace {
+
+constexpr int64_t W = kTileColumns;
+
+struct TileBuffers {
+  uint8_t* levels;
+  float* scales;
+  float* mins;
+};
+
+// The chunk's first block in each column's row: base + c * stride. Columns past the part's last read the last
+// one's bytes (their results are never stored), so that every load is unconditional.
+struct Rows {
+  const uint8_t* base;
+  int64_t stride;
+  int64_t columns;  // real ones
+  const uint8_t* row(int64_t c) const { return base + std::min(c, columns - 1) * stride; }
+  Rows at(int64_t offset) const { return {base + offset, stride, columns}; }
+  template <int64_t kType>
+  Rows as() const { return *this; }
+};
+
+Rows rows_of(const Part& part, int64_t column, int64_t first) {
+  const uint8_t* base = part.data + column * part.row_stride + first / part.format->values * part.format->bytes;
+  return {base, part.row_stride, std::min(kTileColumns, part.rows - column)};
+}
+
+// How a format's blocks lie in an interleaved row: `stored` bytes each (whole words); the block's last `tail` bytes
+// first, then padding, then the rest, so that every field the builders load as vectors starts on a word and
+// (Q6_K: its high bits, scales and d, read before its low bits) the fields lie in the order they are read.
+struct StoredBlock {
+  int64_t bytes, stored, tail;
+  constexpr int64_t position(int64_t within) const {
+    return within >= bytes - tail ? within - (bytes - tail) : within + stored - bytes + tail;
+  }
+};
+
+constexpr StoredBlock stored_block(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kIQ4_NL: return {18, 20, 0};  // padding, d | qs[16]
+    case kQ5_0: return {22, 24, 0};                 // padding, d, qh | qs[16]
+    case kQ8_0: return {34, 36, 0};                 // padding, d | qs[32]
+    case kQ6_K: return {210, 212, 82};              // qh[64] | scales[16] | d, padding | ql[128]
+    case kQ4_1: return {20, 20, 0};
+    case kQ5_1: return {24, 24, 0};
+    case kQ4_K: return {144, 144, 0};
+    case kQ5_K: return {176, 176, 0};
+    case kIQ4_XS: return {136, 136, 0};
+    default: return {0, 0, 0};  // no tile builder: not interleaved
+  }
+}
+
+// The same columns of an interleaved part, as a format's builder reads them: the tile's words [word][kTileColumns]
+// and the chunk's first byte in each column's row (in the file's layout; stored() maps it to the tile's).
+template <int64_t kType>
+struct TileWords {
+  static constexpr StoredBlock kBlockLayout = stored_block(kType);
+  const uint8_t* tile;
+  int64_t start;
+  TileWords at(int64_t offset) const { return {tile, start + offset}; }
+  static int64_t stored(int64_t at) {
+    if constexpr (kBlockLayout.stored == kBlockLayout.bytes) return at;
+    return at / kBlockLayout.bytes * kBlockLayout.stored + kBlockLayout.position(at % kBlockLayout.bytes);
+  }
+};
+
+// An interleaved tile before its format is known: as<type>() gives the format's TileWords.
+struct TileStart {
+  const uint8_t* tile;
+  int64_t start;
+  template <int64_t kType>
+  TileWords<kType> as() const { return {tile, start}; }
+};
+
+TileStart tile_start_of(const Part& part, int64_t column, int64_t first) {
+  return {part.data + column * part.row_stride, first / part.format->values * part.format->bytes};
+}
+
+// The generic path: decode block by block, then interleave (and shift by the offset in SIMD builds).
+Int8Tile decoded_tile(const Part& part, int64_t column, int64_t first, int64_t values, TileBuffers out) {
+  const Format& f = *part.format;
+  const int64_t groups = values / f.group;
+  int8_t* levels = scratch<int8_t, 0>(W * values);
+  float* decoded = scratch<float, 1>(2 * W * groups);
+  decode_columns(part, column, first, values, levels, decoded, decoded + W * groups);
+  for (int64_t c = 0; c < W; ++c) {
+    for (int64_t g = 0; g < groups; ++g) {
+      out.scales[g * W + c] = decoded[c * groups + g];
+      out.mins[g * W + c] = decoded[(W + c) * groups + g];
+    }
+  }
+#if defined(STATELM_GGUF_AVX2)
+  for (int64_t c = 0; c < W; ++c) {
+    for (int64_t u = 0; u < values / 4; ++u) {
+      for (int64_t i = 0; i < 4; ++i) {
+        out.levels[(u * W + c) * 4 + i] = static_cast<uint8_t>(levels[c * values + 4 * u + i] + f.offset);
+      }
+    }
+  }
+  return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
+#else
+  return {reinterpret_cast<const uint8_t*>(levels), out.scales, out.mins, &f, 0, values / kBlock};
+#endif
+}
+
+#if defined(STATELM_GGUF_AVX2)
+using namespace simd;
+
+// out[j] = word j of kVecBytes bytes of each column at `offset` from its row.
+__attribute__((always_inline)) inline void words(const Rows& rows, int64_t offset, V out[W]) {
+  for (int64_t c = 0; c < W; ++c) out[c] = load(rows.row(c) + offset);
+  transpose(out);
+}
+
+// Words 0..3 of 16 bytes of each column at `offset`: vector k holds columns k, 4 + k, ... one per 128 bits, so
+// that a transpose within 128-bit lanes leaves the columns in order.
+__attribute__((always_inline)) inline void four_words(const Rows& rows, int64_t offset, V out[4]) {
+  V in[4];
+  for (int k = 0; k < 4; ++k) {
+#if defined(STATELM_GGUF_VNNI)
+    in[k] = quarters(rows.row(k) + offset, rows.row(4 + k) + offset, rows.row(8 + k) + offset, rows.row(12 + k) + offset);
+#else
+    in[k] = halves(rows.row(k) + offset, rows.row(4 + k) + offset);
+#endif
+  }
+#if defined(STATELM_GGUF_VNNI)
+  const V t0 = _mm512_unpacklo_epi32(in[0], in[1]), t1 = _mm512_unpackhi_epi32(in[0], in[1]);
+  const V t2 = _mm512_unpacklo_epi32(in[2], in[3]), t3 = _mm512_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm512_unpacklo_epi64(t0, t2), out[1] = _mm512_unpackhi_epi64(t0, t2);
+  out[2] = _mm512_unpacklo_epi64(t1, t3), out[3] = _mm512_unpackhi_epi64(t1, t3);
+#else
+  const V t0 = _mm256_unpacklo_epi32(in[0], in[1]), t1 = _mm256_unpackhi_epi32(in[0], in[1]);
+  const V t2 = _mm256_unpacklo_epi32(in[2], in[3]), t3 = _mm256_unpackhi_epi32(in[2], in[3]);
+  out[0] = _mm256_unpacklo_epi64(t0, t2), out[1] = _mm256_unpackhi_epi64(t0, t2);
+  out[2] = _mm256_unpacklo_epi64(t1, t3), out[3] = _mm256_unpackhi_epi64(t1, t3);
+#endif
+}
+
+// The 4 bytes at `offset` of every column of an interleaved tile as one vector (lane c: column c). Block sizes are
+// even, so a field is 0 or 2 bytes past a word: then the high half of one word and the low half of the next.
+template <int64_t kType>
+__attribute__((always_inline)) inline V word_at(const TileWords<kType>& rows, int64_t offset) {
+  const int64_t at = TileWords<kType>::stored(rows.start + offset), word = at / 4;
+  const V low = load(rows.tile + word * W * 4);
+  if (at % 4 == 0) return low;
+  const unsigned shift = static_cast<unsigned>(8 * (at % 4));
+  return vor(srl(low, shift), sll(load(rows.tile + (word + 1) * W * 4), 32 - shift));
+}
+
+// words(), four_words() and words_of_runs() of an interleaved tile: the same vectors, loaded rather than transposed.
+template <int64_t kType>
+__attribute__((always_inline)) inline void words(const TileWords<kType>& rows, int64_t offset, V out[W]) {
+  for (int64_t j = 0; j < W; ++j) out[j] = word_at(rows, offset + 4 * j);
+}
+
+template <int64_t kType>
+__attribute__((always_inline)) inline void four_words(const TileWords<kType>& rows, int64_t offset, V out[4]) {
+  for (int64_t j = 0; j < 4; ++j) out[j] = word_at(rows, offset + 4 * j);
+}
+
+template <int64_t kType>
+__attribute__((always_inline)) inline void words_of_runs(const TileWords<kType>& rows, int64_t offset, int64_t step,
+                                                         int64_t size, int present, V out[W]) {
+  const int64_t per_run = size / 4;
+  for (int64_t j = 0; j < W; ++j) {
+    const int64_t run = j / per_run;
+    out[j] = run < present ? word_at(rows, offset + run * step + 4 * (j % per_run)) : zero();
+  }
+}
+
+// Words of `present` (of kVecBytes / size) runs of `size` bytes per column, the p-th at offset + p * step.
+__attribute__((always_inline)) inline void words_of_runs(const Rows& rows, int64_t offset, int64_t step, int64_t size,
+                                                         int present, V out[W]) {
+  const int64_t runs = kVecBytes / size;
+  for (int64_t c = 0; c < W; ++c) {
+    const uint8_t* row = rows.row(c) + offset;
+    if (present < runs) {
+      alignas(64) uint8_t buffer[kVecBytes] = {};
+      for (int p = 0; p < present; ++p) std::memcpy(buffer + p * size, row + p * step, size);
+      out[c] = load(buffer);
+    } else if (runs == 1) {
+      out[c] = load(row);
+#if defined(STATELM_GGUF_VNNI)
+    } else if (runs == 4) {
+      out[c] = quarters(row, row + step, row + 2 * step, row + 3 * step);
+#endif
+    } else {
+      out[c] = halves(row, row + step);
+    }
+  }
+  transpose(out);
+}
+
+// A sink receives a chunk's decoded blocks (block numbers from the chunk's start), in order: a block's scale(group,
+// S) and min(group, O) calls (possibly those of a few blocks ahead), then its eight quad(block, q, levels) calls
+// (levels + offset of values 4q..4q+3 of every column, quads in any order) and block_done(block). StoreSink lays
+// them out as the tile; DotSink multiplies them at once.
+struct StoreSink {
+  uint8_t* levels;
+  float* scales;
+  float* mins;
+
+  void quad(int64_t block, int q, V v) { store(levels + (block * 8 + q) * W * 4, v); }
+  void scale(int64_t group, VF v) { store_f(scales + group * W, v); }
+  void min(int64_t group, VF v) { store_f(mins + group * W, v); }
+  void block_done(int64_t) {}
+};
+
+// The int8 arithmetic of R rows straight from decoded quads: a block's exact group sums, then its float steps.
+template <int R, bool kG16, bool kMin>
+struct DotSink {
+  static constexpr int kSlots = 16;  // scales and mins kept for a superblock's groups at most
+  const IntRows& x;
+  int64_t block0;  // the chunk's first block in K
+  int offset;
+  bool wide;
+  VF acc[R];
+  V sums[2][R];
+  alignas(64) float scales[kSlots * W];
+  alignas(64) float mins[kSlots * W];
+
+  DotSink(const IntRows& rows, int64_t first_block, int level_offset, bool wide_levels, const float* running)
+      : x(rows), block0(first_block), offset(level_offset), wide(wide_levels) {
+    for (int r = 0; r < R; ++r) {
+      acc[r] = load_f(running + r * W);
+      sums[0][r] = sums[1][r] = zero();
+    }
+  }
+  __attribute__((always_inline)) void quad(int64_t block, int q, V v) {
+    V* sum = sums[kG16 && q >= 4 ? 1 : 0];
+    const int8_t* at = x.q8.data() + (block0 + block) * kBlock + 4 * q;
+    for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, load32(at + r * x.k), wide);
+  }
+  void scale(int64_t group, VF v) { store_f(scales + group % kSlots * W, v); }
+  void min(int64_t group, VF v) { store_f(mins + group % kSlots * W, v); }
+  __attribute__((always_inline)) void block_done(int64_t block) {
+    constexpr int64_t size = kG16 ? 16 : 32;
+    const int64_t kb = block0 + block;
+    for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
+      const int64_t group = kG16 ? 2 * kb + h : kb, slot = (kG16 ? 2 * block + h : block) % kSlots;
+      const VF s = load_f(scales + slot * W);
+      for (int r = 0; r < R; ++r) {
+        const int32_t offset_sum = offset ? offset * x.sum(r, group, size) : 0;
+        acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, s, x.scale(r, kb), mins + slot * W,
+                                  kMin ? x.sx(r, group, size) : 0.0f);
+        sums[h][r] = zero();
+      }
+    }
+  }
+  void finish(float* running) const {
+    for (int r = 0; r < R; ++r) store_f(running + r * W, acc[r]);
+  }
+};
+
+// Q8_0 (d, 32 int8): levels + 128.
+template <class Sink, class Source>
+void build_q8_0(const Source& rows, int64_t blocks, Sink& sink) {
+  constexpr int64_t kRuns = kVecBytes / 32;  // blocks per transposed set
+  const V flip = set8(0x80);
+  for (int64_t b = 0; b < blocks; b += kRuns) {
+    const int present = static_cast<int>(std::min(kRuns, blocks - b));
+    V v[W];
+    words_of_runs(rows, b * 34 + 2, 34, 32, present, v);
+    for (int p = 0; p < present; ++p) {
+      V header[4];
+      four_words(rows, (b + p) * 34, header);
+      sink.scale(b + p, half_low(header[0]));
+#pragma GCC unroll 8
+      for (int q = 0; q < 8; ++q) sink.quad(b + p, q, vxor(v[8 * p + q], flip));
+      sink.block_done(b + p);
+    }
+  }
+}
+
+constexpr int8_t kIQ4Shifted[16] = {1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};  // +128
+
+// A block whose 16 bytes of nibbles are words[0..3] (low nibbles: values 0..15, high: 16..31); IQ4 levels looked up.
+template <class Sink>
+__attribute__((always_inline)) inline void nibble_block(const V* words, int64_t block, bool iq4, Sink& sink) {
+  const V mask = set8(0x0F), table = table16(kIQ4Shifted);
+#pragma GCC unroll 4
+  for (int e = 0; e < 4; ++e) {
+    V low = vand(words[e], mask), high = vand(srl(words[e], 4), mask);
+    if (iq4) {
+      low = lookup(table, low);
+      high = lookup(table, high);
+    }
+    sink.quad(block, e, low);
+    sink.quad(block, e + 4, high);
+  }
+  sink.block_done(block);
+}
+
+// Q4_1 (d, m, qs[16]: 20 bytes): four blocks are 20 words of each column, block p's d | m word 5p and its nibbles
+// words 5p + 1..5p + 4, so that one transpose of 80 bytes serves four blocks' fields and levels alike. Returns
+// the blocks done (a multiple of four).
+template <class Sink, class Source>
+int64_t build_q4_1_fours(const Source& rows, int64_t blocks, Sink& sink) {
+  int64_t b = 0;
+  for (; b + 4 <= blocks; b += 4) {
+    V v[20];
+    for (int64_t at = 0; at < 64; at += kVecBytes) words(rows, b * 20 + at, v + at / 4);
+    four_words(rows, b * 20 + 64, v + 16);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; ++p) {
+      sink.scale(b + p, half_low(v[5 * p]));
+      sink.min(b + p, half_high(v[5 * p]));
+      nibble_block(v + 5 * p + 1, b + p, false, sink);
+    }
+  }
+  return b;
+}
+
+// Q4_0, Q4_1, IQ4_NL: 16 bytes of nibbles per block at `qs`.
+template <class Sink, class Source>
+void build_nibble_blocks(const Format& f, const Source& rows, int64_t blocks, int64_t qs, bool iq4, Sink& sink) {
+  constexpr int64_t kRuns = kVecBytes / 16;
+  for (int64_t b = f.type == kQ4_1 ? build_q4_1_fours(rows, blocks, sink) : 0; b < blocks; b += kRuns) {
+    const int present = static_cast<int>(std::min(kRuns, blocks - b));
+    V v[W];
+    words_of_runs(rows, b * f.bytes + qs, f.bytes, 16, present, v);
+    for (int p = 0; p < present; ++p) {
+      V header[4];  // word 0: d, then Q4_1's m
+      four_words(rows, (b + p) * f.bytes, header);
+      sink.scale(b + p, half_low(header[0]));
+      if (f.min) sink.min(b + p, half_high(header[0]));
+      nibble_block(v + 4 * p, b + p, iq4, sink);
+    }
+  }
+}
+
+// Q5_0 (d, qh, qs[16]) and Q5_1 (d, m, qh, qs[16]): value i's fifth bit is bit i of the 32-bit qh. For quad e,
+// byte e / 2 of each column's qh is spread over the lane's four bytes and byte i keeps bit 4 (e % 2) + i.
+template <class Sink, class Source>
+void build_q5_blocks(const Format& f, const Source& rows, int64_t blocks, int64_t qh_at, Sink& sink) {
+  constexpr int64_t kRuns = kVecBytes / 16;
+  const V mask = set8(0x0F), one = set8(0x01);
+  const V lane_base = lane_bytes();
+  for (int64_t b = 0; b < blocks; b += kRuns) {
+    const int present = static_cast<int>(std::min(kRuns, blocks - b));
+    V v[W];
+    words_of_runs(rows, b * f.bytes + qh_at + 4, f.bytes, 16, present, v);
+    for (int p = 0; p < present; ++p) {
+      const int64_t block = b + p;
+      V header[4];  // Q5_0: d | qh low half, qh high half | ...; Q5_1: d | m, qh
+      four_words(rows, block * f.bytes, header);
+      sink.scale(block, half_low(header[0]));
+      if (f.min) sink.min(block, half_high(header[0]));
+      const V qh = f.min ? header[1] : vor(srl(header[0], 16), sll(header[1], 16));
+#pragma GCC unroll 8
+      for (int e = 0; e < 8; ++e) {
+        const V word = v[4 * p + e % 4];
+        const V nibble = e < 4 ? vand(word, mask) : vand(srl(word, 4), mask);
+        const V spread = lookup(qh, add8(lane_base, set8(e / 2)));
+        const V bits = vand(spread, set32(e % 2 ? static_cast<int>(0x80402010) : 0x08040201));
+        sink.quad(block, e, vor(nibble, sll(min8(bits, one), 4)));
+      }
+      sink.block_done(block);
+    }
+  }
+}
+
+// 128 bytes of Q4_K / Q5_K nibbles at qs: bytes 32c..32c+31 hold sub-block 2c (low) and 2c+1 (high). high_bits:
+// Q5_K's qh words (bit j of byte i: fifth bit of sub-block j's value i), or null.
+template <class Sink, class Source>
+__attribute__((always_inline)) inline void k_nibbles(const Source& rows, int64_t qs, int64_t block0, const V* high_bits,
+                                                     Sink& sink) {
+  const V mask = set8(0x0F), one = set8(0x01);
+#pragma GCC unroll 4
+  for (int64_t load_at = 0; load_at < 128; load_at += kVecBytes) {
+    V v[W];
+    words(rows, qs + load_at, v);
+#pragma GCC unroll 4
+    for (int sub = 0; sub < 2 * kVecBytes / 32; ++sub) {  // the sub-blocks this load holds, in order
+      const int c = static_cast<int>(load_at / 32) + sub / 2, block = 2 * c + sub % 2;
+#pragma GCC unroll 8
+      for (int t = 0; t < 8; ++t) {
+        const V word = v[8 * (sub / 2) + t];
+        V level = sub % 2 ? vand(srl(word, 4), mask) : vand(word, mask);
+        if (high_bits) level = vor(level, sll(vand(srl(high_bits[t], block), one), 4));
+        sink.quad(block0 + block, t, level);
+      }
+      sink.block_done(block0 + block);
+    }
+  }
+}
+// Q4_K / Q5_K scales and mins from the header words (d | dmin, then the 12 bytes of 6-bit fields).
+template <class Sink>
+inline void k4_scales(const V h[4], int64_t group0, Sink& sink) {
+  const VF d = half_low(h[0]), dmin = half_high(h[0]);
+  const V six = set32(63), four = set32(15), two = set32(3);
+  for (int j = 0; j < 8; ++j) {
+    V scale, min;
+    if (j < 4) {
+      scale = vand(srl(h[1], 8 * j), six);
+      min = vand(srl(h[2], 8 * j), six);
+    } else {
+      const int i = j - 4;
+      scale = vor(vand(srl(h[3], 8 * i), four), sll(vand(srl(h[1], 8 * i + 6), two), 4));
+      min = vor(vand(srl(h[3], 8 * i + 4), four), sll(vand(srl(h[2], 8 * i + 6), two), 4));
+    }
+    sink.scale(group0 + j, mul(d, to_float(scale)));
+    sink.min(group0 + j, negate(mul(dmin, to_float(min))));
+  }
+}
+
+template <class Sink, class Source>
+void build_q4_k(const Source& rows, int64_t superblocks, Sink& sink) {
+  for (int64_t s = 0; s < superblocks; ++s) {
+    const auto at = rows.at(s * 144);
+    V header[4];
+    four_words(at, 0, header);
+    k4_scales(header, 8 * s, sink);
+    k_nibbles(at, 16, 8 * s, nullptr, sink);
+  }
+}
+
+template <class Sink, class Source>
+void build_q5_k(const Source& rows, int64_t superblocks, Sink& sink) {
+  for (int64_t s = 0; s < superblocks; ++s) {
+    const auto at = rows.at(s * 176);
+    V header[4], qh[W];
+    four_words(at, 0, header);
+    k4_scales(header, 8 * s, sink);
+    words(at, 16, qh);  // words 0..7: qh
+    k_nibbles(at, 48, 8 * s, qh, sink);
+  }
+}
+
+// Q6_K: ql[128], qh[64], scales[16] (int8 per 16 values), d. Value 128h + 32s + i: low bits from ql byte
+// 64h + 32(s % 2) + i (low nibble for s < 2), high bits (qh byte 32h + i >> 2s) & 3; levels + 32.
+template <class Sink, class Source>
+void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
+  const V mask = set8(0x0F), two_bits = set8(0x03);
+  for (int64_t s = 0; s < superblocks; ++s) {
+    const auto at = rows.at(s * 210);
+    V scales[4], d_word[4];
+    four_words(at, 192, scales);  // the 16 int8 scales
+    four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half
+    const VF d = half_high(d_word[3]);
+    for (int g = 0; g < 16; ++g) sink.scale(16 * s + g, mul(d, to_float(sra(sll(scales[g / 4], 24 - 8 * (g % 4)), 24))));
+    V qh[2 * W];  // word 8h + t: qh bytes 32h + 4t..
+    for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 128 + load_at, qh + load_at / 4);
+    for (int h = 0; h < 2; ++h) {
+      V ql[2 * W];  // word 8 * (s % 2) + t: ql bytes 64h + 32(s % 2) + 4t..
+      for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 64 * h + load_at, ql + load_at / 4);
+#pragma GCC unroll 4
+      for (int sub = 0; sub < 4; ++sub) {
+#pragma GCC unroll 8
+        for (int t = 0; t < 8; ++t) {
+          const V word = ql[8 * (sub % 2) + t];
+          const V low = sub < 2 ? vand(word, mask) : vand(srl(word, 4), mask);
+          const V top = sll(vand(srl(qh[8 * h + t], 2 * sub), two_bits), 4);
+          sink.quad(8 * s + 4 * h + sub, t, vor(low, top));
+        }
+        sink.block_done(8 * s + 4 * h + sub);
+      }
+    }
+  }
+}
+
+// IQ4_XS: d, scales_h, scales_l[4], qs[128] (16 bytes per sub-block: low nibbles values 0..15, high 16..31).
+template <class Sink, class Source>
+void build_iq4_xs(const Source& rows, int64_t superblocks, Sink& sink) {
+  for (int64_t s = 0; s < superblocks; ++s) {
+    const auto at = rows.at(s * 136);
+    V header[4];
+    four_words(at, 0, header);
+    const VF d = half_low(header[0]);
+    const V high = srl(header[0], 16), low = header[1];
+    for (int j = 0; j < 8; ++j) {
+      const V ls = vor(vand(srl(low, 4 * j), set32(15)), sll(vand(srl(high, 2 * j), set32(3)), 4));
+      sink.scale(8 * s + j, mul(d, to_float(sub32(ls, set32(32)))));
+    }
+    for (int64_t load_at = 0; load_at < 128; load_at += kVecBytes) {
+      V v[W];
+      words(at, 8 + load_at, v);
+#pragma GCC unroll 4
+      for (int sub = 0; sub < kVecBytes / 16; ++sub) nibble_block(v + 4 * sub, 8 * s + load_at / 16 + sub, true, sink);
+    }
+  }
+}
+
+// Runs the format's builder into sink; false when the format has none (decoded_tile serves it).
+template <class Sink, class Source>
+bool build(const Format& f, const Source& rows, int64_t values, Sink& sink) {
+  const int64_t blocks = values / f.values;
+  switch (f.type) {
+    case kQ8_0: build_q8_0(rows.template as<kQ8_0>(), blocks, sink); return true;
+    case kQ4_0: build_nibble_blocks(f, rows.template as<kQ4_0>(), blocks, 2, false, sink); return true;
+    case kQ4_1: build_nibble_blocks(f, rows.template as<kQ4_1>(), blocks, 4, false, sink); return true;
+    case kIQ4_NL: build_nibble_blocks(f, rows.template as<kIQ4_NL>(), blocks, 2, true, sink); return true;
+    case kQ5_0: build_q5_blocks(f, rows.template as<kQ5_0>(), blocks, 2, sink); return true;
+    case kQ5_1: build_q5_blocks(f, rows.template as<kQ5_1>(), blocks, 4, sink); return true;
+    case kQ4_K: build_q4_k(rows.template as<kQ4_K>(), blocks, sink); return true;
+    case kQ5_K: build_q5_k(rows.template as<kQ5_K>(), blocks, sink); return true;
+    case kQ6_K: build_q6_k(rows.template as<kQ6_K>(), blocks, sink); return true;
+    case kIQ4_XS: build_iq4_xs(rows.template as<kIQ4_XS>(), blocks, sink); return true;
+    default: return false;
+  }
+}
+
+template <int R, bool kG16, bool kMin, class Source>
+bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+  const Format& f = *part.format;
+#if defined(STATELM_GGUF_VNNI)
+  DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
+#else
+  DotSink<R, kG16, kMin> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
+#endif
+  if (!build(f, rows, values, sink)) return false;
+  sink.finish(acc);
+  return true;
+}
+
+template <int R, class Source>
+bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+  const Format& f = *part.format;
+  if (f.group == 16) {
+    return f.min ? stream_rows<R, true, true>(part, rows, first, values, x, acc)
+                 : stream_rows<R, true, false>(part, rows, first, values, x, acc);
+  }
+  return f.min ? stream_rows<R, false, true>(part, rows, first, values, x, acc)
+               : stream_rows<R, false, false>(part, rows, first, values, x, acc);
+}
+#endif  // STATELM_GGUF_AVX2
+
+}  // namespace
+
+void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
+                    float* mins) {
+  const Format& f = *part.format;
+  const int64_t groups = values / f.group, blocks = values / f.values, groups_per_block = f.values / f.group;
+  for (int64_t c = 0; c < kTileColumns; ++c) {
+    int8_t* q = levels + c * values;
+    float* s = scales + c * groups;
+    float* m = mins + c * groups;
+    if (column + c >= part.rows) {
+      std::memset(q, 0, values);
+      std::fill(s, s + groups, 0.0f);
+      std::fill(m, m + groups, 0.0f);
+      continue;
+    }
+    const uint8_t* row = part.data + (column + c) * part.row_stride + first / f.values * f.bytes;
+    for (int64_t b = 0; b < blocks; ++b) {
+      f.decode(row + b * f.bytes, q + b * f.values, s + b * groups_per_block, m + b * groups_per_block);
+    }
+  }
+}
+
+Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values) {
+  const Format& f = *part.format;
+  const int64_t groups = values / f.group;
+  TileBuffers out{scratch<uint8_t, 3>(W * values), scratch<float, 2>(2 * W * groups), nullptr};
+  out.mins = out.scales + W * groups;
+#if defined(STATELM_GGUF_AVX2)
+  StoreSink sink{out.levels, out.scales, out.mins};
+  const bool built = part.interleaved ? build(f, tile_start_of(part, column, first), values, sink)
+                                      : build(f, rows_of(part, column, first), values, sink);
+  if (built) return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
+#endif
+  return decoded_tile(part, column, first, values, out);
+}
+
+bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc) {
+#if defined(STATELM_GGUF_AVX2)
+  const auto stream = [&](const auto& rows) {
+    switch (x.rows) {
+      case 1: return stream_rows<1>(part, rows, first, values, x, acc);
+      case 2: return stream_rows<2>(part, rows, first, values, x, acc);
+      case 3: return stream_rows<3>(part, rows, first, values, x, acc);
+      case 4: return stream_rows<4>(part, rows, first, values, x, acc);
+      default: return false;
+    }
+  };
+  return part.interleaved ? stream(tile_start_of(part, column, first)) : stream(rows_of(part, column, first));
+#else
+  (void)part, (void)column, (void)first, (void)values, (void)x, (void)acc;
+  return false;
+#endif
+}
+
+Int8Tile widen_int16(const Int8Tile& t) {
+#if defined(STATELM_GGUF_VNNI)
+  int16_t* out = scratch<int16_t, 4>(t.blocks * kBlock * W);
+  const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+  const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
+  const __m512i offset = _mm512_set1_epi16(static_cast<int16_t>(t.offset));
+  for (int64_t quad = 0; quad < t.blocks * 8; ++quad) {
+    const __m512i v = _mm512_loadu_si512(t.levels + quad * W * 4);
+    const __m512i low = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_castsi512_si256(v)), offset);
+    const __m512i high = _mm512_sub_epi16(_mm512_cvtepu8_epi16(_mm512_extracti64x4_epi64(v, 1)), offset);
+    _mm512_storeu_si512(out + 2 * quad * W * 2, _mm512_permutex2var_epi32(low, even, high));
+    _mm512_storeu_si512(out + (2 * quad + 1) * W * 2, _mm512_permutex2var_epi32(low, odd, high));
+  }
+  return {reinterpret_cast<const uint8_t*>(out), t.scales, t.mins, t.format, 0, t.blocks};
+#elif defined(STATELM_GGUF_AVX2)
+  int16_t* out = scratch<int16_t, 4>(t.blocks * kBlock * W);
+  const __m256i offset = _mm256_set1_epi16(static_cast<int16_t>(t.offset));
+  for (int64_t quad = 0; quad < t.blocks * 8; ++quad) {
+    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + quad * W * 4));
+    const __m256 low = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), offset));
+    const __m256 high = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)), offset));
+    const __m256i even = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(low, high, 0x88)), 0xD8);
+    const __m256i odd = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(low, high, 0xDD)), 0xD8);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 2 * quad * W * 2), even);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + (2 * quad + 1) * W * 2), odd);
+  }
+  return {reinterpret_cast<const uint8_t*>(out), t.scales, t.mins, t.format, 0, t.blocks};
+#else
+  return t;
+#endif
+}
+
+const float* dequantize_tile(const Int8Tile& t) {
+  const Format& f = *t.format;
+  const int64_t values = t.blocks * kBlock;
+  float* out = scratch<float, 5>(W * values);
+#if defined(STATELM_GGUF_AVX2)
+  for (int64_t quad = 0; quad < t.blocks * 8; ++quad) {
+    const int64_t group = quad * 4 / f.group;
+    const float* scales = t.scales + group * W;
+    const float* mins = t.mins + group * W;
+    const uint8_t* levels = t.levels + quad * W * 4;
+#if defined(STATELM_GGUF_VNNI)
+    const __m512i offset = _mm512_set1_epi32(t.offset);
+    const __m512 s = _mm512_loadu_ps(scales), m = f.min ? _mm512_loadu_ps(mins) : _mm512_setzero_ps();
+    for (int j = 0; j < 4; ++j) {  // columns 4j..4j+3
+      const __m512i spread =
+          _mm512_add_epi32(_mm512_set1_epi32(4 * j), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3));
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(levels + 16 * j));
+      const __m512 q = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_cvtepu8_epi32(bytes), offset));
+      __m512 w = _mm512_mul_ps(_mm512_permutexvar_ps(spread, s), q);
+      if (f.min) w = _mm512_add_ps(w, _mm512_permutexvar_ps(spread, m));
+      _mm512_storeu_ps(out + (quad * W + 4 * j) * 4, w);
+    }
+#else
+    const __m256i offset = _mm256_set1_epi32(t.offset);
+    const __m256 s = _mm256_loadu_ps(scales), m = f.min ? _mm256_loadu_ps(mins) : _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {  // columns 2j, 2j+1
+      const __m256i spread = _mm256_setr_epi32(2 * j, 2 * j, 2 * j, 2 * j, 2 * j + 1, 2 * j + 1, 2 * j + 1, 2 * j + 1);
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(levels + 8 * j));
+      const __m256 q = _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_cvtepu8_epi32(bytes), offset));
+      __m256 w = _mm256_mul_ps(_mm256_permutevar8x32_ps(s, spread), q);
+      if (f.min) w = _mm256_add_ps(w, _mm256_permutevar8x32_ps(m, spread));
+      _mm256_storeu_ps(out + (quad * W + 2 * j) * 4, w);
+    }
+#endif
+  }
+#else
+  const int8_t* levels = reinterpret_cast<const int8_t*>(t.levels);
+  for (int64_t c = 0; c < W; ++c) {
+    for (int64_t k = 0; k < values; ++k) {
+      const int64_t g = k / f.group;
+      float w = t.scales[g * W + c] * static_cast<float>(levels[c * values + k]);
+      if (f.min) w += t.mins[g * W + c];
+      out[(k / 4 * W + c) * 4 + k % 4] = w;
+    }
+  }
+#endif
+  return out;
+}
+
+bool interleavable(const Format& f) {
+#if defined(STATELM_GGUF_AVX2)
+  return stored_block(f.type).bytes == f.bytes;
+#else
+  (void)f;
+  return false;
+#endif
+}
+
+void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values) {
+  if (!part.interleaved || column >= part.rows) return;
+  const StoredBlock layout = stored_block(part.format->type);
+  const int64_t begin = first / part.format->values * layout.stored * W;
+  const int64_t end = (first + values) / part.format->values * layout.stored * W;
+  const uint8_t* tile = part.data + column * part.row_stride;
+  for (int64_t at = begin; at < end; at += 64) __builtin_prefetch(tile + at, 0, 2);
+}
+
+int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes) {
+  return row_bytes / f.bytes * stored_block(f.type).stored;
+}
+
+void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
+                       uint8_t* out) {
+  const StoredBlock layout = stored_block(f.type);
+  const int64_t blocks = row_bytes / f.bytes, words = blocks * layout.stored / 4, tiles = (count + W - 1) / W;
+  statelm::parallel_for(tiles, 1, [&](int64_t begin, int64_t end) {
+    std::vector<uint8_t> stored(words * 4);
+    for (int64_t t = begin; t < end; ++t) {
+      uint8_t* tile = out + t * W * words * 4;
+      for (int64_t c = 0; c < W; ++c) {
+        std::fill(stored.begin(), stored.end(), 0);
+        if (t * W + c < count) {
+          const uint8_t* row = rows + (t * W + c) * stride;
+          for (int64_t b = 0; b < blocks; ++b) {
+            for (int64_t i = 0; i < f.bytes; ++i) stored[b * layout.stored + layout.position(i)] = row[b * f.bytes + i];
+          }
+        }
+        for (int64_t j = 0; j < words; ++j) std::memcpy(tile + (j * W + c) * 4, stored.data() + 4 * j, 4);
+      }
+    }
+  });
+}
+
+}  // namespace statelm::gguf

@@ -1,0 +1,53 @@
+// A tile: the weights of kTileColumns output columns over a chunk of K, decoded from their blocks into the layout
+// the matmul kernels read (gguf_tiles.cpp builds it; gguf_matmul_int.cpp and gguf_matmul_float.cpp read it).
+
+#pragma once
+
+#include <cstdint>
+
+#include "gguf_matmul.h"
+
+namespace statelm::gguf {
+
+// SIMD builds: levels as uint8 q + offset in [block][8 quads][kTileColumns][4] (a block is 32 values along K, a
+// quad 4 of them); the scalar build: signed q in [kTileColumns][values]. Scales and mins: [groups][kTileColumns].
+struct Int8Tile {
+  const uint8_t* levels;
+  const float* scales;
+  const float* mins;  // formats with a minimum
+  const Format* format;
+  int offset;  // levels hold q + offset (0 in the scalar build)
+  int64_t blocks;
+};
+
+// The tile of columns [column, column + kTileColumns) of part, values [first, first + values) along K, in this
+// thread's scratch (valid until the next call on the thread).
+Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values);
+
+// Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
+// each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's). False where the format or
+// the build has no such path (then build a tile).
+constexpr int64_t kStreamRows = 4;
+bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc);
+
+// The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds; the scalar
+// build's tile as it is.
+Int8Tile widen_int16(const Int8Tile& tile);
+
+// The tile's weights dequantized as gguf-py dequantizes them (w = S*q, then + O): [values / 4][kTileColumns][4].
+const float* dequantize_tile(const Int8Tile& tile);
+
+// Interleaved block matrices (gguf_interleave): the rows' bytes rearranged, once at load, into tiles of
+// kTileColumns rows, each tile its rows' 32-bit words [word][kTileColumns], the last tile padded with zero rows.
+// A few formats' blocks are stored a word or half a word larger (gguf_tiles.cpp: stored_block) so that the fields
+// loaded as vectors start on a word. The tile builders then load the vectors they would otherwise transpose out
+// of the rows: the same values in the same order, so every result is bit-identical to the rows read in place.
+// interleavable: formats with a tile builder, in SIMD builds.
+bool interleavable(const Format& f);
+// Asks for the bytes of an interleaved part's chunk (a later one than the kernel is on) to be brought into cache.
+void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values);
+int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes);
+void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
+                       uint8_t* out);
+
+}  // namespace statelm::gguf

@@ -1,0 +1,125 @@
+"""A tiny GGUF model in each block format: its matrices used in place (views of the mapped file), its logits those of
+the same file dequantized and run as a float model, and it generates through the engine; so do Llama's variants.
+
+Llama's (and Granite's and Mixtral's) Q/K rows stay in llama.cpp's permuted order with interleaved rope when in
+place, and are put back in Hugging Face's order with rotate-half rope when dequantized: the same logits either way.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from statelm.attention.base import AttentionMetadata
+from statelm.config import EngineConfig
+from statelm.engine.builder import create_engine
+from statelm.engine.kv_cache import KVCache
+from statelm.engine.sequence import SamplingParams
+from statelm.kernels.build import KernelBuildError, load_kernels
+from statelm.kernels.quant import PackedWeight
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.gguf import PERMUTED_QK_ARCHITECTURES
+from statelm.models.layers import RowChunking
+from statelm.models.loader import LoadedModel, load_model
+from statelm.models.packed import PackedLinear
+from tests.models.engine_run import generate
+from tests.models.tiny_checkpoints import make_tiny_checkpoint
+from tests.models.tiny_gguf import write_gguf_from_checkpoint, write_tiny_gguf
+from tests.unit.gguf_blocks import FORMATS
+
+try:
+    load_kernels()
+except KernelBuildError as exc:
+    pytest.skip(f"statelm kernels unavailable: {exc}", allow_module_level=True)
+
+PROMPT = [1, 72, 101, 108, 108, 111, 32, 119, 111, 114, 108, 100]
+BLOCK = 16
+
+
+def load(path: Path, quantization: str) -> LoadedModel:
+    return load_model(str(path), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant(),
+                      quantization=quantization)  # fmt: skip
+
+
+def prompt_logits(loaded: LoadedModel) -> torch.Tensor:
+    """Next-token logits [len(PROMPT), vocab] of PROMPT as one prefill on an empty cache."""
+    config, count = loaded.config, len(PROMPT)
+    cache = KVCache(config.num_hidden_layers, 2, BLOCK, config.num_key_value_heads, config.head_dim,
+                    torch.float32, "cpu")  # fmt: skip
+    positions = torch.arange(count)
+    meta = AttentionMetadata(positions, torch.tensor([[0]]), [count], [count], [0, count])
+    with torch.inference_mode():
+        hidden = loaded.model(torch.tensor(PROMPT), positions, cache, meta, torch.ones(count, dtype=torch.bool))
+        return loaded.model.compute_logits(hidden, torch.ones(count, dtype=torch.bool))
+
+
+def in_place_weights(loaded: LoadedModel) -> list[PackedWeight]:
+    model = loaded.model
+    linears = [module.weight for module in model.modules() if isinstance(module, PackedLinear)]
+    return [*linears, model.embed_tokens.weight]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
+def test_a_model_in_place_computes_what_its_dequantized_model_does(qtype: Q, arch: str, tmp_path: Path) -> None:
+    path = write_tiny_gguf(tmp_path / f"{qtype.name}.gguf", qtype, arch)
+    packed, dense = load(path, "auto"), load(path, "none")
+    assert packed.config.rope_interleaved == (arch == "llama") and not dense.config.rope_interleaved
+    same_layout = packed.fingerprint.parts["config"] == dense.fingerprint.parts["config"]
+    assert same_layout == (arch != "llama")  # KV of permuted Q/K rows differs: the fingerprint says so
+    file = path.read_bytes()
+    bases = set()
+    for weight in in_place_weights(packed):  # views of one mapping of the file: the bytes as stored, not copies
+        for part in weight.parts:
+            offset = file.find(bytes(part.data.flatten().numpy()))
+            assert offset > 0
+            bases.add(part.data.data_ptr() - offset)
+    assert len(bases) == 1
+    use_compute_path(packed.model, "kernels")
+    use_activations(packed.model, "float32")
+    use_compute_path(dense.model, "torch")
+    expected = prompt_logits(dense)
+    got = prompt_logits(packed)
+    scale = expected.abs().max()
+    assert float((got - expected).abs().max() / scale) < 1e-4
+    for activations, bound in (("int16-prompt", 1e-3), ("int8", 0.1)):
+        use_activations(packed.model, activations)
+        assert float((prompt_logits(packed) - expected).abs().max() / scale) < bound, activations
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "phi3", "granite", "olmo2", "qwen3_moe", "mixtral"])
+def test_a_variant_in_place_computes_what_its_dequantized_model_does(arch: str, tmp_path: Path) -> None:
+    overrides = {"query_pre_attn_scalar": 16} if arch == "gemma3" else {}
+    overrides |= {"mlp_only_layers": []} if arch == "qwen3_moe" else {}  # llama.cpp's qwen3moe: experts everywhere
+    checkpoint = make_tiny_checkpoint(arch, tmp_path / "hf", **overrides)
+    path = write_gguf_from_checkpoint(checkpoint, tmp_path / "model.gguf", Q.Q8_0)
+    packed, dense = load(path, "auto"), load(path, "none")
+    permuted = packed.config.architecture in PERMUTED_QK_ARCHITECTURES
+    assert packed.config.rope_interleaved == permuted and not dense.config.rope_interleaved
+    assert permuted == (arch in ("granite", "mixtral"))
+    linears = [module for module in packed.model.modules() if isinstance(module, PackedLinear)]
+    assert len(linears) >= 3 * packed.config.num_hidden_layers  # qkv, output, and the MLP's or the router, in place
+    assert "kernels" in compute_paths(packed.model)
+    use_compute_path(packed.model, "kernels")
+    use_activations(packed.model, "float32")
+    use_compute_path(dense.model, "torch")
+    expected = prompt_logits(dense)
+    scale = expected.abs().max()
+    assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-4
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS], ids=lambda q: q.name)
+def test_a_model_in_place_generates_the_same_tokens_in_any_batch(qtype: Q, tmp_path: Path) -> None:
+    loaded = load(write_tiny_gguf(tmp_path / "m.gguf", qtype), "auto")
+    settings = EngineConfig(kv_cache_memory=16 << 20, activations="int16-prompt")
+    use_activations(loaded.model, settings.activations)
+    engine = create_engine(loaded, settings)
+    assert loaded.model.compute_path == "kernels" and loaded.invariance is not None and loaded.invariance.verified
+    prompts = {"a": PROMPT, "b": PROMPT[:5], "c": PROMPT[3:] * 2}
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    together = generate(engine, prompts, params)
+    assert all(len(tokens) == 12 for tokens in together.values())
+    assert together == {rid: generate(engine, {rid: ids}, params)[rid] for rid, ids in prompts.items()}
