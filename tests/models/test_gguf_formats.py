@@ -30,6 +30,7 @@ from statelm.server.memory_budget import module_bytes
 from tests.models.engine_run import generate
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 from tests.models.tiny_gguf import write_gguf_from_checkpoint, write_tiny_gguf
+from tests.models.tiny_model_dir import make_tiny_model_dir
 from tests.unit.gguf_blocks import FORMATS
 
 try:
@@ -153,6 +154,17 @@ def test_a_mixture_of_experts_runs_its_experts_in_their_blocks(arch: str, expert
     assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-3
     use_compute_path(packed.model, "torch")  # kernels unavailable: the experts dequantized
     assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-4
+
+
+def test_a_float_mixture_of_experts_quantized_at_load_runs_its_experts_packed(tmp_path: Path) -> None:
+    folder = make_tiny_model_dir("qwen3_moe", tmp_path)
+    quantized, float_model = load(folder, "int8"), load(folder, "none")
+    assert not [name for name, _ in quantized.model.named_parameters() if ".experts." in name]
+    use_compute_path(quantized.model, "kernels")
+    use_activations(quantized.model, "float32")
+    use_compute_path(float_model.model, "torch")
+    expected = prompt_logits(float_model)
+    assert float((prompt_logits(quantized) - expected).abs().max() / expected.abs().max()) < 0.1  # Q8_0's rounding
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS], ids=lambda q: q.name)
