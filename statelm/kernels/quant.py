@@ -158,6 +158,16 @@ class PackedWeight:
             return torch.ops.statelm.gguf_dequantize(part.data, int(part.qtype), ids)
         return self.dequantize()[ids]
 
+    def row_slice(self, start: int, end: int) -> PackedWeight:
+        """Output features start:end of this weight, viewing its blocks (no copy; interleaved copies are not kept)."""
+        parts, offset = [], 0
+        for part in self.parts:
+            low, high = max(start - offset, 0), min(end - offset, part.rows)
+            if low < high:
+                parts.append(dataclasses.replace(part, data=part.data[low:high], interleaved=None))
+            offset += part.rows
+        return PackedWeight(parts)
+
     @staticmethod
     def concat(weights: Sequence[PackedWeight]) -> PackedWeight:
         """One weight of the given ones' rows stacked in order (no copy: their block matrices side by side)."""

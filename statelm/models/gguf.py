@@ -115,13 +115,13 @@ class GGUFModel:
 
     def tensors(self) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
         """Yield `(hf_name, tensor)` pairs: packed weights in place, other tensors converted (with a progress bar
-        on stderr when that takes a while: a dequantized model). A mixture of experts' 3-D expert tensors are
-        always dequantized (models/moe.py)."""
+        on stderr when that takes a while: a dequantized model). A mixture of experts' 3-D expert stacks come
+        packed as one block matrix of every expert's rows in turn (models/moe.py splits them per expert)."""
         weights = [info for info in self.file.header.tensors.values() if info.name not in _CONFIG_TENSORS]
         arch = self.config.architecture
         for info in tqdm(weights, desc="converting GGUF", unit="tensor", file=sys.stderr, disable=self.packed):
             name = hf_tensor_name(info.name, arch)
-            if self.packed and info.qtype in BLOCK_TYPES and len(info.shape) == 2:
+            if self.packed and info.qtype in BLOCK_TYPES and len(info.shape) >= 2:
                 yield name, self._in_place(info)
             else:
                 yield name, self._convert(info, name)

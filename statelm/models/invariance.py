@@ -24,6 +24,7 @@ from statelm.attention.layer_kv import LayerKV
 from statelm.cpu import describe
 from statelm.models.compute_path import compute_paths, use_compute_path
 from statelm.models.llama import LlamaForCausalLM
+from statelm.models.moe import MoEMLP
 from statelm.models.variants import VariantForCausalLM
 
 log = logging.getLogger(__name__)
@@ -98,11 +99,12 @@ def probe_model(model: LlamaForCausalLM, kv: KVFormat | None = None) -> list[str
     generator = torch.Generator().manual_seed(0)
     failures: list[str] = []
     layer = model.layers[0]
+    mlp = layer.mlp.experts[0] if isinstance(layer.mlp, MoEMLP) else layer.mlp  # an expert's linears are the MLP's
     linears: dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], int]] = {
         "qkv_proj": (layer.self_attn.qkv_proj, layer.self_attn.qkv_proj.in_features),
         "o_proj": (layer.self_attn.o_proj, layer.self_attn.o_proj.in_features),
-        "gate_up_proj": (layer.mlp.gate_up_proj, layer.mlp.gate_up_proj.in_features),
-        "down_proj": (layer.mlp.down_proj, layer.mlp.down_proj.in_features),
+        "gate_up_proj": (mlp.gate_up_proj, mlp.gate_up_proj.in_features),
+        "down_proj": (mlp.down_proj, mlp.down_proj.in_features),
     }
     device = model.device
     with torch.inference_mode():

@@ -166,6 +166,20 @@ def chunked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
     return out[:rows]
 
 
+def split_rows(
+    is_prompt: torch.Tensor | None, device: torch.device | None = None
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Indices (on device, default is_prompt's) of the prompt rows and the generated rows marked by is_prompt; the
+    prompt rows None when there are none (is_prompt None: all generated), the generated rows None when all are
+    prompt rows."""
+    if is_prompt is None or not bool(is_prompt.any()):
+        return None, None
+    device = device or is_prompt.device
+    if bool(is_prompt.all()):
+        return torch.arange(is_prompt.numel(), device=device), None
+    return is_prompt.nonzero().squeeze(1).to(device), (~is_prompt).nonzero().squeeze(1).to(device)
+
+
 @dataclass
 class RowChunking:
     """How a model's linears split rows into fixed-size matmul calls, for batch-invariant output.
@@ -213,15 +227,14 @@ class RowChunking:
 
         The row indices go to `device` (default: is_prompt's); a host is_prompt costs the GPU no sync.
         """
-        self.prompt_rows = self.generated_rows = None
-        if is_prompt is None or not bool(is_prompt.any()):
-            return
-        device = device or is_prompt.device
-        if bool(is_prompt.all()):
-            self.prompt_rows = torch.arange(is_prompt.numel(), device=device)
-            return
-        self.prompt_rows = is_prompt.nonzero().squeeze(1).to(device)
-        self.generated_rows = (~is_prompt).nonzero().squeeze(1).to(device)
+        self.prompt_rows, self.generated_rows = split_rows(is_prompt, device)
+
+    def rows_among(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(prompt rows, generated rows) of a subset of this forward's rows (indices into the batch), as indices
+        into the subset, None as set_rows records them (an expert's share of a batch, models/moe.py)."""
+        if self.prompt_rows is None:
+            return None, None
+        return split_rows(torch.isin(rows, self.prompt_rows))
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The projection of [T, in] rows, each kind of row in its own chunk size."""
@@ -258,6 +271,15 @@ class GatedMLP(nn.Module):
         linear = {"bias": False, "dtype": dtype, "device": device, "chunking": chunking}
         self.gate_up_proj = RowChunkedLinear(hidden, 2 * intermediate, **linear)
         self.down_proj = RowChunkedLinear(intermediate, hidden, **linear)
+
+    def targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
+        """Hugging Face names (relative to the layer's `mlp.`) of the projections, and the rows they fill."""
+        gate_up, size = self.gate_up_proj.weight, self.intermediate
+        return {
+            "gate_proj.weight": (gate_up, 0, size),
+            "up_proj.weight": (gate_up, size, 2 * size),
+            "down_proj.weight": (self.down_proj.weight, 0, self.down_proj.weight.shape[0]),
+        }
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """Apply the feed-forward block to [T, hidden]."""

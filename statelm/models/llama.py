@@ -324,16 +324,14 @@ def _whole(param: nn.Parameter) -> tuple[nn.Parameter, int, int]:
 
 def _layer_targets(layer: LlamaDecoderLayer) -> dict[str, tuple[nn.Parameter, int, int]]:
     """Hugging Face names of one decoder layer, relative to `model.layers.N.`."""
-    attn, mlp = layer.self_attn, layer.mlp
+    attn = layer.self_attn
     q, kv = attn.q_size, attn.kv_size
     rows = {"q_proj": (0, q), "k_proj": (q, q + kv), "v_proj": (q + kv, q + 2 * kv)}
     targets: dict[str, tuple[nn.Parameter, int, int]] = {
         "input_layernorm.weight": _whole(layer.input_layernorm.weight),
         "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
         "self_attn.o_proj.weight": _whole(attn.o_proj.weight),
-        "mlp.gate_proj.weight": (mlp.gate_up_proj.weight, 0, mlp.intermediate),
-        "mlp.up_proj.weight": (mlp.gate_up_proj.weight, mlp.intermediate, 2 * mlp.intermediate),
-        "mlp.down_proj.weight": _whole(mlp.down_proj.weight),
+        **{f"mlp.{name}": target for name, target in layer.mlp.targets().items()},
     }
     for proj, (start, end) in rows.items():
         targets[f"self_attn.{proj}.weight"] = (attn.qkv_proj.weight, start, end)

@@ -1,12 +1,15 @@
 """Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks the top-k experts of every token.
 
 Batch invariance by construction: the router is a row-chunked linear and its softmax and top-k are per row; each
-expert computes its tokens in calls of a fixed number of rows (the model's RowChunking size for generated rows, so
-a row's result does not depend on how many other tokens chose the expert); and a token's experts are summed in
-ascending expert order from zero. A token's output is therefore the same whatever else shares its batch.
+expert computes its tokens either by statelm's packed kernel (which gives a row the same bits in any batch) or by
+torch in calls of a fixed number of rows (the model's RowChunking size for generated rows), so a row's result does
+not depend on how many other tokens chose the expert; and a token's experts are summed in ascending expert order
+from zero. A token's output is therefore the same whatever else shares its batch.
 
-The experts' weights are float (a GGUF's 3-D `ffn_*_exps` tensors are dequantized at load): statelm's packed
-kernels take 2-D weights only.
+Each expert's gate+up and down projections are linears of their own: float, or (a GGUF's expert stacks in a block
+format, or --quantization int8/int4) PackedLinear layers over that expert's rows of the mapped blocks, swapped in
+by install_packed like any packed linear. On the kernels path a packed expert multiplies its prompt rows and its
+generated rows each in their --activations arithmetic; on the torch paths it uses a dequantized copy.
 """
 
 from __future__ import annotations
@@ -20,17 +23,28 @@ from torch import nn
 
 from statelm.models.config import ModelConfig
 from statelm.models.layers import LayerOps, RowChunkedLinear, RowChunking, chunked_linear
+from statelm.models.packed import PackedLinear
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
 
 _MIXTRAL_EXPERT = re.compile(r"\.experts\.(\d+)\.w([123])\.")
 _MIXTRAL_PROJECTIONS = {"1": "gate_proj", "2": "down_proj", "3": "up_proj"}
+_STACKED_EXPERTS = re.compile(r"\.experts\.(?!\d)")  # a GGUF's [experts, rows, columns] stack, not one expert
+Rows = tuple[torch.Tensor | None, torch.Tensor | None]  # (prompt rows, generated rows), as RowChunking.rows_among
+
+
+class Expert(nn.Module):
+    """One expert's SwiGLU: `gate_up_proj` its [gate; up] rows, `down_proj` its down rows (float or packed)."""
+
+    def __init__(self, hidden: int, intermediate: int, linear: dict[str, object]) -> None:
+        super().__init__()
+        self.gate_up_proj: RowChunkedLinear | PackedLinear = RowChunkedLinear(hidden, 2 * intermediate, **linear)
+        self.down_proj: RowChunkedLinear | PackedLinear = RowChunkedLinear(intermediate, hidden, **linear)
 
 
 class MoEMLP(nn.Module):
-    """Top-k routed SwiGLU experts: `gate_up_proj` holds every expert's [gate; up] rows in turn (E * 2I rows),
-    `down_proj` every expert's down rows (E * H rows), `router` the routing linear."""
+    """Top-k routed SwiGLU experts (`experts`, one Expert each) and the routing linear (`router`)."""
 
     def __init__(
         self, config: ModelConfig, *, dtype: torch.dtype, device: torch.device | str, chunking: RowChunking
@@ -40,10 +54,9 @@ class MoEMLP(nn.Module):
         self.intermediate = config.moe_intermediate_size
         self.num_experts, self.top_k, self.normalize = experts, config.num_experts_per_tok, config.norm_topk_prob
         self.chunking = chunking
-        linear = {"bias": False, "dtype": dtype, "device": device, "chunking": chunking}
+        linear: dict[str, object] = {"bias": False, "dtype": dtype, "device": device, "chunking": chunking}
         self.router = RowChunkedLinear(hidden, experts, **linear)
-        self.gate_up_proj = RowChunkedLinear(hidden, experts * 2 * self.intermediate, **linear)
-        self.down_proj = RowChunkedLinear(self.intermediate, experts * hidden, **linear)
+        self.experts = nn.ModuleList(Expert(hidden, self.intermediate, linear) for _ in range(experts))
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """Each token [T, hidden] through its top-k experts, weighted by the router's (renormalised) probabilities."""
@@ -53,43 +66,65 @@ class MoEMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        rows, hidden, width = self.chunking.generated, x.shape[1], 2 * self.intermediate
-        for expert in chosen.unique().tolist():  # ascending
-            tokens, slot = torch.where(chosen == expert)
-            gate_up = self.gate_up_proj.weight[expert * width : (expert + 1) * width]
-            down = self.down_proj.weight[expert * hidden : (expert + 1) * hidden]
-            h = ops.silu_mul(chunked_linear(x[tokens], gate_up, None, rows))
-            y = chunked_linear(h, down, None, rows)
-            out.index_add_(0, tokens, y * weights[tokens, slot, None])
+        for index in chosen.unique().tolist():  # ascending
+            tokens, slot = torch.where(chosen == index)
+            expert: Expert = self.experts[index]  # type: ignore[assignment]
+            rows = self.chunking.rows_among(tokens)
+            h = ops.silu_mul(self._project(expert.gate_up_proj, x[tokens], rows))
+            y = self._project(expert.down_proj, h, rows)
+            out.index_add_(0, tokens, y.to(x.dtype) * weights[tokens, slot, None])
         return out
+
+    def _project(self, linear: RowChunkedLinear | PackedLinear, x: torch.Tensor, rows: Rows) -> torch.Tensor:
+        """One expert projection of its tokens' rows: by the packed kernel (rows: their kinds), else by torch in
+        calls of the fixed generated-row chunk size."""
+        if isinstance(linear, PackedLinear):
+            if linear.use_kernel:
+                return linear.kernel_matmul(x, *rows)
+            return chunked_linear(x, linear.dense(x.dtype), None, self.chunking.generated)
+        return chunked_linear(x, linear.weight, None, self.chunking.generated)
 
     def targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         """Hugging Face names (relative to the layer's `mlp.`) of the router and the experts, and the rows they fill."""
-        gate_up, down = self.gate_up_proj.weight, self.down_proj.weight
-        size, hidden = self.intermediate, self.down_proj.out_features // self.num_experts
+        size = self.intermediate
         targets = {"gate.weight": (self.router.weight, 0, self.num_experts)}
-        for e in range(self.num_experts):
-            start = e * 2 * size
-            targets[f"experts.{e}.gate_proj.weight"] = (gate_up, start, start + size)
-            targets[f"experts.{e}.up_proj.weight"] = (gate_up, start + size, start + 2 * size)
-            targets[f"experts.{e}.down_proj.weight"] = (down, e * hidden, (e + 1) * hidden)
+        for e, expert in enumerate(self.experts):
+            gate_up, down = expert.gate_up_proj.weight, expert.down_proj.weight
+            targets[f"experts.{e}.gate_proj.weight"] = (gate_up, 0, size)
+            targets[f"experts.{e}.up_proj.weight"] = (gate_up, size, 2 * size)
+            targets[f"experts.{e}.down_proj.weight"] = (down, 0, down.shape[0])
         return targets
+
+    def linear_groups(self, prefix: str) -> Iterator[tuple[nn.Module, str, list[str]]]:
+        """The router and each expert's linears with the Hugging Face weights fused into them (see
+        LlamaForCausalLM.linear_groups); prefix: the layer's `model.layers.N.mlp.`."""
+        yield self, "router", [f"{prefix}gate.weight"]
+        for e, expert in enumerate(self.experts):
+            names = [f"{prefix}experts.{e}.{part}.weight" for part in ("gate_proj", "up_proj")]
+            yield expert, "gate_up_proj", names
+            yield expert, "down_proj", [f"{prefix}experts.{e}.down_proj.weight"]
 
 
 def per_expert_weights(
-    weights: Iterable[tuple[str, torch.Tensor | PackedWeight]],
+    weights: Iterable[tuple[str, torch.Tensor | PackedWeight]], experts: int
 ) -> Iterator[tuple[str, torch.Tensor | PackedWeight]]:
     """Checkpoint weights with their experts named as Qwen3-MoE names them (`mlp.experts.E.gate_proj.weight`):
-    Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` renamed, a GGUF's stacked 3-D experts split per expert."""
+    Mixtral's `block_sparse_moe.experts.E.w1/w2/w3` renamed, a GGUF's stacked experts (3-D float, or packed blocks
+    whose rows are every expert's in turn) split per expert."""
     for name, tensor in weights:
         name = name.replace(".block_sparse_moe.", ".mlp.")
         name = _MIXTRAL_EXPERT.sub(lambda m: f".experts.{m[1]}.{_MIXTRAL_PROJECTIONS[m[2]]}.", name)
-        if isinstance(tensor, torch.Tensor) and tensor.dim() == 3:
-            prefix, projection = name.rsplit(".experts.", 1)
-            for expert in range(tensor.shape[0]):
-                yield f"{prefix}.experts.{expert}.{projection}", tensor[expert]
-        else:
+        if not _STACKED_EXPERTS.search(name):
             yield name, tensor
+            continue
+        prefix, projection = name.rsplit(".experts.", 1)
+        for expert in range(experts):
+            if isinstance(tensor, torch.Tensor):
+                part: torch.Tensor | PackedWeight = tensor[expert]
+            else:
+                rows = tensor.out_features // experts
+                part = tensor.row_slice(expert * rows, (expert + 1) * rows)
+            yield f"{prefix}.experts.{expert}.{projection}", part
 
 
 def is_moe_layer(config: ModelConfig, index: int) -> bool:

@@ -44,14 +44,16 @@ class PackedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the projection to [T, in_features]."""
         if self.use_kernel:
-            out = self._kernel_matmul(x)
+            out = self.kernel_matmul(x, self.chunking.prompt_rows, self.chunking.generated_rows)
             return out if self.bias is None else out + self.bias
         return self.chunking.linear(x, self.dense(x.dtype), self.bias)
 
-    def _kernel_matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """The packed matmul with each row's arithmetic as the setting and the row's kind say."""
+    def kernel_matmul(
+        self, x: torch.Tensor, prompt: torch.Tensor | None, generated: torch.Tensor | None
+    ) -> torch.Tensor:
+        """x @ W.T [T, out] float32 by the kernel (no bias), each row in its kind's arithmetic: prompt and generated
+        index x's rows as RowChunking's prompt_rows and generated_rows index a batch (None: see split_rows)."""
         prompt_arithmetic, generated_arithmetic = ACTIVATIONS[self.activations]
-        prompt, generated = self.chunking.prompt_rows, self.chunking.generated_rows
         if prompt is None or generated is None or prompt_arithmetic == generated_arithmetic:
             return self.weight.matmul(x, generated_arithmetic if prompt is None else prompt_arithmetic)
         out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)

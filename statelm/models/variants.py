@@ -220,7 +220,8 @@ class VariantForCausalLM(LlamaForCausalLM):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | PackedWeight]]) -> dict[str, PackedWeight]:
         """Llama's loading; Gemma's norms scale by (1 + weight), which the loaded norm weights then hold."""
-        packed = super().load_weights(per_expert_weights(weights) if self.config.num_experts else weights)
+        experts = self.config.num_experts
+        packed = super().load_weights(per_expert_weights(weights, experts) if experts else weights)
         if self.config.architecture in GEMMA:
             for name, param in self.named_parameters():
                 if name.endswith("norm.weight"):
@@ -230,9 +231,9 @@ class VariantForCausalLM(LlamaForCausalLM):
     def linear_groups(self) -> Iterator[tuple[nn.Module, str, list[str]]]:
         """Llama's groups; a checkpoint with fused projections has one weight per fused linear."""
         for owner, attribute, names in super().linear_groups():
-            if isinstance(owner, MoEMLP):  # its experts are float (models/moe.py); only its router may come packed
+            if isinstance(owner, MoEMLP):  # the router and each expert's own linears
                 if attribute == "gate_up_proj":
-                    yield owner, "router", [names[0].replace(".gate_proj.", ".gate.")]
+                    yield from owner.linear_groups(names[0].removesuffix("gate_proj.weight"))
                 continue
             if self.config.fused_projections and attribute in _FUSED:
                 names = [names[0].replace(f".{_FUSED[attribute][1][0]}.", f".{attribute}.")]
@@ -246,10 +247,6 @@ class VariantForCausalLM(LlamaForCausalLM):
                 targets[f"{prefix}{name}.weight"] = _whole(norm.weight)
             if layer.layout == "post":  # its input_layernorm stays unused
                 del targets[f"{prefix}input_layernorm.weight"]
-            if isinstance(layer.mlp, MoEMLP):
-                for part in ("gate_proj", "up_proj", "down_proj"):
-                    del targets[f"{prefix}mlp.{part}.weight"]
-                targets |= {f"{prefix}mlp.{name}": target for name, target in layer.mlp.targets().items()}
             if self.config.fused_projections:
                 for attribute, (owner, parts) in _FUSED.items():
                     for part in parts:

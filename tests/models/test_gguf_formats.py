@@ -20,14 +20,17 @@ from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams
 from statelm.kernels.build import KernelBuildError, load_kernels
 from statelm.kernels.quant import PackedWeight
-from statelm.models.compute_path import compute_paths, use_activations, use_compute_path
+from statelm.models.compute_path import compute_paths, use_activations, use_compute_path, use_repack
 from statelm.models.gguf import PERMUTED_QK_ARCHITECTURES
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
+from statelm.models.moe import MoEMLP
 from statelm.models.packed import PackedLinear
+from statelm.server.memory_budget import module_bytes
 from tests.models.engine_run import generate
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 from tests.models.tiny_gguf import write_gguf_from_checkpoint, write_tiny_gguf
+from tests.models.tiny_model_dir import make_tiny_model_dir
 from tests.unit.gguf_blocks import FORMATS
 
 try:
@@ -109,6 +112,59 @@ def test_a_variant_in_place_computes_what_its_dequantized_model_does(arch: str, 
     expected = prompt_logits(dense)
     scale = expected.abs().max()
     assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-4
+
+
+# Q4_K's 256-value blocks need input sizes of 256: the tiny mixtures' hidden and expert sizes are raised to it
+MOE_SIZES = {"qwen3_moe": {"hidden_size": 256, "moe_intermediate_size": 256}, "mixtral": {"hidden_size": 256,
+             "intermediate_size": 256}}  # fmt: skip
+
+
+@pytest.mark.parametrize("experts", [Q.Q8_0, Q.Q4_0, Q.Q4_K], ids=lambda q: q.name)
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_a_mixture_of_experts_runs_its_experts_in_their_blocks(arch: str, experts: Q, tmp_path: Path) -> None:
+    overrides = MOE_SIZES[arch] if experts == Q.Q4_K else {}
+    overrides |= {"mlp_only_layers": []} if arch == "qwen3_moe" else {}  # llama.cpp's qwen3moe: experts everywhere
+    checkpoint = make_tiny_checkpoint(arch, tmp_path / "hf", **overrides)
+    path = write_gguf_from_checkpoint(checkpoint, tmp_path / "model.gguf", Q.Q8_0, experts=experts)
+    packed, dense = load(path, "auto"), load(path, "none")
+    assert not [name for name, _ in packed.model.named_parameters() if ".experts." in name]  # no float experts
+    assert [name for name, _ in dense.model.named_parameters() if ".experts." in name]
+    layers = [module for module in packed.model.modules() if isinstance(module, MoEMLP)]
+    assert len(layers) == packed.config.num_hidden_layers
+    experts_in_place = [expert for layer in layers for expert in layer.experts]
+    for expert in experts_in_place:  # gate and up fused, each expert's rows of the mapped stacks
+        gate_up, down = expert.gate_up_proj.weight, expert.down_proj.weight
+        assert gate_up.kind == down.kind == experts.name and len(gate_up.parts) == 2
+        assert all(part.mapped for part in (*gate_up.parts, *down.parts))
+    use_compute_path(packed.model, "kernels")
+    use_activations(packed.model, "float32")
+    use_compute_path(dense.model, "torch")
+    expected = prompt_logits(dense)
+    scale = expected.abs().max()
+    repacked = prompt_logits(packed)
+    assert float((repacked - expected).abs().max() / scale) < 1e-4
+    copies = sum(part.interleaved.numel() for e in experts_in_place for part in e.gate_up_proj.weight.parts
+                 if part.interleaved is not None)  # fmt: skip
+    assert copies > 0  # --repack reaches the experts, and the memory budget counts their interleaved copies
+    with_copies = module_bytes(packed.model)
+    use_repack(packed.model, False)
+    assert with_copies - module_bytes(packed.model) >= copies
+    assert torch.equal(prompt_logits(packed), repacked)  # read in place: the same bits
+    use_activations(packed.model, "int16-prompt")  # (int8's rounding may flip a token's choice of experts)
+    assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-3
+    use_compute_path(packed.model, "torch")  # kernels unavailable: the experts dequantized
+    assert float((prompt_logits(packed) - expected).abs().max() / scale) < 1e-4
+
+
+def test_a_float_mixture_of_experts_quantized_at_load_runs_its_experts_packed(tmp_path: Path) -> None:
+    folder = make_tiny_model_dir("qwen3_moe", tmp_path)
+    quantized, float_model = load(folder, "int8"), load(folder, "none")
+    assert not [name for name, _ in quantized.model.named_parameters() if ".experts." in name]
+    use_compute_path(quantized.model, "kernels")
+    use_activations(quantized.model, "float32")
+    use_compute_path(float_model.model, "torch")
+    expected = prompt_logits(float_model)
+    assert float((prompt_logits(quantized) - expected).abs().max() / expected.abs().max()) < 0.1  # Q8_0's rounding
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.IQ4_XS], ids=lambda q: q.name)

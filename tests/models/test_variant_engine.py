@@ -4,7 +4,8 @@ Gemma 2 soft-caps its attention scores, which statelm's attention kernels do not
 runs statelm's kernels path (its weights packed from a Q8_0 GGUF), without the fused decoder (Llama's block); Phi-3
 (fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too. Granite (from a
 Q8_0 GGUF) and OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) are also covered, and the
-mixtures of experts: Qwen3-MoE from a folder, Mixtral from a Q8_0 GGUF (its stacked experts dequantized at load).
+mixtures of experts: Qwen3-MoE from a folder and from a Q4_0 GGUF, Mixtral from a Q8_0 GGUF (the GGUFs' experts run
+by the packed kernel in their blocks).
 """
 
 from __future__ import annotations
@@ -41,19 +42,22 @@ MODELS = (
     "olmo2",
     "qwen3_moe",
     "mixtral-q8_0-gguf",
+    "qwen3_moe-q4_0-gguf",
 )
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=10, ignore_eos=True)
 
 
 def model_path(name: str, folder: Path) -> Path:
-    """A tiny model folder (HF checkpoint and ChatML tokenizer), or a Q8_0 GGUF with a Gemma-style vocabulary."""
+    """A tiny model folder (HF checkpoint and ChatML tokenizer), or a GGUF (`arch-format-gguf`) with a Gemma-style
+    vocabulary."""
     if not name.endswith("gguf"):
         return make_tiny_model_dir(name, folder)
-    arch = name.split("-")[0]
+    arch, qtype, _ = name.split("-")
     overrides = {"query_pre_attn_scalar": 16} if arch.startswith("gemma") else {}
+    overrides |= {"mlp_only_layers": []} if arch == "qwen3_moe" else {}  # llama.cpp's qwen3moe: experts everywhere
     checkpoint = make_tiny_checkpoint(arch, folder / "hf", **overrides)
-    return write_gguf_from_checkpoint(checkpoint, folder / "model.gguf", Q.Q8_0, gemma_style_vocab)
+    return write_gguf_from_checkpoint(checkpoint, folder / "model.gguf", Q[qtype.upper()], gemma_style_vocab)
 
 
 @pytest.fixture(scope="module", params=MODELS)

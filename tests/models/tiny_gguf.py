@@ -30,9 +30,14 @@ def _matrix(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> tuple[n
         return (rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), None
     if qtype in QUANTIZABLE:
         return quantize((rng.standard_normal((rows, cols)) * 0.05).astype(np.float32), qtype), qtype
+    return _random_blocks(qtype, rows, cols, rng), qtype
+
+
+def _random_blocks(qtype: Q, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """Random valid blocks of a [rows, cols] matrix in qtype, of weights near 0.05 in size."""
     # a K-quant's weight is d * sub-scale (up to 63) * level: small d keeps the weights near 0.05
     small = (2e-5, 1e-4) if GGML_QUANT_SIZES[qtype][0] == 256 else (0.002, 0.01)
-    return random_blocks(qtype, rows, cols, rng, small), qtype
+    return random_blocks(qtype, rows, cols, rng, small)
 
 
 def write_tiny_gguf(
@@ -155,16 +160,25 @@ def write_gguf_from_checkpoint(
     path: Path,
     qtype: Q | None = None,
     tokenizer: Callable[[gguf.GGUFWriter], None] | None = None,
+    experts: Q | None = None,
 ) -> Path:
     """Convert a tiny checkpoint to a GGUF (float32, or its matrices in qtype) with a tokenizer (default: the
-    byte-level test vocabulary of test_gguf)."""
+    byte-level test vocabulary of test_gguf); experts: a mixture of experts' stacks in this format instead, random
+    blocks where gguf-py cannot quantize to it (a K-quant)."""
     config = json.loads((checkpoint / "config.json").read_text())
     arch = _GGUF_ARCH.get(config["model_type"], config["model_type"])
     tensors: dict[str, tuple[np.ndarray, Q | None]] = {}
+    rng = np.random.default_rng(0)
     for name, value in _stacked_experts(load_file(checkpoint / "model.safetensors")).items():
         value = _llama_cpp_values(name, value.astype(np.float32), arch, config)
-        raw = qtype if qtype is not None and value.ndim >= 2 else None  # matrices and stacked experts
-        tensors[gguf_name(name, arch)] = (quantize(value, raw) if raw is not None else value, raw)
+        raw = experts if experts is not None and name.endswith("_exps.weight") else qtype
+        if raw is None or value.ndim < 2:  # norms and float checkpoints stay float32
+            tensors[gguf_name(name, arch)] = (value, None)
+        elif raw in QUANTIZABLE:
+            tensors[gguf_name(name, arch)] = (quantize(value, raw), raw)
+        else:
+            blocks = _random_blocks(raw, math.prod(value.shape[:-1]), value.shape[-1], rng)
+            tensors[gguf_name(name, arch)] = (blocks.reshape(*value.shape[:-1], -1), raw)
     scaling = config.get("rope_parameters") or {}
     if scaling.get("rope_type") == "longrope":  # llama.cpp keeps LongRoPE's factors as tensors
         for kind in ("long", "short"):

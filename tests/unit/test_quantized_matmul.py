@@ -249,6 +249,9 @@ def test_prompt_and_generated_rows_take_their_own_arithmetic(activations: str) -
     mixed = linear(x)
     assert torch.equal(mixed[is_prompt], weight.matmul(x[is_prompt], prompt_arithmetic))
     assert torch.equal(mixed[~is_prompt], weight.matmul(x[~is_prompt], generated_arithmetic))
+    for share in ([1, 3, 4, 8], [1, 2], [0, 3, 6]):  # an expert's share of the batch: mixed, generated, prompt rows
+        tokens = torch.tensor(share)
+        assert torch.equal(linear.kernel_matmul(x[tokens], *chunking.rows_among(tokens)), mixed[tokens]), share
     chunking.set_rows(None)  # all generated
     assert torch.equal(linear(x[1:2]), mixed[1:2])
     chunking.set_rows(torch.ones(1, dtype=torch.bool))  # all prompt

@@ -39,3 +39,16 @@ def test_prompt_and_generated_rows_each_use_their_own_chunk() -> None:
     assert torch.equal(chunking.linear(x, weight, bias), chunked_linear(x, weight, bias, 4))
     chunking.set_rows(torch.ones(40, dtype=torch.bool))
     assert torch.equal(chunking.linear(x, weight, bias), chunked_linear(x, weight, bias, 16))
+
+
+def test_a_share_of_the_batch_keeps_each_rows_kind() -> None:
+    chunking = RowChunking(generated=4, prompt=16)
+    chunking.set_rows(torch.tensor([True, False, True, True, False, False]))
+    prompt, generated = chunking.rows_among(torch.tensor([1, 2, 4, 5]))
+    assert prompt is not None and generated is not None
+    assert prompt.tolist() == [1] and generated.tolist() == [0, 2, 3]
+    prompt, generated = chunking.rows_among(torch.tensor([0, 3]))
+    assert prompt is not None and prompt.tolist() == [0, 1] and generated is None  # all prompt rows
+    assert chunking.rows_among(torch.tensor([1, 4])) == (None, None)  # all generated
+    chunking.set_rows(None)
+    assert chunking.rows_among(torch.tensor([0, 1])) == (None, None)
