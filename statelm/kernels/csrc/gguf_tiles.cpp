@@ -711,12 +711,17 @@ void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int6
     for (int64_t t = begin; t < end; ++t) {
       uint8_t* tile = out + t * W * words * 4;
       for (int64_t c = 0; c < W; ++c) {
-        std::fill(stored.begin(), stored.end(), 0);
         if (t * W + c < count) {
           const uint8_t* row = rows + (t * W + c) * stride;
-          for (int64_t b = 0; b < blocks; ++b) {
-            for (int64_t i = 0; i < f.bytes; ++i) stored[b * layout.stored + layout.position(i)] = row[b * f.bytes + i];
+          const int64_t head = f.bytes - layout.tail, padding = layout.stored - f.bytes;
+          for (int64_t b = 0; b < blocks; ++b) {  // the block's tail, padding, then its head (StoredBlock)
+            uint8_t* block = stored.data() + b * layout.stored;
+            std::memcpy(block, row + b * f.bytes + head, layout.tail);
+            std::memset(block + layout.tail, 0, padding);
+            std::memcpy(block + layout.tail + padding, row + b * f.bytes, head);
           }
+        } else {
+          std::fill(stored.begin(), stored.end(), 0);
         }
         for (int64_t j = 0; j < words; ++j) std::memcpy(tile + (j * W + c) * 4, stored.data() + 4 * j, 4);
       }
