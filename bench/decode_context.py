@@ -100,7 +100,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_report())
     loaded = load_engine_model(EngineConfig(model=args.model))
-    create_engine(loaded, EngineConfig(kv_cache_memory=1 << 20))  # runs the self-check: picks the compute path
+    create_engine(loaded, EngineConfig(kv_cache_memory=1 << 26))  # runs the self-check: picks the compute path
     model = loaded.model
     threads = use_kernel_threads() if model.compute_path == "kernels" else torch.get_num_threads()
     peak = bandwidth(threads)
