@@ -61,18 +61,42 @@ class Shape:
     rope_theta: float
     rms_eps: float
     qkv_bias: bool = False
+    head_size: int = 0  # 0: hidden // heads
+    qk_norm: bool = False
+    tied_embeddings: bool = True
+    experts: int = 0  # a mixture of experts: experts per layer, of which experts_used run per token
+    experts_used: int = 0
+    expert_ffn: int = 0
 
     @property
     def head_dim(self) -> int:
         """Per-head size."""
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 500000.0, 1e-5),
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, 1e-5),
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 1000000.0, 1e-6, qkv_bias=True),
+    # Qwen3-30B-A3B's layers (128 experts of 768, 8 a token; 32/4 heads of 128), 4 of its 48: a small MoE
+    "qwen3-30b-a3b-4l": Shape(
+        "qwen3moe",
+        2048,
+        4,
+        32,
+        4,
+        6144,
+        1000000.0,
+        1e-6,
+        head_size=128,
+        qk_norm=True,
+        tied_embeddings=False,
+        experts=128,
+        experts_used=8,
+        expert_ffn=768,
+    ),
 }
+ROUTER = "ffn_gate_inp.weight"  # float32, as llama.cpp's converter keeps a router
 TOKENIZER_KEYS = {  # SmolLM2's tokenizer fields and how GGUFWriter writes them
     "tokenizer.ggml.model": "add_tokenizer_model",
     "tokenizer.ggml.pre": "add_tokenizer_pre",
@@ -90,24 +114,38 @@ TOKENIZER_KEYS = {  # SmolLM2's tokenizer fields and how GGUFWriter writes them
 
 def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
     """GGUF tensor names and [rows, columns] (or [size]) of a model of the shape, in file order."""
-    kv = shape.kv_heads * shape.head_dim
+    q, kv = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     tensors: dict[str, tuple[int, ...]] = {"token_embd.weight": (vocab, shape.hidden)}
     for i in range(shape.layers):
-        block = {
+        block: dict[str, tuple[int, ...]] = {
             "attn_norm.weight": (shape.hidden,),
-            "attn_q.weight": (shape.hidden, shape.hidden),
+            "attn_q.weight": (q, shape.hidden),
             "attn_k.weight": (kv, shape.hidden),
             "attn_v.weight": (kv, shape.hidden),
-            "attn_output.weight": (shape.hidden, shape.hidden),
+            "attn_output.weight": (shape.hidden, q),
             "ffn_norm.weight": (shape.hidden,),
-            "ffn_gate.weight": (shape.ffn, shape.hidden),
-            "ffn_up.weight": (shape.ffn, shape.hidden),
-            "ffn_down.weight": (shape.hidden, shape.ffn),
         }
+        if shape.qk_norm:
+            block.update({"attn_q_norm.weight": (shape.head_dim,), "attn_k_norm.weight": (shape.head_dim,)})
+        if shape.experts:
+            block.update({
+                "ffn_gate_inp.weight": (shape.experts, shape.hidden),
+                "ffn_gate_exps.weight": (shape.experts, shape.expert_ffn, shape.hidden),
+                "ffn_up_exps.weight": (shape.experts, shape.expert_ffn, shape.hidden),
+                "ffn_down_exps.weight": (shape.experts, shape.hidden, shape.expert_ffn),
+            })  # fmt: skip
+        else:
+            block.update({
+                "ffn_gate.weight": (shape.ffn, shape.hidden),
+                "ffn_up.weight": (shape.ffn, shape.hidden),
+                "ffn_down.weight": (shape.hidden, shape.ffn),
+            })  # fmt: skip
         if shape.qkv_bias:
-            block.update({"attn_q.bias": (shape.hidden,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
+            block.update({"attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,)})
         tensors.update({f"blk.{i}.{name}": size for name, size in block.items()})
     tensors["output_norm.weight"] = (shape.hidden,)
+    if not shape.tied_embeddings:
+        tensors["output.weight"] = (vocab, shape.hidden)
     return tensors
 
 
@@ -126,6 +164,13 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
     writer.add_rope_freq_base(shape.rope_theta)
     writer.add_rope_dimension_count(shape.head_dim)
     writer.add_layer_norm_rms_eps(shape.rms_eps)
+    if shape.head_size:
+        writer.add_key_length(shape.head_dim)
+        writer.add_value_length(shape.head_dim)
+    if shape.experts:
+        writer.add_expert_count(shape.experts)
+        writer.add_expert_used_count(shape.experts_used)
+        writer.add_expert_feed_forward_length(shape.expert_ffn)
     writer.add_vocab_size(vocab)
     writer.add_file_type(1)  # mostly F16
     for key, method in TOKENIZER_KEYS.items():
@@ -133,7 +178,7 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
             getattr(writer, method)(tokenizer[key])
     tensors = tensor_shapes(shape, vocab)
     for tensor, size in tensors.items():
-        dtype = np.float16 if len(size) == 2 else np.float32
+        dtype = np.float16 if len(size) > 1 and not tensor.endswith(ROUTER) else np.float32
         writer.add_tensor_info(tensor, size, np.dtype(dtype), int(np.prod(size)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -144,7 +189,8 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
             values = np.ones(size) if tensor.endswith("norm.weight") else np.zeros(size)  # norms, biases
             writer.write_tensor_data(values.astype(np.float32))
         else:
-            writer.write_tensor_data((rng.standard_normal(size, dtype=np.float32) * 0.02).astype(np.float16))
+            values = rng.standard_normal(size, dtype=np.float32) * 0.02
+            writer.write_tensor_data(values if tensor.endswith(ROUTER) else values.astype(np.float16))
     writer.close()
 
 
