@@ -174,6 +174,21 @@ class PackedWeight:
         return PackedWeight([part for weight in weights for part in weight.parts])
 
 
+def matmul_groups(calls: Sequence[tuple[torch.Tensor, PackedWeight, str]]) -> list[torch.Tensor]:
+    """x @ W.T for each (x, W, arithmetic) in one kernel call, the threads sharing all of them out together: each
+    result bit for bit W.matmul(x, arithmetic)'s (a mixture of experts' experts, each on its own tokens)."""
+    load_kernels()
+    xs, data, types, parts, arithmetics = [], [], [], [], []
+    for x, weight, arithmetic in calls:
+        weight_data, weight_types = weight.kernel_arguments()
+        xs.append(x.float().contiguous())
+        data += weight_data
+        types += weight_types
+        parts.append(len(weight_data))
+        arithmetics.append(ARITHMETICS[arithmetic])
+    return list(torch.ops.statelm.gguf_matmul_groups(xs, data, types, parts, arithmetics))
+
+
 def release_pages(tensor: torch.Tensor) -> None:
     """Ask the OS to take back the resident pages wholly inside a tensor viewing a mapped file (MADV_PAGEOUT, a hint:
     what is read again later comes back from the file), so that a copy made of it does not count twice."""

@@ -9,7 +9,9 @@ from zero. A token's output is therefore the same whatever else shares its batch
 Each expert's gate+up and down projections are linears of their own: float, or (a GGUF's expert stacks in a block
 format, or --quantization int8/int4) PackedLinear layers over that expert's rows of the mapped blocks, swapped in
 by install_packed like any packed linear. On the kernels path a packed expert multiplies its prompt rows and its
-generated rows each in their --activations arithmetic; on the torch paths it uses a dequantized copy.
+generated rows each in their --activations arithmetic, and a layer's chosen experts go to the kernel together, one
+call per projection (kernel_matmuls: the same bits as one call each, with the threads shared over all of them, so
+a decode step's eight small expert matmuls cost one call's overhead); on the torch paths it uses a dequantized copy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from torch import nn
 
 from statelm.models.config import ModelConfig
 from statelm.models.layers import LayerOps, RowChunkedLinear, RowChunking, chunked_linear
-from statelm.models.packed import PackedLinear
+from statelm.models.packed import PackedLinear, kernel_matmuls
 
 if TYPE_CHECKING:
     from statelm.kernels.quant import PackedWeight
@@ -66,23 +68,38 @@ class MoEMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         out = torch.zeros_like(x)
-        for index in chosen.unique().tolist():  # ascending
+        routes = []  # (expert, its tokens, their top-k slots, their rows' kinds), experts ascending
+        for index in chosen.unique().tolist():
             tokens, slot = torch.where(chosen == index)
-            expert: Expert = self.experts[index]  # type: ignore[assignment]
-            rows = self.chunking.rows_among(tokens)
-            h = ops.silu_mul(self._project(expert.gate_up_proj, x[tokens], rows))
-            y = self._project(expert.down_proj, h, rows)
+            routes.append((self.experts[index], tokens, slot, self.chunking.rows_among(tokens)))
+        gate_up = self._project([(expert.gate_up_proj, x[tokens], rows) for expert, tokens, _, rows in routes])
+        hidden = [ops.silu_mul(h) for h in gate_up]
+        down = self._project([(route[0].down_proj, h, route[3]) for route, h in zip(routes, hidden, strict=True)])
+        for (_, tokens, slot, _), y in zip(routes, down, strict=True):
             out.index_add_(0, tokens, y.to(x.dtype) * weights[tokens, slot, None])
         return out
 
-    def _project(self, linear: RowChunkedLinear | PackedLinear, x: torch.Tensor, rows: Rows) -> torch.Tensor:
-        """One expert projection of its tokens' rows: by the packed kernel (rows: their kinds), else by torch in
-        calls of the fixed generated-row chunk size."""
-        if isinstance(linear, PackedLinear):
-            if linear.use_kernel:
-                return linear.kernel_matmul(x, *rows)
-            return chunked_linear(x, linear.dense(x.dtype), None, self.chunking.generated)
-        return chunked_linear(x, linear.weight, None, self.chunking.generated)
+    def _project(
+        self, projections: list[tuple[RowChunkedLinear | PackedLinear, torch.Tensor, Rows]]
+    ) -> list[torch.Tensor]:
+        """Expert projections of their tokens' rows: all in one kernel call where every one is packed and on the
+        kernel (rows: their kinds), else each by torch in calls of the fixed generated-row chunk size."""
+        kernel = [
+            (linear, x, *rows)
+            for linear, x, rows in projections
+            if isinstance(linear, PackedLinear) and linear.use_kernel
+        ]
+        if len(kernel) == len(projections):
+            return kernel_matmuls(kernel)
+        return [
+            chunked_linear(
+                x,
+                linear.dense(x.dtype) if isinstance(linear, PackedLinear) else linear.weight,
+                None,
+                self.chunking.generated,
+            )
+            for linear, x, _ in projections
+        ]
 
     def targets(self) -> dict[str, tuple[nn.Parameter, int, int]]:
         """Hugging Face names (relative to the layer's `mlp.`) of the router and the experts, and the rows they fill."""

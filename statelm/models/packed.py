@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from statelm.kernels.quant import matmul_groups
 from statelm.models.layers import RowChunking
 
 if TYPE_CHECKING:
@@ -53,13 +55,17 @@ class PackedLinear(nn.Module):
     ) -> torch.Tensor:
         """x @ W.T [T, out] float32 by the kernel (no bias), each row in its kind's arithmetic: prompt and generated
         index x's rows as RowChunking's prompt_rows and generated_rows index a batch (None: see split_rows)."""
+        return kernel_matmuls([(self, x, prompt, generated)])[0]
+
+    def kernel_calls(
+        self, x: torch.Tensor, prompt: torch.Tensor | None, generated: torch.Tensor | None
+    ) -> list[tuple[torch.Tensor | None, torch.Tensor, str]]:
+        """kernel_matmul's kernel calls: (the rows of x a call computes, None for all of them; those rows; its
+        arithmetic)."""
         prompt_arithmetic, generated_arithmetic = ACTIVATIONS[self.activations]
         if prompt is None or generated is None or prompt_arithmetic == generated_arithmetic:
-            return self.weight.matmul(x, generated_arithmetic if prompt is None else prompt_arithmetic)
-        out = x.new_empty(x.shape[0], self.out_features, dtype=torch.float32)
-        out[generated] = self.weight.matmul(x[generated], generated_arithmetic)
-        out[prompt] = self.weight.matmul(x[prompt], prompt_arithmetic)
-        return out
+            return [(None, x, generated_arithmetic if prompt is None else prompt_arithmetic)]
+        return [(generated, x[generated], generated_arithmetic), (prompt, x[prompt], prompt_arithmetic)]
 
     def dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantized weight [out, in], made on first use and kept."""
@@ -79,6 +85,25 @@ class PackedLinear(nn.Module):
         """Shape and formats, for print(model)."""
         shape = f"in={self.in_features}, out={self.out_features}, formats={self.weight.kind}"
         return f"{shape}, activations={self.activations}, bias={self.bias is not None}"
+
+
+def kernel_matmuls(
+    projections: Sequence[tuple[PackedLinear, torch.Tensor, torch.Tensor | None, torch.Tensor | None]],
+) -> list[torch.Tensor]:
+    """PackedLinear.kernel_matmul of each (linear, x, prompt, generated), all in one kernel call (matmul_groups):
+    the same bits as one by one, with the threads shared out over every projection's tiles at once."""
+    calls = [(linear, x, linear.kernel_calls(x, prompt, generated)) for linear, x, prompt, generated in projections]
+    results = iter(matmul_groups([(rows, linear.weight, how) for linear, _, parts in calls for _, rows, how in parts]))
+    outputs = []
+    for linear, x, parts in calls:
+        if parts[0][0] is None:
+            outputs.append(next(results))
+            continue
+        out = x.new_empty(x.shape[0], linear.out_features, dtype=torch.float32)
+        for rows, _, _ in parts:
+            out[rows] = next(results)
+        outputs.append(out)
+    return outputs
 
 
 class PackedEmbedding(nn.Module):

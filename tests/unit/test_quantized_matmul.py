@@ -18,7 +18,7 @@ from gguf.quants import quantize as gguf_quantize
 
 from statelm.cpu import cpu_flags
 from statelm.kernels.build import LIBRARY_DIR, KernelBuildError, cpu_variant, load_kernels
-from statelm.kernels.quant import INTERLEAVED_TYPE, BlockMatrix, PackedWeight, quantize
+from statelm.kernels.quant import INTERLEAVED_TYPE, BlockMatrix, PackedWeight, matmul_groups, quantize
 from statelm.kernels.variants import select_variant
 from tests.models.test_cpu_classes import ONEDNN_ISA
 from tests.unit.gguf_blocks import FORMATS, random_blocks, random_columns
@@ -103,6 +103,31 @@ def test_parts_of_different_formats_stack_into_one_output() -> None:
     for arithmetic in ARITHMETICS:
         alone = torch.cat([part.matmul(x, arithmetic) for part, _ in parts], dim=1)
         assert torch.equal(weight.matmul(x, arithmetic), alone)
+
+
+@pytest.mark.invariance
+def test_grouped_calls_give_the_bits_of_calls_one_by_one() -> None:
+    """matmul_groups (a layer's experts in one kernel call): each group's result is its own call's, bit for bit,
+    whatever the other groups' rows, K, formats, layouts and arithmetics (rows past the stream path included)."""
+    q4k = matrix(Q.Q4_K, 45, 512, seed=21)[0]
+    weights = [
+        q4k.interleave(),
+        q4k,
+        PackedWeight.concat([matrix(Q.Q6_K, 24, 256, seed=22)[0].interleave(), matrix(Q.Q8_0, 9, 256, seed=23)[0]]),
+        matrix(Q.Q3_K, 17, 768, seed=24)[0],
+    ]
+    for rows in ((1, 1, 1, 1), (3, 0, 7, 1), (9, 5, 1, 20)):
+        for arithmetics in (["int8"] * 4, ["int16", "int8", "float32", "int8"]):
+            calls = []
+            for i, (weight, count, arithmetic) in enumerate(zip(weights, rows, arithmetics, strict=True)):
+                x = torch.randn(count, weight.in_features, generator=torch.Generator().manual_seed(30 + i))
+                calls.append((x, weight, arithmetic))
+            grouped = matmul_groups(calls)
+            for (x, weight, arithmetic), y in zip(calls, grouped, strict=True):
+                assert y.shape == (x.shape[0], weight.out_features)
+                assert torch.equal(y, weight.matmul(x, arithmetic)), (rows, arithmetics)
+    with pytest.raises(RuntimeError, match="parts"):
+        torch.ops.statelm.gguf_matmul_groups([torch.zeros(1, 256)], [], [], [1], [1])
 
 
 NO_TILE_BUILDER = (Q.Q2_K, Q.Q3_K)  # decoded block by block: never interleaved
@@ -238,7 +263,7 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
 def test_prompt_and_generated_rows_take_their_own_arithmetic(activations: str) -> None:
     """Mixed activations: prompt rows and generated rows each take their arithmetic, whatever the mix."""
     from statelm.models.layers import RowChunking
-    from statelm.models.packed import ACTIVATIONS, PackedLinear
+    from statelm.models.packed import ACTIVATIONS, PackedLinear, kernel_matmuls
 
     prompt_arithmetic, generated_arithmetic = ACTIVATIONS[activations]
     weight = quantize(torch.randn(40, 64, generator=torch.Generator().manual_seed(5)), "int8")
@@ -251,9 +276,13 @@ def test_prompt_and_generated_rows_take_their_own_arithmetic(activations: str) -
     mixed = linear(x)
     assert torch.equal(mixed[is_prompt], weight.matmul(x[is_prompt], prompt_arithmetic))
     assert torch.equal(mixed[~is_prompt], weight.matmul(x[~is_prompt], generated_arithmetic))
-    for share in ([1, 3, 4, 8], [1, 2], [0, 3, 6]):  # an expert's share of the batch: mixed, generated, prompt rows
+    shares = ([1, 3, 4, 8], [1, 2], [0, 3, 6])  # an expert's share of the batch: mixed, generated, prompt rows
+    for share in shares:
         tokens = torch.tensor(share)
         assert torch.equal(linear.kernel_matmul(x[tokens], *chunking.rows_among(tokens)), mixed[tokens]), share
+    together = kernel_matmuls([(linear, x[torch.tensor(s)], *chunking.rows_among(torch.tensor(s))) for s in shares])
+    for share, y in zip(shares, together, strict=True):  # a layer's experts in one call
+        assert torch.equal(y, mixed[torch.tensor(share)]), share
     chunking.set_rows(None)  # all generated
     assert torch.equal(linear(x[1:2]), mixed[1:2])
     chunking.set_rows(torch.ones(1, dtype=torch.bool))  # all prompt

@@ -1,4 +1,6 @@
 // torch.ops.statelm.gguf_matmul(x [M, K] float32, weights, types, arithmetic) -> y [M, N] = x @ W.T
+// torch.ops.statelm.gguf_matmul_groups(xs, weights, types, parts, arithmetics) -> ys: several gguf_matmul calls at
+//   once (a mixture of experts' experts, each on its own tokens), their tiles shared among the threads together
 // torch.ops.statelm.gguf_dequantize(weight, type, rows?) -> the float32 rows of one block matrix
 // torch.ops.statelm.gguf_interleave(weight, type) -> the block matrix in the interleaved layout (gguf_tiles.h)
 //
@@ -116,39 +118,63 @@ std::vector<Part> parts_of(const std::vector<at::Tensor>& weights, at::IntArrayR
   return parts;
 }
 
-at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntArrayRef types, int64_t arithmetic) {
+// One x and the block matrices it multiplies (gguf_matmul's arguments), its quantized rows and its result.
+struct Group {
+  std::vector<Part> parts;
+  Arithmetic kind;
+  int64_t rows, k, n;
+  IntRows quantized;
+  FloatRows floats;
+  at::Tensor y;
+};
+
+Group make_group(const at::Tensor& x, const std::vector<at::Tensor>& weights, at::IntArrayRef types,
+                 int64_t arithmetic) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
   TORCH_CHECK(arithmetic >= 0 && arithmetic <= 2, "arithmetic must be 0 (float32), 1 (int8) or 2 (int16)");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
-  const std::vector<at::Tensor> weights(weight_list.begin(), weight_list.end());
-  const std::vector<Part> parts = parts_of(weights, types, k);
-  int64_t n = 0;
-  std::vector<std::pair<int64_t, int64_t>> tiles;  // (part, first column of the part)
-  for (size_t p = 0; p < parts.size(); ++p) {
-    for (int64_t c = 0; c < parts[p].rows; c += kTileColumns) tiles.emplace_back(p, c);
-    n += parts[p].rows;
+  Group g{parts_of(weights, types, k), static_cast<Arithmetic>(arithmetic), rows, k, 0, {}, {}, {}};
+  for (const Part& part : g.parts) g.n += part.rows;
+  g.y = at::empty({rows, g.n}, x.options());
+  if (rows == 0 || g.n == 0) return g;
+  if (g.kind == Arithmetic::kInt8) quantize_rows(x, 127, g.quantized.q8, g.quantized);
+  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, g.quantized.q16, g.quantized);
+  g.floats = {x.data_ptr<float>(), x.stride(0), rows};
+  return g;
+}
+
+// Every group's y = x @ W.T, their tiles shared out among the threads together (each tile's arithmetic as alone).
+void multiply(std::vector<Group>& groups) {
+  struct Tile {
+    int64_t group, part, column;
+  };
+  std::vector<Tile> tiles;
+  int64_t acc_size = 0;
+  for (size_t i = 0; i < groups.size(); ++i) {
+    const Group& g = groups[i];
+    if (g.rows == 0) continue;
+    for (size_t p = 0; p < g.parts.size(); ++p) {
+      for (int64_t c = 0; c < g.parts[p].rows; c += kTileColumns) {
+        tiles.push_back({static_cast<int64_t>(i), static_cast<int64_t>(p), c});
+      }
+    }
+    acc_size = std::max(acc_size, g.rows * (g.kind == Arithmetic::kFloat ? 4 : 1) * kTileColumns);
   }
-  auto y = at::empty({rows, n}, x.options());
-  if (rows == 0 || n == 0) return y;
-  const auto kind = static_cast<Arithmetic>(arithmetic);
-  IntRows quantized;
-  if (kind == Arithmetic::kInt8) quantize_rows(x, 127, quantized.q8, quantized);
-  if (kind == Arithmetic::kInt16) quantize_rows(x, 32767, quantized.q16, quantized);
-  const FloatRows floats{x.data_ptr<float>(), x.stride(0), rows};
-  const int64_t acc_width = kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
-  float* out = y.data_ptr<float>();
-  // Rows multiplied straight from the blocks (stream_int8_rows) overlap reading with arithmetic by themselves;
-  // a tile built, then passed over by every row, leaves memory idle while the rows run unless the next chunk of
-  // an interleaved part is asked for ahead (1.2-1.4x at 5-8 rows; at 1-4 rows it halved the rate).
-  const bool prefetch = kind != Arithmetic::kInt8 || rows > kStreamRows;
   statelm::parallel_for(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
-    float* acc = scratch<float, 6>(rows * acc_width);
+    float* acc = scratch<float, 6>(acc_size);
     for (int64_t t = begin; t < end; ++t) {
-      const Part& home = parts[tiles[t].first];
+      const Group& g = groups[tiles[t].group];
+      const int64_t k = g.k, rows = g.rows, n = g.n;
+      const int64_t acc_width = g.kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
+      // Rows multiplied straight from the blocks (stream_int8_rows) overlap reading with arithmetic by themselves;
+      // a tile built, then passed over by every row, leaves memory idle while the rows run unless the next chunk
+      // of an interleaved part is asked for ahead (1.2-1.4x at 5-8 rows; at 1-4 rows it halved the rate).
+      const bool prefetch = g.kind != Arithmetic::kInt8 || rows > kStreamRows;
+      const Part& home = g.parts[tiles[t].part];
       const bool staged = stage_tiles(home, k);
-      const Part part = staged ? staged_tile(home, tiles[t].second, k) : home;
-      const int64_t column = staged ? 0 : tiles[t].second;
+      const Part part = staged ? staged_tile(home, tiles[t].column, k) : home;
+      const int64_t column = staged ? 0 : tiles[t].column;
       std::fill(acc, acc + rows * acc_width, 0.0f);
       for (int64_t first = 0; first < k; first += kChunkValues) {
         const int64_t values = std::min(kChunkValues, k - first);
@@ -157,17 +183,18 @@ at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntA
         } else if (prefetch) {
           prefetch_chunk(part, column + kTileColumns, 0, std::min(kChunkValues, k));
         }
-        if (kind == Arithmetic::kFloat) {
-          float_tile_chunk(part, column, first, values, floats, acc);
+        if (g.kind == Arithmetic::kFloat) {
+          float_tile_chunk(part, column, first, values, g.floats, acc);
         } else {
-          int_tile_chunk(part, column, first, values, quantized, kind == Arithmetic::kInt16, acc);
+          int_tile_chunk(part, column, first, values, g.quantized, g.kind == Arithmetic::kInt16, acc);
         }
       }
       const int64_t columns = std::min(kTileColumns, part.rows - column);
+      float* out = g.y.data_ptr<float>();
       for (int64_t m = 0; m < rows; ++m) {
         float* dst = out + m * n + part.first_column + column;
         for (int64_t c = 0; c < columns; ++c) {
-          if (kind == Arithmetic::kFloat) {
+          if (g.kind == Arithmetic::kFloat) {
             const float* chains = acc + (m * kTileColumns + c) * 4;
             dst[c] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
           } else {
@@ -177,7 +204,35 @@ at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntA
       }
     }
   });
-  return y;
+}
+
+at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntArrayRef types, int64_t arithmetic) {
+  std::vector<Group> groups;
+  groups.push_back(make_group(x, std::vector<at::Tensor>(weight_list.begin(), weight_list.end()), types, arithmetic));
+  multiply(groups);
+  return groups[0].y;
+}
+
+// Several gguf_matmul calls at once: group i multiplies xs[i] by the next parts[i] of weights (and types) in
+// arithmetics[i]; the results are those of the calls made one by one, bit for bit.
+std::vector<at::Tensor> gguf_matmul_groups(at::TensorList xs, at::TensorList weight_list, at::IntArrayRef types,
+                                           at::IntArrayRef parts, at::IntArrayRef arithmetics) {
+  TORCH_CHECK(parts.size() == xs.size() && arithmetics.size() == xs.size(),
+              "gguf_matmul_groups: one part count and one arithmetic per x");
+  TORCH_CHECK(weight_list.size() == types.size(), "gguf_matmul_groups: one type per weight");
+  std::vector<Group> groups;
+  size_t next = 0;
+  for (size_t i = 0; i < xs.size(); ++i) {
+    TORCH_CHECK(parts[i] > 0 && next + parts[i] <= weight_list.size(), "gguf_matmul_groups: parts exceed the weights");
+    const std::vector<at::Tensor> weights(weight_list.begin() + next, weight_list.begin() + next + parts[i]);
+    groups.push_back(make_group(xs[i], weights, types.slice(next, parts[i]), arithmetics[i]));
+    next += parts[i];
+  }
+  TORCH_CHECK(next == weight_list.size(), "gguf_matmul_groups: weights left over after the groups' parts");
+  multiply(groups);
+  std::vector<at::Tensor> ys;
+  for (Group& g : groups) ys.push_back(g.y);
+  return ys;
 }
 
 // Rows (all, or those listed) of one block matrix as float32, w = S*q (+ O) exactly as gguf-py dequantizes.
@@ -236,12 +291,14 @@ at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type) {
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def("gguf_matmul(Tensor x, Tensor[] weights, int[] types, int arithmetic) -> Tensor");
+  m.def("gguf_matmul_groups(Tensor[] xs, Tensor[] weights, int[] types, int[] parts, int[] arithmetics) -> Tensor[]");
   m.def("gguf_dequantize(Tensor weight, int type, Tensor? rows) -> Tensor");
   m.def("gguf_interleave(Tensor weight, int type) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) {
   m.impl("gguf_matmul", &statelm::gguf::gguf_matmul);
+  m.impl("gguf_matmul_groups", &statelm::gguf::gguf_matmul_groups);
   m.impl("gguf_dequantize", &statelm::gguf::gguf_dequantize);
   m.impl("gguf_interleave", &statelm::gguf::gguf_interleave);
 }
