@@ -110,6 +110,7 @@ class PackedWeight:
         self.parts = tuple(parts)
         self.in_features = parts[0].in_features
         self.out_features = sum(p.rows for p in parts)
+        self._kernel_arguments: tuple[list[torch.Tensor], list[int]] | None = None
 
     @property
     def kind(self) -> str:
@@ -135,9 +136,12 @@ class PackedWeight:
         return PackedWeight([dataclasses.replace(p, interleaved=None) for p in self.parts])
 
     def kernel_arguments(self) -> tuple[list[torch.Tensor], list[int]]:
-        """The parts' data and type ids, as torch.ops.statelm.gguf_matmul takes them."""
-        data, types = zip(*(p.kernel_argument() for p in self.parts), strict=True)
-        return list(data), list(types)
+        """The parts' data and type ids, as torch.ops.statelm.gguf_matmul takes them (made once: a decode step
+        passes them for every matmul)."""
+        if self._kernel_arguments is None:
+            data, types = zip(*(p.kernel_argument() for p in self.parts), strict=True)
+            self._kernel_arguments = list(data), list(types)
+        return self._kernel_arguments
 
     def matmul(self, x: torch.Tensor, arithmetic: str = "float32") -> torch.Tensor:
         """x [M, in] float32 @ W.T -> [M, out] float32, in one of ARITHMETICS."""

@@ -62,21 +62,34 @@ class MoEMLP(nn.Module):
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """Each token [T, hidden] through its top-k experts, weighted by the router's (renormalised) probabilities."""
+        if not x.shape[0]:
+            return torch.zeros_like(x)
         probabilities = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        weights = weights.to(x.dtype)
+        chosen, order = chosen.sort(dim=-1)  # each token's experts ascending: the order its outputs are summed in
+        weights = weights.gather(-1, order).to(x.dtype).flatten()
+        pairs = chosen.flatten().argsort(stable=True)  # (token, slot) pairs by expert, then by token
+        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
+        experts = counts.nonzero().flatten()
+        sizes = counts[experts].tolist()
+        tokens = pairs.div(self.top_k, rounding_mode="floor")
+        routes = [  # (expert, its rows' kinds among its tokens)
+            (self.experts[e], self.chunking.rows_among(share))
+            for e, share in zip(experts.tolist(), tokens.split(sizes), strict=True)
+        ]
+        gate_up = self._project(
+            [(e.gate_up_proj, xs, r) for (e, r), xs in zip(routes, x[tokens].split(sizes), strict=True)]
+        )
+        hidden = ops.silu_mul(torch.cat(gate_up)).split(sizes)
+        down = self._project([(e.down_proj, h, r) for (e, r), h in zip(routes, hidden, strict=True)])
+        contributions = torch.empty(len(pairs), x.shape[1], dtype=x.dtype, device=x.device)
+        contributions[pairs] = torch.cat(down).to(x.dtype) * weights[pairs, None]
+        per_token = contributions.view(x.shape[0], self.top_k, x.shape[1])
         out = torch.zeros_like(x)
-        routes = []  # (expert, its tokens, their top-k slots, their rows' kinds), experts ascending
-        for index in chosen.unique().tolist():
-            tokens, slot = torch.where(chosen == index)
-            routes.append((self.experts[index], tokens, slot, self.chunking.rows_among(tokens)))
-        gate_up = self._project([(expert.gate_up_proj, x[tokens], rows) for expert, tokens, _, rows in routes])
-        hidden = [ops.silu_mul(h) for h in gate_up]
-        down = self._project([(route[0].down_proj, h, route[3]) for route, h in zip(routes, hidden, strict=True)])
-        for (_, tokens, slot, _), y in zip(routes, down, strict=True):
-            out.index_add_(0, tokens, y.to(x.dtype) * weights[tokens, slot, None])
+        for slot in range(self.top_k):  # from zero, in ascending expert order
+            out += per_token[:, slot]
         return out
 
     def _project(
