@@ -53,8 +53,71 @@ Part staged_tile(const Part& part, int64_t column, int64_t k) {
   return {buffer, row_bytes, part.format, count, part.first_column + column};
 }
 
-// Per row and block of 32: q = round(x * limit / amax) (half to even), dx = amax / limit; sums of the levels per 16
-// and per 32 values, and dx times them.
+// One block of 32 values: q = round(x * limit / amax) (half to even, the default rounding of every build), its two
+// halves' level sums; returns dx = amax / limit. The vector builds make the same float steps as the scalar one.
+template <typename T>
+inline float quantize_block(const float* values, int32_t limit, T* q, int32_t halves[2]) {
+#if defined(__AVX512F__)
+  const __m512 a = _mm512_loadu_ps(values), b = _mm512_loadu_ps(values + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  halves[0] = _mm512_reduce_add_epi32(qa);
+  halves[1] = _mm512_reduce_add_epi32(qb);
+  if constexpr (sizeof(T) == 1) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(qa));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(qb));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm512_cvtepi32_epi16(qa));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(qb));
+  }
+#elif defined(STATELM_GGUF_AVX2)
+  __m256 v[4];
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) {
+    v[i] = _mm256_loadu_ps(values + 8 * i);
+    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
+  }
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+  const float amax = _mm256_cvtss_f32(m);
+  const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f);
+  __m256i levels[4];
+  for (int i = 0; i < 4; ++i) levels[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  for (int h = 0; h < 2; ++h) {
+    __m256i sum = _mm256_add_epi32(levels[2 * h], levels[2 * h + 1]);
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+    halves[h] = _mm_cvtsi128_si32(s);
+  }
+  // packs interleave 128-bit lanes: 0xD8 puts the 64-bit quarters back in value order
+  const __m256i low = _mm256_permute4x64_epi64(_mm256_packs_epi32(levels[0], levels[1]), 0xD8);
+  const __m256i high = _mm256_permute4x64_epi64(_mm256_packs_epi32(levels[2], levels[3]), 0xD8);
+  if constexpr (sizeof(T) == 1) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permute4x64_epi64(_mm256_packs_epi16(low, high), 0xD8));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), low);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), high);
+  }
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
+  const float inverse = amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f;
+  halves[0] = halves[1] = 0;
+  for (int64_t i = 0; i < kBlock; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(values[i] * inverse));
+    q[i] = static_cast<T>(v);
+    halves[i / 16] += v;
+  }
+#endif
+  return amax / static_cast<float>(limit);
+}
+
+// Per row and block of 32: the block's levels and dx (quantize_block); sums of the levels per 16 and per 32 values,
+// and dx times them.
 template <typename T>
 void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, IntRows& out) {
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock;
@@ -71,18 +134,8 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
   statelm::parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
       for (int64_t b = 0; b < blocks; ++b) {
-        const float* values = in + m * stride + b * kBlock;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
-        const float inverse = amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f;
-        const float dx = amax / static_cast<float>(limit);
-        int32_t halves[2] = {0, 0};
-        T* q = levels.data() + m * k + b * kBlock;
-        for (int64_t i = 0; i < kBlock; ++i) {
-          const int32_t v = static_cast<int32_t>(std::nearbyint(values[i] * inverse));
-          q[i] = static_cast<T>(v);
-          halves[i / 16] += v;
-        }
+        int32_t halves[2];
+        const float dx = quantize_block(in + m * stride + b * kBlock, limit, levels.data() + m * k + b * kBlock, halves);
         const int64_t at = m * blocks + b;
         out.dx[at] = dx;
         for (int h = 0; h < 2; ++h) {
