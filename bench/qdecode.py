@@ -116,8 +116,10 @@ def main() -> None:
     shape = tuple(int(size) for size in args.shape.split("x"))
     print(machine_report())
     if args.gguf:
-        print(f"library {loaded_library()}; {args.arithmetic} activations; {args.layout}; every quantized matrix of"
-              f" {args.gguf}")
+        print(
+            f"library {loaded_library()}; {args.arithmetic} activations; {args.layout}; every quantized matrix of"
+            f" {args.gguf}"
+        )
         print("| rows | threads | ms a step | GB/s |\n| ---: | ---: | ---: | ---: |")
         for threads in threads_list:
             torch.ops.statelm.set_num_threads(threads)

@@ -32,6 +32,7 @@ from statelm.gguf_vocab.pre_tokenizers import (
 
 __all__ = ["SUPPORTED_VOCAB_TYPES", "GGUFVocab", "VocabError", "build_gguf_vocab", "bytes_to_unicode"]
 
+
 class VocabError(ValueError):
     """A GGUF vocabulary statelm cannot tokenize as llama.cpp does."""
 

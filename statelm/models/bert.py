@@ -206,10 +206,7 @@ class BertLayer(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = (t.transpose(0, 1) for t in (q, k, v))  # each [heads, T, d]
         attended = torch.cat(
-            [
-                F.scaled_dot_product_attention(q[:, s], k[:, s], v[:, s])
-                for s in _slices(seq_lens)
-            ],
+            [F.scaled_dot_product_attention(q[:, s], k[:, s], v[:, s]) for s in _slices(seq_lens)],
             dim=1,
         )  # [heads, T, d]
         attended = attended.transpose(0, 1).reshape(x.shape[0], -1)

@@ -203,14 +203,18 @@ def start_builder(tmp_path: Path, sleep: float) -> subprocess.Popen[bytes]:
 def test_a_process_lock_dies_with_its_holder(tmp_path: Path) -> None:
     path = tmp_path / "x.lock"
     holder = subprocess.Popen(
-        [sys.executable, "-c", textwrap.dedent(f"""
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(f"""
             import time
             from pathlib import Path
             from statelm.process_lock import process_lock
             with process_lock(Path({str(path)!r}), "holds", 60):
                 print("held", flush=True)
                 time.sleep(60)
-            """)],
+            """),
+        ],
         stdout=subprocess.PIPE,
         text=True,
     )
