@@ -161,7 +161,10 @@ class EngineConfig:
     max_model_len: int | None = setting(None, help="Context length cap (default: the model's).")
     block_size: int = setting(16, help="Tokens per KV cache block.")
     kv_cache_memory: int | None = setting(  # bytes
-        None, help="KV cache budget, e.g. 2GiB (default: 2GiB on CPU, 80% of free GPU memory).", parse=parse_size
+        None,
+        help="KV cache budget, e.g. 2GiB (default: on CPU 2GiB, or a quarter of the available memory where that is"
+        " less; on a GPU 80% of its free memory).",
+        parse=parse_size,
     )
     max_num_seqs: int = setting(64, help="Most sequences running at once.")
     max_num_batched_tokens: int = setting(512, help="Token budget of one engine step.")

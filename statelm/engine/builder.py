@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +17,7 @@ from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
+from statelm.host_memory import available_host_memory
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.compute_path import compute_paths, use_activations, use_compute_path, use_repack
 from statelm.models.invariance import select_compute_path
@@ -217,8 +217,4 @@ def _kv_budget(config: EngineConfig, device: torch.device) -> int:
     if device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free * GPU_FREE_MEMORY_FRACTION)
-    return min(DEFAULT_CPU_KV_BYTES, _available_memory() // 4)
-
-
-def _available_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
+    return min(DEFAULT_CPU_KV_BYTES, available_host_memory() // 4)

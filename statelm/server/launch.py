@@ -28,7 +28,7 @@ from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
 from statelm.server.embedding_models import embedding_service
-from statelm.server.memory_budget import available_host_memory
+from statelm.host_memory import available_host_memory
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.manager import SessionLimits, SessionManager
 from statelm.sessions.tally import KeyTally

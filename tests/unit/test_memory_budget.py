@@ -1,4 +1,5 @@
-"""The start-up memory check: what a model's weights take, what a control group leaves, and the error."""
+"""The start-up memory check: what a model's weights take, what a control group leaves, the error, and the default KV
+pool's share of available memory."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import pytest
 import torch
 from torch import nn
 
+from statelm import host_memory
+from statelm.config import EngineConfig
+from statelm.engine import builder
 from statelm.kernels.quant import quantize
 from statelm.models.layers import RowChunking
 from statelm.models.packed import PackedLinear
-from statelm.server import memory_budget
 from statelm.server.memory_budget import MemoryBudgetError, check_memory, module_bytes
 
 
@@ -47,9 +50,25 @@ def test_a_control_group_s_tightest_limit_caps_the_memory(tmp_path: Path, monkey
     for folder, limit, usage in ((tmp_path, "max", 0), (tmp_path / "parent", "3000", 1000), (group, "max", 500)):
         (folder / "memory.max").write_text(f"{limit}\n")
         (folder / "memory.current").write_text(f"{usage}\n")
-    assert memory_budget._limits_left(tmp_path, "/parent/child", "memory.max", "memory.current") == [2000]
-    assert memory_budget._limits_left(tmp_path, "/", "memory.max", "memory.current") == []
-    monkeypatch.setattr(memory_budget, "_cgroup_headroom", lambda: 2000)
-    assert memory_budget.available_host_memory() == 2000
-    monkeypatch.setattr(memory_budget, "_cgroup_headroom", lambda: None)
-    assert memory_budget.available_host_memory() == memory_budget._meminfo_available() > 0
+    assert host_memory._limits_left(tmp_path, "/parent/child", "memory.max", "memory.current") == [2000]
+    assert host_memory._limits_left(tmp_path, "/", "memory.max", "memory.current") == []
+    monkeypatch.setattr(host_memory, "_cgroup_headroom", lambda: 2000)
+    assert host_memory.available_host_memory() == 2000
+    monkeypatch.setattr(host_memory, "_cgroup_headroom", lambda: None)
+    assert host_memory.available_host_memory() == host_memory._meminfo_available() > 0
+
+
+def test_the_default_kv_pool_takes_a_quarter_of_available_memory_not_of_free_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Page cache (a model file just read) is reclaimable: the default CPU KV budget counts MemAvailable, so a warm
+    page cache cannot shrink the pool to nothing; a control group's limit still caps it."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal:       24000000 kB\nMemFree:          100000 kB\nMemAvailable:   22000000 kB\n")
+    monkeypatch.setattr(host_memory, "MEMINFO", meminfo)
+    monkeypatch.setattr(host_memory, "_cgroup_headroom", lambda: None)
+    cpu = torch.device("cpu")
+    assert builder._kv_budget(EngineConfig(), cpu) == builder.DEFAULT_CPU_KV_BYTES  # 2 GiB < 22 GB / 4
+    monkeypatch.setattr(host_memory, "_cgroup_headroom", lambda: 4 << 30)
+    assert builder._kv_budget(EngineConfig(), cpu) == 1 << 30
+    assert builder._kv_budget(EngineConfig(kv_cache_memory=12345), cpu) == 12345
