@@ -44,6 +44,10 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def float_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """A small linear's projection of [T, in] rows (a mixture of experts' router), as the linear runs."""
+        return linear(x)
+
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu(gate, tanh approximation) * up, for gate and up side by side in the last dimension (GeGLU)."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -77,6 +81,13 @@ class KernelLayerOps(LayerOps):
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """silu(gate) * up in one pass."""
         return torch.ops.statelm.silu_mul(gate_up)
+
+    def float_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """One fixed-order dot product an output (torch.ops.statelm.float_linear: no row chunks to pad, the weight
+        read once) for a float32 RowChunkedLinear without bias; any other linear (a packed router) as it runs."""
+        if not isinstance(linear, RowChunkedLinear) or linear.bias is not None or linear.weight.dtype != torch.float32:
+            return linear(x)
+        return torch.ops.statelm.float_linear(x.float().contiguous(), linear.weight)
 
     def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
         """The tokens' positions and the whole table (the kernel looks rows up itself)."""

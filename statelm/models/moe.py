@@ -1,6 +1,7 @@
 """Mixture-of-experts feed-forward (Qwen3-MoE, Mixtral): a router picks the top-k experts of every token.
 
-Batch invariance by construction: the router is a row-chunked linear and its softmax and top-k are per row; each
+Batch invariance by construction: the router is a row-chunked linear (on the kernels path float_linear, one dot
+product an output in a fixed order) and its softmax and top-k are per row; each
 expert computes its tokens either by statelm's packed kernel (which gives a row the same bits in any batch) or by
 torch in calls of a fixed number of rows (the model's RowChunking size for generated rows), so a row's result does
 not depend on how many other tokens chose the expert; and a token's experts are summed in ascending expert order
@@ -64,7 +65,7 @@ class MoEMLP(nn.Module):
         """Each token [T, hidden] through its top-k experts, weighted by the router's (renormalised) probabilities."""
         if not x.shape[0]:
             return torch.zeros_like(x)
-        probabilities = torch.softmax(self.router(x), dim=-1, dtype=torch.float32)
+        probabilities = torch.softmax(ops.float_linear(self.router, x), dim=-1, dtype=torch.float32)
         weights, chosen = probabilities.topk(self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -22,13 +22,13 @@ from statelm.api.serving import ServedModel, ServingContext, sampling_defaults, 
 from statelm.api.sessions import KVFootprint, SessionService
 from statelm.config import EngineConfig, ServerConfig
 from statelm.engine.builder import BuiltEngine, EngineConfigError, build_engine
+from statelm.host_memory import available_host_memory
 from statelm.metrics import ServingMetrics
 from statelm.models.loader import ModelLoadError
 from statelm.server.app import Guards, create_app
 from statelm.server.auth import KeyRing
 from statelm.server.drain import DrainGate, DrainingServer
 from statelm.server.embedding_models import embedding_service
-from statelm.host_memory import available_host_memory
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.manager import SessionLimits, SessionManager
 from statelm.sessions.tally import KeyTally

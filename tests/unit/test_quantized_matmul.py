@@ -221,6 +221,8 @@ for name, (raw, qtype) in data["weights"].items():
             args = [interleaved[: raw.shape[0]]], [qtype | INTERLEAVED_TYPE], code
             outputs[f"{name}-{arithmetic}-interleaved"] = torch.ops.statelm.gguf_matmul(x, *args)
             outputs[f"{name}-{arithmetic}-interleaved-few"] = torch.ops.statelm.gguf_matmul(x[:1], *args)
+for name, (x, weight) in data["float"].items():
+    outputs[f"float-{name}"] = torch.ops.statelm.float_linear(x, weight)
 torch.save(outputs, sys.argv[2])
 """
 
@@ -229,7 +231,7 @@ torch.save(outputs, sys.argv[2])
 def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
     """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits, for
     every block format and arithmetic, in many rows (tiles) and in few (rows alone, and three together), from the
-    blocks in place and (SIMD classes) interleaved in its own layout."""
+    blocks in place and (SIMD classes) interleaved in its own layout; and float_linear's."""
     capped, own = select_variant(cpu_flags(), capability), cpu_variant()
     if capped is None or own is None or capped == own:
         pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
@@ -237,7 +239,8 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
     weights = {q.name: (torch.from_numpy(random_blocks(q, 45, random_columns(q), rng)), int(q)) for q in FORMATS}
     generator = torch.Generator().manual_seed(9)
     x = {q.name: torch.randn(37, random_columns(q), generator=generator) for q in FORMATS}  # every row tile kind
-    torch.save({"x": x, "weights": weights}, tmp_path / "in.pt")
+    floats = {k: (torch.randn(7, k, generator=generator), torch.randn(24, k, generator=generator)) for k in (100, 2048)}
+    torch.save({"x": x, "weights": weights, "float": floats}, tmp_path / "in.pt")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     if capability in ONEDNN_ISA:
         env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[capability]
@@ -256,6 +259,8 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
             if f"{name}-{arithmetic}-interleaved" in outputs:
                 assert torch.equal(expected, outputs[f"{name}-{arithmetic}-interleaved"]), (name, arithmetic)
                 assert torch.equal(expected[:1], outputs[f"{name}-{arithmetic}-interleaved-few"]), (name, arithmetic)
+    for k, (x_float, weight_float) in floats.items():  # the float32 router's linear
+        assert torch.equal(torch.ops.statelm.float_linear(x_float, weight_float), outputs[f"float-{k}"]), k
 
 
 @pytest.mark.invariance
