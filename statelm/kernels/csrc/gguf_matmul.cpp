@@ -149,7 +149,7 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
   });
 }
 
-std::vector<Part> parts_of(const std::vector<at::Tensor>& weights, at::IntArrayRef types, int64_t k) {
+std::vector<Part> parts_of(at::TensorList weights, at::IntArrayRef types, int64_t k) {
   TORCH_CHECK(weights.size() == types.size(), "gguf_matmul: one type per weight");
   std::vector<Part> parts;
   int64_t column = 0;
@@ -181,8 +181,7 @@ struct Group {
   at::Tensor y;
 };
 
-Group make_group(const at::Tensor& x, const std::vector<at::Tensor>& weights, at::IntArrayRef types,
-                 int64_t arithmetic) {
+Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types, int64_t arithmetic) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.stride(1) == 1, "x must be [M, K] float32 rows");
   TORCH_CHECK(arithmetic >= 0 && arithmetic <= 2, "arithmetic must be 0 (float32), 1 (int8) or 2 (int16)");
   const int64_t rows = x.size(0), k = x.size(1);
@@ -261,7 +260,7 @@ void multiply(std::vector<Group>& groups) {
 
 at::Tensor gguf_matmul(const at::Tensor& x, at::TensorList weight_list, at::IntArrayRef types, int64_t arithmetic) {
   std::vector<Group> groups;
-  groups.push_back(make_group(x, std::vector<at::Tensor>(weight_list.begin(), weight_list.end()), types, arithmetic));
+  groups.push_back(make_group(x, weight_list, types, arithmetic));
   multiply(groups);
   return groups[0].y;
 }
@@ -277,8 +276,7 @@ std::vector<at::Tensor> gguf_matmul_groups(at::TensorList xs, at::TensorList wei
   size_t next = 0;
   for (size_t i = 0; i < xs.size(); ++i) {
     TORCH_CHECK(parts[i] > 0 && next + parts[i] <= weight_list.size(), "gguf_matmul_groups: parts exceed the weights");
-    const std::vector<at::Tensor> weights(weight_list.begin() + next, weight_list.begin() + next + parts[i]);
-    groups.push_back(make_group(xs[i], weights, types.slice(next, parts[i]), arithmetics[i]));
+    groups.push_back(make_group(xs[i], weight_list.slice(next, parts[i]), types.slice(next, parts[i]), arithmetics[i]));
     next += parts[i];
   }
   TORCH_CHECK(next == weight_list.size(), "gguf_matmul_groups: weights left over after the groups' parts");
