@@ -98,13 +98,8 @@ class MoEMLP(nn.Module):
     ) -> list[torch.Tensor]:
         """Expert projections of their tokens' rows: all in one kernel call where every one is packed and on the
         kernel (rows: their kinds), else each by torch in calls of the fixed generated-row chunk size."""
-        kernel = [
-            (linear, x, *rows)
-            for linear, x, rows in projections
-            if isinstance(linear, PackedLinear) and linear.use_kernel
-        ]
-        if len(kernel) == len(projections):
-            return kernel_matmuls(kernel)
+        if all(isinstance(linear, PackedLinear) and linear.use_kernel for linear, _, _ in projections):
+            return kernel_matmuls([(linear, x, *rows) for linear, x, rows in projections])
         return [
             chunked_linear(
                 x,
