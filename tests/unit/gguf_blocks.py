@@ -41,5 +41,6 @@ def random_blocks(
 
 
 def random_columns(qtype: Q) -> int:
-    """An input size the format can hold that is not a multiple of the kernels' K chunk (512 values)."""
-    return 768 if qtype in K_QUANTS else 800
+    """An input size the format can hold that is not a multiple of the kernels' K chunk (512 values) (an even
+    number of 32-value blocks: paired formats interleave)."""
+    return 768 if qtype in K_QUANTS else 832

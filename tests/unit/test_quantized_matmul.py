@@ -131,6 +131,7 @@ def test_grouped_calls_give_the_bits_of_calls_one_by_one() -> None:
 
 
 NO_TILE_BUILDER = (Q.Q2_K, Q.Q3_K)  # decoded block by block: never interleaved
+PAIRED = (Q.Q4_0, Q.IQ4_NL, Q.Q8_0)  # interleaved two blocks a unit, both d's first
 
 
 @pytest.mark.invariance
@@ -152,6 +153,20 @@ def test_interleaved_blocks_give_the_bits_of_the_blocks_in_place(qtype: Q) -> No
     assert not interleaved.in_place().interleaved and torch.equal(interleaved.in_place().matmul(x), weight.matmul(x))
 
 
+@pytest.mark.parametrize("qtype", PAIRED, ids=lambda q: q.name)
+def test_paired_formats_interleave_without_padding_rows_of_even_blocks_only(qtype: Q) -> None:
+    simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
+    even, _ = matrix(qtype, 20, 832, seed=3)
+    interleaved = even.interleave()
+    assert interleaved.interleaved == simd
+    if simd:  # the interleaved copy is the file's size: no padding word a block
+        assert all(p.interleaved.shape[1] == p.data.shape[1] for p in interleaved.parts)
+    odd, _ = matrix(qtype, 20, 800, seed=4)  # 25 blocks a row: no pairs, read in place
+    assert not odd.interleave().interleaved
+    x = torch.randn(3, 800, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(odd.interleave().matmul(x), odd.matmul(x))
+
+
 def test_interleaved_and_in_place_parts_stack_into_one_output() -> None:
     parts = [matrix(qtype, rows, 256, seed=rows)[0] for qtype, rows in ((Q.Q4_K, 24), (Q.Q3_K, 9), (Q.Q6_K, 17))]
     mixed = PackedWeight.concat([parts[0].interleave(), parts[1].interleave(), parts[2]])
@@ -171,7 +186,7 @@ def test_block_matrices_are_checked() -> None:
     with pytest.raises(RuntimeError, match="does not match K"):
         PackedWeight([BlockMatrix.of(Q.Q4_K, raw, (4, 256))]).matmul(torch.zeros(1, 512))
     q3_k = torch.from_numpy(random_blocks(Q.Q3_K, 4, 256, np.random.default_rng(0))).reshape(4, -1)
-    with pytest.raises(RuntimeError, match="Q3_K has no interleaved layout"):
+    with pytest.raises(RuntimeError, match="Q3_K rows of 110 bytes have no interleaved layout"):
         torch.ops.statelm.gguf_matmul(torch.zeros(1, 256), [q3_k], [int(Q.Q3_K) | INTERLEAVED_TYPE], 1)
 
 

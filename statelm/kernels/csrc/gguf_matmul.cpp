@@ -157,11 +157,12 @@ std::vector<Part> parts_of(at::TensorList weights, at::IntArrayRef types, int64_
     const bool interleaved = (types[i] & kInterleavedType) != 0;
     const Format* f = find_format(types[i] & ~kInterleavedType);
     TORCH_CHECK(f != nullptr, "gguf_matmul: ggml type ", types[i], " is not a supported block format");
-    TORCH_CHECK(!interleaved || interleavable(*f), "gguf_matmul: ", f->name, " has no interleaved layout here");
     const at::Tensor& w = weights[i];
     TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kByte && w.stride(1) == 1,
                 "gguf_matmul: weights must be uint8 [rows, row bytes] with contiguous rows");
     const int64_t row_bytes = k / f->values * f->bytes;
+    TORCH_CHECK(!interleaved || interleavable(*f, row_bytes), "gguf_matmul: ", f->name, " rows of ", row_bytes,
+                " bytes have no interleaved layout here");
     TORCH_CHECK(k % f->values == 0 && w.size(1) == (interleaved ? interleaved_row_bytes(*f, row_bytes) : row_bytes),
                 "gguf_matmul: a ", f->name, " weight of ", w.size(1), " bytes a row does not match K = ", k);
     TORCH_CHECK(!interleaved || w.stride(0) == w.size(1), "gguf_matmul: an interleaved weight must be contiguous");
@@ -328,9 +329,9 @@ at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type) {
   TORCH_CHECK(f != nullptr, "gguf_interleave: ggml type ", type, " is not a supported block format");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
               "gguf_interleave: weight must be uint8 [rows, row bytes] with contiguous rows");
-  if (!interleavable(*f)) return at::empty({0, 0}, weight.options());
   const int64_t rows = weight.size(0), row_bytes = weight.size(1);
   TORCH_CHECK(row_bytes % f->bytes == 0, "gguf_interleave: rows are not whole ", f->name, " blocks");
+  if (!interleavable(*f, row_bytes)) return at::empty({0, 0}, weight.options());
   auto out = at::empty({(rows + kTileColumns - 1) / kTileColumns * kTileColumns, interleaved_row_bytes(*f, row_bytes)},
                        weight.options());
   interleave_blocks(*f, weight.data_ptr<uint8_t>(), rows, row_bytes, weight.stride(0), out.data_ptr<uint8_t>());

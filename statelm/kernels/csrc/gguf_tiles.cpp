@@ -44,22 +44,34 @@ Rows rows_of(const Part& part, int64_t column, int64_t first) {
   return {base, part.row_stride, std::min(kTileColumns, part.rows - column)};
 }
 
-// How a format's blocks lie in an interleaved row: `stored` bytes each (whole words); the block's last `tail` bytes
-// first, then padding, then the rest, so that every field the builders load as vectors starts on a word and
-// (Q6_K: its high bits, scales and d, read before its low bits) the fields lie in the order they are read.
+// How a format's blocks lie in an interleaved row, so that every field the builders load as vectors starts on a
+// word. Single blocks: `stored` bytes each (whole words), the block's last `tail` bytes first, then padding, then
+// the rest (Q6_K: its high bits, scales and d, read before its low bits, lie in the order they are read). Paired
+// (blocks of a 2-byte d and then whole words: Q4_0, IQ4_NL, Q8_0): two blocks a unit, both d's first (one word),
+// then each block's rest, so no padding; a row of an odd number of such blocks is not interleaved.
 struct StoredBlock {
   int64_t bytes, stored, tail;
+  bool paired = false;
+  constexpr int64_t unit() const { return paired ? 2 * bytes : bytes; }
+  constexpr int64_t unit_stored() const { return paired ? 2 * bytes : stored; }
+  // Where byte `within` of a unit lies in the stored unit.
   constexpr int64_t position(int64_t within) const {
+    if (paired) {
+      const int64_t block = within / bytes, at = within % bytes;
+      return at < 2 ? 2 * block + at : 4 + block * (bytes - 2) + at - 2;
+    }
     return within >= bytes - tail ? within - (bytes - tail) : within + stored - bytes + tail;
   }
+  // Where byte `at` of a row lies in its interleaved row.
+  constexpr int64_t offset(int64_t at) const { return at / unit() * unit_stored() + position(at % unit()); }
 };
 
 constexpr StoredBlock stored_block(int64_t type) {
   switch (type) {
-    case kQ4_0: case kIQ4_NL: return {18, 20, 0};  // padding, d | qs[16]
-    case kQ5_0: return {22, 24, 0};                 // padding, d, qh | qs[16]
-    case kQ8_0: return {34, 36, 0};                 // padding, d | qs[32]
-    case kQ6_K: return {210, 212, 82};              // qh[64] | scales[16] | d, padding | ql[128]
+    case kQ4_0: case kIQ4_NL: return {18, 18, 0, true};  // d0, d1 | qs0[16] | qs1[16]
+    case kQ8_0: return {34, 34, 0, true};                 // d0, d1 | qs0[32] | qs1[32]
+    case kQ5_0: return {22, 24, 0};                       // padding, d, qh | qs[16]
+    case kQ6_K: return {210, 212, 82};                    // qh[64] | scales[16] | d, padding | ql[128]
     case kQ4_1: return {20, 20, 0};
     case kQ5_1: return {24, 24, 0};
     case kQ4_K: return {144, 144, 0};
@@ -78,8 +90,11 @@ struct TileWords {
   int64_t start;
   TileWords at(int64_t offset) const { return {tile, start + offset}; }
   static int64_t stored(int64_t at) {
-    if constexpr (kBlockLayout.stored == kBlockLayout.bytes) return at;
-    return at / kBlockLayout.bytes * kBlockLayout.stored + kBlockLayout.position(at % kBlockLayout.bytes);
+    if constexpr (!kBlockLayout.paired && kBlockLayout.stored == kBlockLayout.bytes) return at;
+    if constexpr (!kBlockLayout.paired) {
+      return at / kBlockLayout.bytes * kBlockLayout.stored + kBlockLayout.position(at % kBlockLayout.bytes);
+    }
+    return kBlockLayout.offset(at);
   }
 };
 
@@ -166,6 +181,19 @@ __attribute__((always_inline)) inline V word_at(const TileWords<kType>& rows, in
   return vor(srl(low, shift), sll(load(rows.tile + (word + 1) * W * 4), 32 - shift));
 }
 
+// `count` words from `offset` that lie together in the stored layout (a field): the first word's place found
+// once, the rest follow it.
+template <int64_t kType>
+__attribute__((always_inline)) inline void field_words(const TileWords<kType>& rows, int64_t offset, int64_t count,
+                                                       V* out) {
+  const int64_t at = TileWords<kType>::stored(rows.start + offset);
+  if (at % 4 == 0) {
+    for (int64_t j = 0; j < count; ++j) out[j] = load(rows.tile + (at / 4 + j) * W * 4);
+  } else {
+    for (int64_t j = 0; j < count; ++j) out[j] = word_at(rows, offset + 4 * j);
+  }
+}
+
 // words(), four_words() and words_of_runs() of an interleaved tile: the same vectors, loaded rather than transposed.
 template <int64_t kType>
 __attribute__((always_inline)) inline void words(const TileWords<kType>& rows, int64_t offset, V out[W]) {
@@ -181,9 +209,12 @@ template <int64_t kType>
 __attribute__((always_inline)) inline void words_of_runs(const TileWords<kType>& rows, int64_t offset, int64_t step,
                                                          int64_t size, int present, V out[W]) {
   const int64_t per_run = size / 4;
-  for (int64_t j = 0; j < W; ++j) {
-    const int64_t run = j / per_run;
-    out[j] = run < present ? word_at(rows, offset + run * step + 4 * (j % per_run)) : zero();
+  for (int64_t run = 0; run < W / per_run; ++run) {
+    if (run < present) {
+      field_words(rows, offset + run * step, per_run, out + run * per_run);
+    } else {
+      for (int64_t j = 0; j < per_run; ++j) out[run * per_run + j] = zero();
+    }
   }
 }
 
@@ -500,47 +531,76 @@ void build_iq4_xs(const Source& rows, int64_t superblocks, Sink& sink) {
   }
 }
 
-// Runs the format's builder into sink; false when the format has none (decoded_tile serves it).
-template <class Sink, class Source>
-bool build(const Format& f, const Source& rows, int64_t values, Sink& sink) {
-  const int64_t blocks = values / f.values;
-  switch (f.type) {
-    case kQ8_0: build_q8_0(rows.template as<kQ8_0>(), blocks, sink); return true;
-    case kQ4_0: build_nibble_blocks(f, rows.template as<kQ4_0>(), blocks, 2, false, sink); return true;
-    case kQ4_1: build_nibble_blocks(f, rows.template as<kQ4_1>(), blocks, 4, false, sink); return true;
-    case kIQ4_NL: build_nibble_blocks(f, rows.template as<kIQ4_NL>(), blocks, 2, true, sink); return true;
-    case kQ5_0: build_q5_blocks(f, rows.template as<kQ5_0>(), blocks, 2, sink); return true;
-    case kQ5_1: build_q5_blocks(f, rows.template as<kQ5_1>(), blocks, 4, sink); return true;
-    case kQ4_K: build_q4_k(rows.template as<kQ4_K>(), blocks, sink); return true;
-    case kQ5_K: build_q5_k(rows.template as<kQ5_K>(), blocks, sink); return true;
-    case kQ6_K: build_q6_k(rows.template as<kQ6_K>(), blocks, sink); return true;
-    case kIQ4_XS: build_iq4_xs(rows.template as<kIQ4_XS>(), blocks, sink); return true;
+// Calls visit.template operator()<type>() with the format's type as a constant; false when the format has no
+// builder (decoded_tile serves it).
+template <class Visit>
+bool with_builder(int64_t type, Visit&& visit) {
+  switch (type) {
+    case kQ8_0: visit.template operator()<kQ8_0>(); return true;
+    case kQ4_0: visit.template operator()<kQ4_0>(); return true;
+    case kQ4_1: visit.template operator()<kQ4_1>(); return true;
+    case kIQ4_NL: visit.template operator()<kIQ4_NL>(); return true;
+    case kQ5_0: visit.template operator()<kQ5_0>(); return true;
+    case kQ5_1: visit.template operator()<kQ5_1>(); return true;
+    case kQ4_K: visit.template operator()<kQ4_K>(); return true;
+    case kQ5_K: visit.template operator()<kQ5_K>(); return true;
+    case kQ6_K: visit.template operator()<kQ6_K>(); return true;
+    case kIQ4_XS: visit.template operator()<kIQ4_XS>(); return true;
     default: return false;
   }
 }
 
-template <int R, bool kG16, bool kMin, class Source>
-bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+// Runs the builder of format kType (f) into sink.
+template <int64_t kType, class Sink, class Source>
+__attribute__((always_inline)) inline void build_blocks(const Format& f, const Source& rows, int64_t values,
+                                                        Sink& sink) {
+  const auto typed = rows.template as<kType>();
+  const int64_t blocks = values / f.values;
+  if constexpr (kType == kQ8_0) {
+    build_q8_0(typed, blocks, sink);
+  } else if constexpr (kType == kQ4_0 || kType == kQ4_1 || kType == kIQ4_NL) {
+    build_nibble_blocks(f, typed, blocks, kType == kQ4_1 ? 4 : 2, kType == kIQ4_NL, sink);
+  } else if constexpr (kType == kQ5_0 || kType == kQ5_1) {
+    build_q5_blocks(f, typed, blocks, kType == kQ5_1 ? 4 : 2, sink);
+  } else if constexpr (kType == kQ4_K) {
+    build_q4_k(typed, blocks, sink);
+  } else if constexpr (kType == kQ5_K) {
+    build_q5_k(typed, blocks, sink);
+  } else if constexpr (kType == kQ6_K) {
+    build_q6_k(typed, blocks, sink);
+  } else {
+    static_assert(kType == kIQ4_XS, "a format with a builder");
+    build_iq4_xs(typed, blocks, sink);
+  }
+}
+
+// Runs the format's builder into sink; false when the format has none.
+template <class Sink, class Source>
+bool build(const Format& f, const Source& rows, int64_t values, Sink& sink) {
+  return with_builder(f.type, [&]<int64_t kType>() { build_blocks<kType>(f, rows, values, sink); });
+}
+
+// R rows times one format's blocks, in a function of its own (a format's loop compiled and laid out alone: sharing
+// one function with the other formats' loops cost the Q4_K loop 10-15% at one row).
+template <int R, int64_t kType, class Source>
+__attribute__((noinline)) void stream_blocks(const Part& part, const Source& rows, int64_t first, int64_t values,
+                                             const IntRows& x, float* acc) {
+  constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
+  constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
   const Format& f = *part.format;
 #if defined(STATELM_GGUF_VNNI)
   DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
 #else
   DotSink<R, kG16, kMin> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
 #endif
-  if (!build(f, rows, values, sink)) return false;
+  build_blocks<kType>(f, rows, values, sink);
   sink.finish(acc);
-  return true;
 }
 
 template <int R, class Source>
 bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
-  const Format& f = *part.format;
-  if (f.group == 16) {
-    return f.min ? stream_rows<R, true, true>(part, rows, first, values, x, acc)
-                 : stream_rows<R, true, false>(part, rows, first, values, x, acc);
-  }
-  return f.min ? stream_rows<R, false, true>(part, rows, first, values, x, acc)
-               : stream_rows<R, false, false>(part, rows, first, values, x, acc);
+  return with_builder(part.format->type,
+                      [&]<int64_t kType>() { stream_blocks<R, kType>(part, rows, first, values, x, acc); });
 }
 #endif  // STATELM_GGUF_AVX2
 
@@ -680,11 +740,13 @@ const float* dequantize_tile(const Int8Tile& t) {
   return out;
 }
 
-bool interleavable(const Format& f) {
+bool interleavable(const Format& f, int64_t row_bytes) {
 #if defined(STATELM_GGUF_AVX2)
-  return stored_block(f.type).bytes == f.bytes;
+  const StoredBlock layout = stored_block(f.type);
+  return layout.bytes == f.bytes && row_bytes % layout.unit() == 0;
 #else
   (void)f;
+  (void)row_bytes;
   return false;
 #endif
 }
@@ -702,6 +764,26 @@ int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes) {
   return row_bytes / f.bytes * stored_block(f.type).stored;
 }
 
+// One row in the stored layout (StoredBlock): its units field by field, padding zeroed.
+void store_row(const StoredBlock& layout, const uint8_t* row, int64_t row_bytes, uint8_t* stored) {
+  const int64_t bytes = layout.bytes;
+  for (int64_t at = 0; at < row_bytes; at += layout.unit()) {
+    const uint8_t* unit = row + at;
+    uint8_t* out = stored + at / layout.unit() * layout.unit_stored();
+    if (layout.paired) {
+      std::memcpy(out, unit, 2);
+      std::memcpy(out + 2, unit + bytes, 2);
+      std::memcpy(out + 4, unit + 2, bytes - 2);
+      std::memcpy(out + 2 + bytes, unit + bytes + 2, bytes - 2);
+    } else {
+      const int64_t head = bytes - layout.tail, padding = layout.stored - bytes;
+      std::memcpy(out, unit + head, layout.tail);
+      std::memset(out + layout.tail, 0, padding);
+      std::memcpy(out + layout.tail + padding, unit, head);
+    }
+  }
+}
+
 void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
                        uint8_t* out) {
   const StoredBlock layout = stored_block(f.type);
@@ -712,14 +794,7 @@ void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int6
       uint8_t* tile = out + t * W * words * 4;
       for (int64_t c = 0; c < W; ++c) {
         if (t * W + c < count) {
-          const uint8_t* row = rows + (t * W + c) * stride;
-          const int64_t head = f.bytes - layout.tail, padding = layout.stored - f.bytes;
-          for (int64_t b = 0; b < blocks; ++b) {  // the block's tail, padding, then its head (StoredBlock)
-            uint8_t* block = stored.data() + b * layout.stored;
-            std::memcpy(block, row + b * f.bytes + head, layout.tail);
-            std::memset(block + layout.tail, 0, padding);
-            std::memcpy(block + layout.tail + padding, row + b * f.bytes, head);
-          }
+          store_row(layout, rows + (t * W + c) * stride, row_bytes, stored.data());
         } else {
           std::fill(stored.begin(), stored.end(), 0);
         }

@@ -39,11 +39,12 @@ const float* dequantize_tile(const Int8Tile& tile);
 
 // Interleaved block matrices (gguf_interleave): the rows' bytes rearranged, once at load, into tiles of
 // kTileColumns rows, each tile its rows' 32-bit words [word][kTileColumns], the last tile padded with zero rows.
-// A few formats' blocks are stored a word or half a word larger (gguf_tiles.cpp: stored_block) so that the fields
-// loaded as vectors start on a word. The tile builders then load the vectors they would otherwise transpose out
-// of the rows: the same values in the same order, so every result is bit-identical to the rows read in place.
-// interleavable: formats with a tile builder, in SIMD builds.
-bool interleavable(const Format& f);
+// A few formats' blocks are stored a word or half a word larger, and Q4_0, IQ4_NL and Q8_0 blocks in pairs with
+// their d's first (gguf_tiles.cpp: stored_block), so that the fields loaded as vectors start on a word. The tile
+// builders then load the vectors they would otherwise transpose out of the rows: the same values in the same
+// order, so every result is bit-identical to the rows read in place.
+// interleavable: formats with a tile builder, in SIMD builds, where rows of row_bytes fit the stored layout.
+bool interleavable(const Format& f, int64_t row_bytes);
 // Asks for the bytes of an interleaved part's chunk (a later one than the kernel is on) to be brought into cache.
 void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values);
 int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes);
