@@ -30,6 +30,7 @@ BELOW_ENGINE = (
     "statelm.gguf_vocab",
     "statelm.config",
     "statelm.cpu",
+    "statelm.host_allocator",
     "statelm.host_memory",
     "statelm.paths",
     "statelm.process_lock",
