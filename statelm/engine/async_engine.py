@@ -23,6 +23,7 @@ from statelm.engine.client import (
 )
 from statelm.engine.engine import Engine
 from statelm.engine.futures import settle
+from statelm.host_allocator import release_free_memory
 from statelm.models.pooling import PooledRows
 
 T = TypeVar("T")
@@ -207,10 +208,17 @@ class AsyncEngine:
         return await future
 
     def _run(self) -> None:
+        stepped = False  # since the engine last had nothing to do
         while True:
             try:
-                if not self._drain_commands(block=not self.engine.has_work()):
+                idle = not self.engine.has_work()
+                if idle and stepped:
+                    # the steps' large buffers (a prompt's activations) stay with malloc once freed: hand them back
+                    release_free_memory()
+                    stepped = False
+                if not self._drain_commands(block=idle):
                     return
+                stepped = stepped or self.engine.has_work()
                 self._publish(self.engine.step())
             except Exception:  # keep serving: a bug in one step must not kill the thread
                 log.exception("engine loop error")

@@ -17,7 +17,6 @@ from statelm.engine.client import EngineClient
 from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
-from statelm.host_allocator import return_large_blocks
 from statelm.host_memory import available_host_memory
 from statelm.kernels.build import use_kernel_threads
 from statelm.models.compute_path import compute_paths, use_activations, use_compute_path, use_repack
@@ -68,7 +67,6 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     """The model as the server runs it: device, dtype, packing and batch-invariant row chunking from config."""
     if config.threads:
         torch.set_num_threads(config.threads)
-    return_large_blocks()
     device = resolve_device(config.device)
     chunking = RowChunking.batch_invariant(device) if config.batch_invariant else None
     packed = config.quantization != "none" and device.type == "cpu"
