@@ -129,6 +129,12 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
   out.sums32.resize(rows * blocks);
   out.sx16.resize(rows * blocks * 2);
   out.sx32.resize(rows * blocks);
+#if defined(STATELM_GGUF_VNNI)
+  // IntRows::grouped: word w of row m at [m / G][w][m % G] (resize zeroes the rows past M)
+  constexpr int64_t G = IntRows::kGroupRows;
+  const int64_t words = k * static_cast<int64_t>(sizeof(T)) / 4;
+  out.grouped.resize((rows + G - 1) / G * G * words);
+#endif
   const float* in = x.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 8192 / k);
   statelm::parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
@@ -145,6 +151,11 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
         out.sums32[at] = halves[0] + halves[1];
         out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
       }
+#if defined(STATELM_GGUF_VNNI)
+      int32_t* into = out.grouped.data() + m / G * G * words + m % G;
+      const auto* row = reinterpret_cast<const uint8_t*>(levels.data() + m * k);
+      for (int64_t w = 0; w < words; ++w) std::memcpy(into + w * G, row + 4 * w, 4);
+#endif
     }
   });
 }

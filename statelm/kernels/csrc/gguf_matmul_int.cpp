@@ -3,7 +3,8 @@
 // A tile's decoded levels are laid out so that one vector load holds a few values of every column of the tile,
 // and each row's activations are broadcast against it; vector lanes are output columns, so no horizontal sums:
 //   AVX512-VNNI, 16 columns: int8 levels + offset as uint8 [block][8 quads][16][4], one vpdpbusd per quad and
-//     row; int16 levels [block][16 pairs][16][2], one vpdpwssd per pair and row.
+//     row; int16 levels [block][16 pairs][16][2], one vpdpwssd per pair and row. The rows' activations are read
+//     from IntRows::grouped (8 rows' words side by side): one pointer, fixed offsets.
 //   AVX2, 8 columns: int8 as uint8 levels + offset (narrow formats: vpmaddubsw pairs of two quads add in int16)
 //     or as signed levels (Q8_0, IQ4: the sign moves to the activations); int16 levels with vpmaddwd.
 //   scalar: the decoded levels as they are.
@@ -23,7 +24,7 @@ namespace statelm::gguf {
 namespace {
 
 constexpr int64_t W = kTileColumns;
-constexpr int kRowsPerTile = 8;
+constexpr int kRowsPerTile = IntRows::kGroupRows;
 
 #if defined(STATELM_GGUF_AVX2)
 using namespace simd;
@@ -48,12 +49,16 @@ inline void add_groups(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t 
 // R rows: one vpdpbusd (uint8 levels + offset) or vpdpwssd (int16 pairs) per quad or pair and row.
 template <int R, bool kInt16, bool kG16, bool kMin>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
-  constexpr int kSteps = kInt16 ? 16 : 8;
+  constexpr int kSteps = kInt16 ? 16 : 8;  // words of a block's activations a row
   constexpr int64_t kBlockBytes = kInt16 ? 2 * W * kBlock : W * kBlock;
+  constexpr int64_t G = IntRows::kGroupRows;
+  const int64_t words = x.k / kBlock * kSteps;
+  const int32_t* group = x.grouped.data() + m0 * words;  // m0: a multiple of G (run_rows)
   VF a[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const int64_t kb = block0 + b;
+    const int32_t* xs = group + kb * kSteps * G;  // the rows' words of block kb: [step][G]
     V sums[2][R];
     for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
 #pragma GCC unroll 16
@@ -61,11 +66,11 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
       const V w = _mm512_loadu_si512(t.levels + b * kBlockBytes + step * 64);
       const int half = kG16 && step >= kSteps / 2 ? 1 : 0;
       for (int r = 0; r < R; ++r) {
-        const int64_t at = (m0 + r) * x.k + kb * kBlock + step * (kInt16 ? 2 : 4);
+        const V xr = _mm512_set1_epi32(xs[step * G + r]);
         if constexpr (kInt16) {
-          sums[half][r] = _mm512_dpwssd_epi32(sums[half][r], w, _mm512_set1_epi32(load32(x.q16.data() + at)));
+          sums[half][r] = _mm512_dpwssd_epi32(sums[half][r], w, xr);
         } else {
-          sums[half][r] = _mm512_dpbusd_epi32(sums[half][r], w, _mm512_set1_epi32(load32(x.q8.data() + at)));
+          sums[half][r] = _mm512_dpbusd_epi32(sums[half][r], w, xr);
         }
       }
     }
