@@ -129,7 +129,7 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
   out.sums32.resize(rows * blocks);
   out.sx16.resize(rows * blocks * 2);
   out.sx32.resize(rows * blocks);
-#if defined(STATELM_GGUF_VNNI)
+#if defined(STATELM_GGUF_AVX2)
   // IntRows::grouped: word w of row m at [m / G][w][m % G] (resize zeroes the rows past M)
   constexpr int64_t G = IntRows::kGroupRows;
   const int64_t words = k * static_cast<int64_t>(sizeof(T)) / 4;
@@ -151,7 +151,7 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
         out.sums32[at] = halves[0] + halves[1];
         out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
       }
-#if defined(STATELM_GGUF_VNNI)
+#if defined(STATELM_GGUF_AVX2)
       int32_t* into = out.grouped.data() + m / G * G * words + m % G;
       const auto* row = reinterpret_cast<const uint8_t*>(levels.data() + m * k);
       for (int64_t w = 0; w < words; ++w) std::memcpy(into + w * G, row + 4 * w, 4);

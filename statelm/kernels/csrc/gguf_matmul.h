@@ -67,7 +67,7 @@ struct IntRows {
   std::vector<int32_t> sums32;  // [M, K/32]
   std::vector<float> sx16;      // [M, K/16]: dx * float(sums16)
   std::vector<float> sx32;      // [M, K/32]
-  // VNNI builds: the levels again as 32-bit words (4 int8 or 2 int16 values) by groups of kGroupRows rows, word by
+  // SIMD builds: the levels again as 32-bit words (4 int8 or 2 int16 values) by groups of kGroupRows rows, word by
   // word ([M / kGroupRows][word][kGroupRows], rows past M zero), so that a tile's rows read one pointer at fixed
   // offsets (rows_tile).
   static constexpr int64_t kGroupRows = 8;

@@ -3,11 +3,12 @@
 // A tile's decoded levels are laid out so that one vector load holds a few values of every column of the tile,
 // and each row's activations are broadcast against it; vector lanes are output columns, so no horizontal sums:
 //   AVX512-VNNI, 16 columns: int8 levels + offset as uint8 [block][8 quads][16][4], one vpdpbusd per quad and
-//     row; int16 levels [block][16 pairs][16][2], one vpdpwssd per pair and row. The rows' activations are read
-//     from IntRows::grouped (8 rows' words side by side): one pointer, fixed offsets.
+//     row; int16 levels [block][16 pairs][16][2], one vpdpwssd per pair and row.
 //   AVX2, 8 columns: int8 as uint8 levels + offset (narrow formats: vpmaddubsw pairs of two quads add in int16)
 //     or as signed levels (Q8_0, IQ4: the sign moves to the activations); int16 levels with vpmaddwd.
 //   scalar: the decoded levels as they are.
+// SIMD builds read the rows' activations from IntRows::grouped (8 rows' words side by side): one pointer, fixed
+// offsets.
 // Levels stored with an offset give sum((q + offset) * x) = I + offset * sum(x): the group's activation sum
 // times the offset is subtracted, so every build reaches the same exact I.
 
@@ -85,10 +86,14 @@ template <int R, bool kInt16, bool kG16, bool kMin>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   const bool wide = !kInt16 && !t.format->narrow;
+  constexpr int kWords = kInt16 ? 16 : 8;  // words of a block's activations a row
+  constexpr int64_t G = IntRows::kGroupRows;
+  const int32_t* group = x.grouped.data() + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
   VF a[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const int64_t kb = block0 + b;
+    const int32_t* xs = group + kb * kWords * G;  // the rows' words of block kb: [word][G]
     V sums[2][R];
     for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
     if constexpr (kInt16) {
@@ -97,8 +102,8 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * 2 * W * kBlock + pair * 32));
         const int half = kG16 && pair >= 8 ? 1 : 0;
         for (int r = 0; r < R; ++r) {
-          const __m256i xs = _mm256_set1_epi32(load32(x.q16.data() + (m0 + r) * x.k + kb * kBlock + 2 * pair));
-          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(w, xs));
+          const __m256i xr = _mm256_set1_epi32(xs[pair * G + r]);
+          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(w, xr));
         }
       }
     } else if (wide) {
@@ -107,7 +112,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
         const int half = kG16 && quad >= 4 ? 1 : 0;
         for (int r = 0; r < R; ++r) {
-          sums[half][r] = dot_wide(sums[half][r], w, load32(x.q8.data() + (m0 + r) * x.k + kb * kBlock + 4 * quad));
+          sums[half][r] = dot_wide(sums[half][r], w, xs[quad * G + r]);
         }
       }
     } else {
@@ -118,9 +123,8 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
         const int half = kG16 && quad >= 4 ? 1 : 0;
         for (int r = 0; r < R; ++r) {
-          const int8_t* q = x.q8.data() + (m0 + r) * x.k + kb * kBlock + 4 * quad;
-          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(load32(q))),
-                                                    _mm256_maddubs_epi16(w1, _mm256_set1_epi32(load32(q + 4))));
+          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xs[quad * G + r])),
+                                                    _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xs[(quad + 1) * G + r])));
           sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(products, ones));
         }
       }
