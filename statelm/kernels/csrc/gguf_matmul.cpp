@@ -117,9 +117,9 @@ inline float quantize_block(const float* values, int32_t limit, T* q, int32_t ha
 }
 
 // Per row and block of 32: the block's levels and dx (quantize_block); sums of the levels per 16 and per 32 values,
-// and dx times them.
+// and dx times them; where `tiles` (a tile kernel will read the rows), IntRows::grouped too.
 template <typename T>
-void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, IntRows& out) {
+void quantize_rows(const at::Tensor& x, int32_t limit, bool tiles, std::vector<T>& levels, IntRows& out) {
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock;
   out.k = k;
   out.rows = rows;
@@ -133,7 +133,7 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
   // IntRows::grouped: word w of row m at [m / G][w][m % G] (resize zeroes the rows past M)
   constexpr int64_t G = IntRows::kGroupRows;
   const int64_t words = k * static_cast<int64_t>(sizeof(T)) / 4;
-  out.grouped.resize((rows + G - 1) / G * G * words);
+  if (tiles) out.grouped.resize((rows + G - 1) / G * G * words);
 #endif
   const float* in = x.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 8192 / k);
@@ -152,9 +152,11 @@ void quantize_rows(const at::Tensor& x, int32_t limit, std::vector<T>& levels, I
         out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
       }
 #if defined(STATELM_GGUF_AVX2)
-      int32_t* into = out.grouped.data() + m / G * G * words + m % G;
-      const auto* row = reinterpret_cast<const uint8_t*>(levels.data() + m * k);
-      for (int64_t w = 0; w < words; ++w) std::memcpy(into + w * G, row + 4 * w, 4);
+      if (tiles) {
+        int32_t* into = out.grouped.data() + m / G * G * words + m % G;
+        const auto* row = reinterpret_cast<const uint8_t*>(levels.data() + m * k);
+        for (int64_t w = 0; w < words; ++w) std::memcpy(into + w * G, row + 4 * w, 4);
+      }
 #endif
     }
   });
@@ -202,8 +204,11 @@ Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ty
   for (const Part& part : g.parts) g.n += part.rows;
   g.y = at::empty({rows, g.n}, x.options());
   if (rows == 0 || g.n == 0) return g;
-  if (g.kind == Arithmetic::kInt8) quantize_rows(x, 127, g.quantized.q8, g.quantized);
-  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, g.quantized.q16, g.quantized);
+  // int8 rows few enough for stream_int8_rows skip the tile kernels where every part's format streams
+  const bool tiles = g.kind == Arithmetic::kInt16 || rows > kStreamRows ||
+                     !std::all_of(g.parts.begin(), g.parts.end(), [](const Part& p) { return streams(*p.format); });
+  if (g.kind == Arithmetic::kInt8) quantize_rows(x, 127, tiles, g.quantized.q8, g.quantized);
+  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, tiles, g.quantized.q16, g.quantized);
   g.floats = {x.data_ptr<float>(), x.stride(0), rows};
   return g;
 }

@@ -91,9 +91,6 @@ struct TileWords {
   TileWords at(int64_t offset) const { return {tile, start + offset}; }
   static int64_t stored(int64_t at) {
     if constexpr (!kBlockLayout.paired && kBlockLayout.stored == kBlockLayout.bytes) return at;
-    if constexpr (!kBlockLayout.paired) {
-      return at / kBlockLayout.bytes * kBlockLayout.stored + kBlockLayout.position(at % kBlockLayout.bytes);
-    }
     return kBlockLayout.offset(at);
   }
 };
@@ -738,6 +735,15 @@ const float* dequantize_tile(const Int8Tile& t) {
   }
 #endif
   return out;
+}
+
+bool streams(const Format& f) {
+#if defined(STATELM_GGUF_AVX2)
+  return with_builder(f.type, []<int64_t>() {});
+#else
+  (void)f;
+  return false;
+#endif
 }
 
 bool interleavable(const Format& f, int64_t row_bytes) {

@@ -29,6 +29,8 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
 // the build has no such path (then build a tile).
 constexpr int64_t kStreamRows = 4;
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc);
+// Whether stream_int8_rows serves the format (it has a tile builder, in SIMD builds).
+bool streams(const Format& f);
 
 // The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds; the scalar
 // build's tile as it is.
