@@ -40,6 +40,7 @@ from statelm.sessions.errors import (
 )
 from statelm.sessions.journal_records import annotation_record, rollback_record, session_record, turn_record
 from statelm.sessions.journal_store import JournalCounters, Outcome, SessionJournal
+from statelm.sessions.keyed_locks import KeyedLocks
 from statelm.sessions.ownership import current_principal
 from statelm.sessions.recovery import Recovered, recover_session, recover_sessions
 from statelm.sessions.session import Session, SessionKind, SessionSettings, SessionState
@@ -123,8 +124,8 @@ class SessionManager:
         )
         self._last_lsn = 0  # log sequence number of the latest change of any session
         self.snapshots = SnapshotStore(store, model_name, fingerprint, exclusive=resume)
-        self._disk_locks: dict[str, asyncio.Lock] = {}
-        self._quota_locks: dict[str, asyncio.Lock] = {}
+        self._disk_locks = KeyedLocks()  # by session id: one writer of a session's saved bundle at a time
+        self._quota_locks = KeyedLocks()  # by owner: one snapshot at a time checks and uses a key's quota
         self._writes: set[asyncio.Task[None]] = set()
         self.persist_idle_after = persist_idle_after if self.persist else None  # seconds; None: no idle saves
         self._idle_saver: asyncio.Task[None] | None = None
@@ -364,7 +365,7 @@ class SessionManager:
         self._unwritten_spills.discard(session.id)
         released = self._untally(session.id)
         self.engine.release_session_kv(session.id)
-        async with self._disk_lock(session.id):
+        async with self._disk_locks.hold(session.id):
             await asyncio.to_thread(self._delete_saved, session.id)
         if self.journal is not None:
             self.journal.forget(session.id, lsn)
@@ -546,7 +547,7 @@ class SessionManager:
             session.busy = False
         content = SnapshotContent(transcript, data)
         owner, quota = current_principal().owner, self.limits.snapshot_quota
-        async with self._quota_locks.setdefault(owner, asyncio.Lock()):
+        async with self._quota_locks.hold(owner):
             room = None if quota is None else quota - await asyncio.to_thread(self.snapshots.usage, owner)
             if room is not None and self.journal is not None:  # the key's session journals count as well
                 room -= await self._journal_bytes(owner)
@@ -608,7 +609,7 @@ class SessionManager:
             return session.spilled_kv
         if not session.on_disk:
             return None
-        async with self._disk_lock(session.id):
+        async with self._disk_locks.hold(session.id):
             try:
                 _, content = await asyncio.to_thread(
                     read_snapshot, self.saved, Area.SESSIONS, session.id, self.fingerprint
@@ -671,7 +672,7 @@ class SessionManager:
 
     async def _write_session(self, session: Session, data: SessionKVData) -> bool:
         """Write session (transcript, settings, KV) as its saved bundle; False if it was deleted meanwhile."""
-        async with self._disk_lock(session.id):
+        async with self._disk_locks.hold(session.id):
             if self.sessions.get(session.id) is not session:
                 return False
             transcript = [dict(message) for message in session.transcript]
@@ -826,9 +827,6 @@ class SessionManager:
 
     def _untally(self, session_id: str) -> Awaitable[object] | None:
         return self.tally.release(session_id) if self.tally is not None else None
-
-    def _disk_lock(self, session_id: str) -> asyncio.Lock:
-        return self._disk_locks.setdefault(session_id, asyncio.Lock())
 
 
 def _nothing() -> None:

@@ -123,6 +123,23 @@ def test_delete_releases_the_engines_kv(state_store: StateStore) -> None:
     with_manager(state_store, engine, work)
 
 
+def test_sessions_written_and_deleted_leave_no_per_session_lock_behind(state_store: StateStore) -> None:
+    engine = FakeEngine(reply=[7])
+
+    async def work(manager: SessionManager) -> None:
+        for number in range(20):
+            session_id = f"s{number}"
+            await manager.create(session_id, SessionSettings())
+            engine.resident[session_id] = token_kv([1, 2, number])
+            engine.spill(session_id)
+            await settle(manager)
+            assert manager.sessions[session_id].on_disk
+            await manager.delete(session_id)
+        assert not manager.sessions and len(manager._disk_locks) == 0
+
+    with_manager(state_store, engine, work)
+
+
 def test_a_snapshot_loads_into_the_pool_or_stays_spilled_when_it_cannot_fit(state_store: StateStore) -> None:
     engine = FakeEngine(reply=[7], capacity=4)
 
