@@ -211,7 +211,7 @@ class AsyncEngine:
         stepped = False  # since the engine last had nothing to do
         while True:
             try:
-                idle = not self.engine.has_work()
+                idle = not self.engine.has_work() or self.engine.stalled  # wait for a command (or a pin to expire)
                 if idle and stepped:
                     # the steps' large buffers (a prompt's activations) stay with malloc once freed: hand them back
                     release_free_memory()

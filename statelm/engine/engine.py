@@ -49,6 +49,9 @@ class Engine:
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
         self.latest_stats = self.stats()  # replaced by every step (read by other threads)
+        # the last step had work but could schedule none of it (the pool is short of blocks): nothing changes until
+        # a command (a request ends, a session is released) or a cache pin's expiry frees some
+        self.stalled = False
 
     def add_request(
         self,
@@ -106,8 +109,8 @@ class Engine:
         self.scheduler.abort(request_id)
         count = self.sessions.commit(request_id, session_id)
         refresh = self.sessions.refresh_sequence(session_id)
-        if refresh is not None:
-            self.scheduler.add(refresh)
+        if refresh is not None:  # the session's next turn waits for it, so nothing may overtake it
+            self.scheduler.add_ahead([refresh])
         return count
 
     def discard_turn(self, request_id: str) -> None:
@@ -145,6 +148,7 @@ class Engine:
         """
         self.kv.expire_cache_pins()
         chunks = self.scheduler.schedule()
+        self.stalled = not chunks and self.has_work()
         self.latest_stats = self.stats()
         if not chunks:
             return []
@@ -212,7 +216,7 @@ class Engine:
                 self.scheduler.finish(seq)
             logprobs = None if outcome.logprob is None else [outcome.logprob]
             outputs.append(self._output(seq, [outcome.token_id], logprobs, produced_at))
-        self.scheduler.add_forks([fork for fork in forks if not fork.is_finished])
+        self.scheduler.add_ahead([fork for fork in forks if not fork.is_finished])
         return outputs
 
     def _start_forks(self, seq: Sequence) -> list[Sequence]:

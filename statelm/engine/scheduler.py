@@ -42,9 +42,10 @@ class Scheduler:
         """True while any sequence waits or runs."""
         return bool(self.waiting or self.running)
 
-    def add_forks(self, forks: list[Sequence]) -> None:
-        """Queue a request's other choices, started from its prompt KV, ahead of the requests that wait."""
-        self.waiting.extendleft(reversed(forks))
+    def add_ahead(self, seqs: list[Sequence]) -> None:
+        """Queue work that others wait for (a request's other choices, a session's refresh) ahead of every waiting
+        sequence, whatever its priority."""
+        self.waiting.extendleft(reversed(seqs))
 
     def abort(self, request_id: str, index: int | None = None) -> list[Sequence]:
         """Remove a request's sequences (or only choice `index`) wherever they are and free their blocks."""
@@ -74,18 +75,20 @@ class Scheduler:
                 continue
             chunks.append(ScheduledChunk(seq, count))
             budget -= count
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self.waiting[0]
-            if self.sessions is not None and self.sessions.holds_back(seq):
+        for seq in list(self.waiting):
+            if budget == 0 or len(self.running) >= self.max_num_seqs:
                 break
+            if self.sessions is not None and self.sessions.holds_back(seq):
+                continue  # a turn waits for its session's refresh (queued behind it if the turn has a higher priority)
             if not seq.block_table.blocks:
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
-            if not self._grow(seq, seq.num_computed_tokens + count):
+            # it starts only if its whole prompt fits: one that would be preempted halfway would be recomputed in vain
+            if not (self._make_room(seq, seq.num_tokens) and self._grow(seq, seq.num_computed_tokens + count)):
                 self.kv.free(seq.block_table)
                 seq.num_computed_tokens = 0
                 break
-            self.waiting.popleft()
+            self.waiting.remove(seq)
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             chunks.append(ScheduledChunk(seq, count))
@@ -131,11 +134,12 @@ class Scheduler:
 
     def _grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make seq's block table hold num_tokens, spilling idle sessions if the pool is short."""
-        if self.kv.grow(seq.block_table, num_tokens):
-            return True
+        return self._make_room(seq, num_tokens) and self.kv.grow(seq.block_table, num_tokens)
+
+    def _make_room(self, seq: Sequence, num_tokens: int) -> bool:
+        """True if the pool has the blocks seq lacks to hold num_tokens, once idle sessions are spilled if need be."""
         missing = self.kv.missing_blocks(seq.block_table, num_tokens)
-        spilled = self.sessions is not None and self.sessions.reclaim(missing)
-        return spilled and self.kv.grow(seq.block_table, num_tokens)
+        return missing <= self.kv.num_free_blocks or (self.sessions is not None and self.sessions.reclaim(missing))
 
     def _retire(self, seq: Sequence) -> None:
         """Let go of an ended sequence's blocks: a session turn parks them, anything else frees them."""

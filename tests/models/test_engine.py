@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import replace
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from statelm.config import EngineConfig
 from statelm.engine.async_engine import DEGRADED_AFTER_FAILED_STEPS, AsyncEngine
 from statelm.engine.builder import create_engine, kv_cache_format
 from statelm.engine.cache_pins import CachePinRequest
+from statelm.engine.client import EngineRequest, RequestOutput
 from statelm.engine.engine import Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.sequence import SamplingParams
@@ -209,3 +211,68 @@ def test_cuda_engine_generates_what_the_cpu_engine_does(qwen2_dir: Path, loaded:
     on_gpu = load_model(str(qwen2_dir), torch.device("cuda"), torch.float32)
     work = prompts(loaded, 4)
     assert generate(engine_for(on_gpu), work, GREEDY) == generate(engine_for(loaded), work, GREEDY)
+
+
+def test_a_request_short_of_blocks_waits_without_stepping_and_runs_once_a_session_lets_go(loaded: LoadedModel) -> None:
+    engine = engine_for(loaded, kv_cache_memory=1 << 16, enable_prefix_caching=False)
+    capacity = engine.pool.num_free_blocks * engine.pool.block_size
+    encode = loaded.tokenizer.encode
+    held = encode("A session that holds most of the pool. " * 200)[: capacity * 2 // 3]
+    engine.add_request("turn", held, replace(GREEDY, max_tokens=2), session_id="s")
+    generate_until_idle(engine)
+    engine.commit_turn("turn", "s")
+    generate_until_idle(engine)  # the refresh of its decoded tail
+    prompt = encode("A request that needs more than what is left. " * 200)[: capacity // 2]
+    assert len(prompt) + GREEDY.max_tokens <= engine.max_model_len
+    async_engine = AsyncEngine(engine, max_queue=8)
+    steps = 0
+    step = engine.step
+
+    def counted_step() -> list[RequestOutput]:
+        nonlocal steps
+        steps += 1
+        return step()
+
+    engine.step = counted_step  # type: ignore[method-assign]
+
+    async def run() -> list[int]:
+        tokens: list[int] = []
+
+        async def consume() -> None:
+            async for output in async_engine.generate(EngineRequest("waits", prompt, GREEDY)):
+                tokens.extend(output.new_token_ids)
+
+        consumer = asyncio.create_task(consume())
+        await asyncio.sleep(0.5)
+        assert not tokens and steps <= 2  # it waits for a command rather than trying again and again
+        async_engine.release_session_kv("s")
+        await consumer
+        return tokens
+
+    try:
+        assert len(asyncio.run(run())) == GREEDY.max_tokens
+    finally:
+        async_engine.shutdown()
+
+
+def test_a_priority_turn_does_not_overtake_the_refresh_its_session_waits_for(loaded: LoadedModel) -> None:
+    engine = engine_for(loaded)
+    encode = loaded.tokenizer.encode
+    first = encode("The first turn of a session.")
+    engine.add_request("first", first, GREEDY, session_id="s")
+    generate_until_idle(engine)
+    engine.commit_turn("first", "s")  # queues the refresh of its decoded tail
+    second = first + [7] * (GREEDY.max_tokens - 1) + encode("And a turn in the priority tier.")
+    engine.add_request("second", second, replace(GREEDY, priority=1), session_id="s")
+    generate_until_idle(engine)
+    engine.commit_turn("second", "s")
+    assert engine.sessions.resident["s"].tokens[: len(second)] == second
+
+
+def generate_until_idle(engine: Engine, max_steps: int = 1000) -> None:
+    """Step a synchronous engine until its queues are empty (failing if they never empty)."""
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return
+        engine.step()
+    raise AssertionError(f"the engine still has work after {max_steps} steps")

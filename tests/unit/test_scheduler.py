@@ -83,7 +83,7 @@ def test_abort_of_one_choice_keeps_the_others() -> None:
     second.index = 1
     scheduler.add(first)
     run_step(scheduler)
-    scheduler.add_forks([second])
+    scheduler.add_ahead([second])
     assert scheduler.waiting[0] is second
     assert scheduler.abort("a", index=1) == [second]
     assert scheduler.running == [first] and not scheduler.waiting
