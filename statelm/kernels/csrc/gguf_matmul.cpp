@@ -236,10 +236,11 @@ void multiply(std::vector<Group>& groups) {
       const Group& g = groups[tiles[t].group];
       const int64_t k = g.k, rows = g.rows, n = g.n;
       const int64_t acc_width = g.kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
-      // Rows multiplied straight from the blocks (stream_int8_rows) overlap reading with arithmetic by themselves;
-      // a tile built, then passed over by every row, leaves memory idle while the rows run unless the next chunk
-      // of an interleaved part is asked for ahead (1.2-1.4x at 5-8 rows; at 1-4 rows it halved the rate).
-      const bool prefetch = g.kind != Arithmetic::kInt8 || rows > kStreamRows;
+      // The next chunk of an interleaved part is asked for ahead, or memory idles while the rows' arithmetic runs:
+      // by the VNNI build's int8 kernels a share each block (Ahead), but not at one row (bound by memory already);
+      // else all at once where a tile is built (1.2-1.4x at 5-8 rows), and not for rows streamed (it halved them).
+      const bool spread = kAskAhead && g.kind == Arithmetic::kInt8 && rows > 1;
+      const bool at_once = !spread && (g.kind != Arithmetic::kInt8 || rows > kStreamRows);
       const Part& home = g.parts[tiles[t].part];
       const bool staged = stage_tiles(home, k);
       const Part part = staged ? staged_tile(home, tiles[t].column, k) : home;
@@ -247,15 +248,18 @@ void multiply(std::vector<Group>& groups) {
       std::fill(acc, acc + rows * acc_width, 0.0f);
       for (int64_t first = 0; first < k; first += kChunkValues) {
         const int64_t values = std::min(kChunkValues, k - first);
-        if (prefetch && first + kChunkValues < k) {
-          prefetch_chunk(part, column, first + kChunkValues, std::min(kChunkValues, k - first - kChunkValues));
-        } else if (prefetch) {
-          prefetch_chunk(part, column + kTileColumns, 0, std::min(kChunkValues, k));
+        Ahead ahead;
+        if (spread || at_once) {
+          ahead = first + kChunkValues < k
+                      ? chunk_bytes(part, column, first + kChunkValues, std::min(kChunkValues, k - first - kChunkValues))
+                      : chunk_bytes(part, column + kTileColumns, 0, std::min(kChunkValues, k));
         }
+        if (at_once) ahead.all();
         if (g.kind == Arithmetic::kFloat) {
           float_tile_chunk(part, column, first, values, g.floats, acc);
         } else {
-          int_tile_chunk(part, column, first, values, g.quantized, g.kind == Arithmetic::kInt16, acc);
+          int_tile_chunk(part, column, first, values, g.quantized, g.kind == Arithmetic::kInt16,
+                         spread ? ahead : Ahead{}, acc);
         }
       }
       const int64_t columns = std::min(kTileColumns, part.rows - column);

@@ -49,7 +49,7 @@ inline void add_groups(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t 
 #if defined(STATELM_GGUF_VNNI)
 // R rows: one vpdpbusd (uint8 levels + offset) or vpdpwssd (int16 pairs) per quad or pair and row.
 template <int R, bool kInt16, bool kG16, bool kMin>
-void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
+void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
   constexpr int kSteps = kInt16 ? 16 : 8;  // words of a block's activations a row
   constexpr int64_t kBlockBytes = kInt16 ? 2 * W * kBlock : W * kBlock;
   constexpr int64_t G = IntRows::kGroupRows;
@@ -58,6 +58,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
   VF a[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
   for (int64_t b = 0; b < t.blocks; ++b) {
+    ahead.share(b, t.blocks);
     const int64_t kb = block0 + b;
     const int32_t* xs = group + kb * kSteps * G;  // the rows' words of block kb: [step][G]
     V sums[2][R];
@@ -83,7 +84,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 // R rows: int16 pairs with vpmaddwd; narrow uint8 levels + offset with vpmaddubsw, two quads' pair sums added in
 // int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x.
 template <int R, bool kInt16, bool kG16, bool kMin>
-void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, float* acc) {
+void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
   const __m256i ones = _mm256_set1_epi16(1);
   const bool wide = !kInt16 && !t.format->narrow;
   constexpr int kWords = kInt16 ? 16 : 8;  // words of a block's activations a row
@@ -159,10 +160,13 @@ void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc
 #endif
 
 template <bool kInt16, bool kG16, bool kMin>
-void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
+void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& ahead, float* acc) {
 #if defined(STATELM_GGUF_AVX2)
   for (int64_t m0 = 0; m0 < x.rows; m0 += kRowsPerTile) {
-    const auto tile = [&](auto rows) { rows_tile<decltype(rows)::value, kInt16, kG16, kMin>(t, x, m0, block0, acc); };
+    const Ahead& asked = m0 == 0 ? ahead : Ahead{};  // once, by the first rows
+    const auto tile = [&](auto rows) {
+      rows_tile<decltype(rows)::value, kInt16, kG16, kMin>(t, x, m0, block0, asked, acc);
+    };
     switch (std::min<int64_t>(kRowsPerTile, x.rows - m0)) {
       case 8: tile(std::integral_constant<int, 8>()); break;
       case 7: tile(std::integral_constant<int, 7>()); break;
@@ -175,36 +179,37 @@ void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
     }
   }
 #else
+  (void)ahead;
   rows_scalar<kInt16, kG16, kMin>(t, x, block0, acc);
 #endif
 }
 
 template <bool kInt16>
-void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
+void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& ahead, float* acc) {
   const Format& f = *t.format;
   if (f.group == 16) {
     if (f.min) {
-      run_rows<kInt16, true, true>(t, x, block0, acc);
+      run_rows<kInt16, true, true>(t, x, block0, ahead, acc);
     } else {
-      run_rows<kInt16, true, false>(t, x, block0, acc);
+      run_rows<kInt16, true, false>(t, x, block0, ahead, acc);
     }
   } else if (f.min) {
-    run_rows<kInt16, false, true>(t, x, block0, acc);
+    run_rows<kInt16, false, true>(t, x, block0, ahead, acc);
   } else {
-    run_rows<kInt16, false, false>(t, x, block0, acc);
+    run_rows<kInt16, false, false>(t, x, block0, ahead, acc);
   }
 }
 
 }  // namespace
 
 void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
-                    float* acc) {
-  if (!int16 && x.rows <= kStreamRows && stream_int8_rows(part, column, first, values, x, acc)) return;
+                    const Ahead& ahead, float* acc) {
+  if (!int16 && x.rows <= kStreamRows && stream_int8_rows(part, column, first, values, x, ahead, acc)) return;
   const Int8Tile tile = build_int8_tile(part, column, first, values);
   if (int16) {
-    dispatch<true>(widen_int16(tile), x, first / kBlock, acc);
+    dispatch<true>(widen_int16(tile), x, first / kBlock, ahead, acc);
   } else {
-    dispatch<false>(tile, x, first / kBlock, acc);
+    dispatch<false>(tile, x, first / kBlock, ahead, acc);
   }
 }
 

@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <utility>
 #include <vector>
 
 namespace statelm::gguf {
@@ -299,6 +300,21 @@ struct DotSink {
   }
 };
 
+// A sink that asks for its share of `ahead` as each block is done, then passes the block on.
+template <class Sink>
+struct AskingSink : Sink {
+  const Ahead& ahead;
+  int64_t blocks;  // the chunk's
+
+  template <class... Args>
+  AskingSink(const Ahead& later, int64_t chunk_blocks, Args&&... args)
+      : Sink(std::forward<Args>(args)...), ahead(later), blocks(chunk_blocks) {}
+  __attribute__((always_inline)) void block_done(int64_t block) {
+    ahead.share(block, blocks);
+    Sink::block_done(block);
+  }
+};
+
 // Q8_0 (d, 32 int8): levels + 128.
 template <class Sink, class Source>
 void build_q8_0(const Source& rows, int64_t blocks, Sink& sink) {
@@ -581,23 +597,30 @@ bool build(const Format& f, const Source& rows, int64_t values, Sink& sink) {
 // one function with the other formats' loops cost the Q4_K loop 10-15% at one row).
 template <int R, int64_t kType, class Source>
 __attribute__((noinline)) void stream_blocks(const Part& part, const Source& rows, int64_t first, int64_t values,
-                                             const IntRows& x, float* acc) {
+                                             const IntRows& x, const Ahead& ahead, float* acc) {
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
   const Format& f = *part.format;
+  if constexpr (kAskAhead && R > 1) {  // VNNI; one row is bound by memory already: it asks for nothing
+    AskingSink<DotSink<R, kG16, kMin>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false, acc);
+    build_blocks<kType>(f, rows, values, sink);
+    sink.finish(acc);
+  } else {
 #if defined(STATELM_GGUF_VNNI)
-  DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
+    DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
 #else
-  DotSink<R, kG16, kMin> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
+    DotSink<R, kG16, kMin> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
 #endif
-  build_blocks<kType>(f, rows, values, sink);
-  sink.finish(acc);
+    build_blocks<kType>(f, rows, values, sink);
+    sink.finish(acc);
+  }
 }
 
 template <int R, class Source>
-bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x, float* acc) {
+bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t values, const IntRows& x,
+                 const Ahead& ahead, float* acc) {
   return with_builder(part.format->type,
-                      [&]<int64_t kType>() { stream_blocks<R, kType>(part, rows, first, values, x, acc); });
+                      [&]<int64_t kType>() { stream_blocks<R, kType>(part, rows, first, values, x, ahead, acc); });
 }
 #endif  // STATELM_GGUF_AVX2
 
@@ -638,20 +661,21 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
   return decoded_tile(part, column, first, values, out);
 }
 
-bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc) {
+bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x,
+                      const Ahead& ahead, float* acc) {
 #if defined(STATELM_GGUF_AVX2)
   const auto stream = [&](const auto& rows) {
     switch (x.rows) {
-      case 1: return stream_rows<1>(part, rows, first, values, x, acc);
-      case 2: return stream_rows<2>(part, rows, first, values, x, acc);
-      case 3: return stream_rows<3>(part, rows, first, values, x, acc);
-      case 4: return stream_rows<4>(part, rows, first, values, x, acc);
+      case 1: return stream_rows<1>(part, rows, first, values, x, ahead, acc);
+      case 2: return stream_rows<2>(part, rows, first, values, x, ahead, acc);
+      case 3: return stream_rows<3>(part, rows, first, values, x, ahead, acc);
+      case 4: return stream_rows<4>(part, rows, first, values, x, ahead, acc);
       default: return false;
     }
   };
   return part.interleaved ? stream(tile_start_of(part, column, first)) : stream(rows_of(part, column, first));
 #else
-  (void)part, (void)column, (void)first, (void)values, (void)x, (void)acc;
+  (void)part, (void)column, (void)first, (void)values, (void)x, (void)ahead, (void)acc;
   return false;
 #endif
 }
@@ -757,13 +781,12 @@ bool interleavable(const Format& f, int64_t row_bytes) {
 #endif
 }
 
-void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values) {
-  if (!part.interleaved || column >= part.rows) return;
+Ahead chunk_bytes(const Part& part, int64_t column, int64_t first, int64_t values) {
+  if (!part.interleaved || column >= part.rows) return {};
   const StoredBlock layout = stored_block(part.format->type);
   const int64_t begin = first / part.format->values * layout.stored * W;
   const int64_t end = (first + values) / part.format->values * layout.stored * W;
-  const uint8_t* tile = part.data + column * part.row_stride;
-  for (int64_t at = begin; at < end; at += 64) __builtin_prefetch(tile + at, 0, 2);
+  return {part.data + column * part.row_stride + begin, end - begin};
 }
 
 int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes) {

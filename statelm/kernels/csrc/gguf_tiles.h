@@ -25,10 +25,11 @@ struct Int8Tile {
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values);
 
 // Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
-// each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's). False where the format or
-// the build has no such path (then build a tile).
+// each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's), asking for `ahead` as it
+// goes. False where the format or the build has no such path (then build a tile).
 constexpr int64_t kStreamRows = 4;
-bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, float* acc);
+bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x,
+                      const Ahead& ahead, float* acc);
 // Whether stream_int8_rows serves the format (it has a tile builder, in SIMD builds).
 bool streams(const Format& f);
 
@@ -47,8 +48,8 @@ const float* dequantize_tile(const Int8Tile& tile);
 // order, so every result is bit-identical to the rows read in place.
 // interleavable: formats with a tile builder, in SIMD builds, where rows of row_bytes fit the stored layout.
 bool interleavable(const Format& f, int64_t row_bytes);
-// Asks for the bytes of an interleaved part's chunk (a later one than the kernel is on) to be brought into cache.
-void prefetch_chunk(const Part& part, int64_t column, int64_t first, int64_t values);
+// The bytes of an interleaved part's chunk (empty for a part in place).
+Ahead chunk_bytes(const Part& part, int64_t column, int64_t first, int64_t values);
 int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes);
 void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
                        uint8_t* out);
