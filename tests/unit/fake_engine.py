@@ -23,12 +23,14 @@ from statelm.engine.client import (
     EngineStats,
     FinishReason,
     RequestOutput,
+    SamplingParams,
     SessionKVData,
     SessionKVError,
     SpillHandler,
     common_prefix_length,
 )
 from statelm.models.loader import ModelFingerprint
+from statelm.models.pooling import PooledRows
 
 LAYERS = 2
 # the fingerprint of the fake's model, which the sessions layer writes into bundles and checks when it reads them
@@ -103,6 +105,22 @@ class FakeEngine:
             if request.session_id is not None:
                 self._park(request.request_id)
             self.running.pop(request.request_id, None)
+
+    async def embed(self, request_id: str, prompt_ids: list[int], pooled: PooledRows) -> RequestOutput:
+        """The prompt pooled as though each position's hidden state were [id, -id, 1] (fed in two chunks where it has
+        two tokens or more, as a prompt longer than a step's budget is); recorded as a request."""
+        self.requests.append(EngineRequest(request_id, list(prompt_ids), SamplingParams(max_tokens=1)))
+        await asyncio.sleep(0)
+        if self.fail_with is not None:
+            raise EngineError(self.fail_with)
+        ids = torch.tensor(prompt_ids, dtype=torch.float32)
+        hidden = torch.stack([ids, -ids, torch.ones_like(ids)], dim=1)
+        for start, end in ((0, (len(prompt_ids) + 1) // 2), ((len(prompt_ids) + 1) // 2, len(prompt_ids))):
+            if end > start:
+                pooled.add(hidden[start:end], start)
+        output = RequestOutput(request_id, [], True, FinishReason.STOP, len(prompt_ids), 0, stats=self._stats)
+        output.embedding = pooled.result()
+        return output
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Recorded."""
