@@ -13,14 +13,18 @@ class MemoryBudgetError(ValueError):
 
 
 def module_bytes(module: nn.Module) -> int:
-    """Bytes a model's weights take: its parameters, buffers and packed quantized weights, shared storage once."""
+    """Bytes a model's weights take: its parameters, buffers and packed quantized weights (a block matrix viewing a
+    mapped file counts once: as its interleaved copy where one is made), shared storage once."""
     storages: dict[int, int] = {}
     for part in module.modules():
         tensors = [*part.parameters(recurse=False), *part.buffers(recurse=False)]
         for value in vars(part).values():
             if isinstance(value, PackedWeight):
-                tensors.extend(part.data for part in value.parts)
-                tensors.extend(part.interleaved for part in value.parts if part.interleaved is not None)
+                for matrix in value.parts:
+                    if matrix.interleaved is not None:
+                        tensors.append(matrix.interleaved)
+                    if matrix.interleaved is None or not matrix.mapped:  # a mapped file's pages go once interleaved
+                        tensors.append(matrix.data)
             elif isinstance(value, torch.Tensor):  # a dequantized copy kept beside a packed weight
                 tensors.append(value)
         for tensor in tensors:

@@ -3,6 +3,7 @@ pool's share of available memory."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ from torch import nn
 from statelm import host_memory
 from statelm.config import EngineConfig
 from statelm.engine import builder
-from statelm.kernels.quant import quantize
+from statelm.kernels.quant import PackedWeight, quantize
 from statelm.models.layers import RowChunking
 from statelm.models.packed import PackedLinear
 from statelm.server.memory_budget import MemoryBudgetError, check_memory, module_bytes
@@ -30,6 +31,18 @@ def test_module_bytes_counts_parameters_buffers_and_packed_weights_once() -> Non
     model.proj.use(False)
     model.proj.dense(torch.float32)  # a dequantized copy kept beside the packed weight
     assert module_bytes(model) == 100 * 64 * 4 + 16 * 8 + packed.nbytes + 64 * 4 + 64 * 256 * 4
+
+
+def test_a_block_matrix_counts_once_as_its_interleaved_copy_when_it_views_a_mapped_file() -> None:
+    blocks = quantize(torch.randn(64, 256), "int8").parts[0]
+    copy = torch.zeros(2 * blocks.data.numel(), dtype=torch.uint8)  # stands for the interleaved layout's bytes
+    for mapped, expected in [(True, copy.numel()), (False, copy.numel() + blocks.data.numel())]:
+        matrix = dataclasses.replace(blocks, interleaved=copy, mapped=mapped)
+        model = nn.Module()
+        model.proj = PackedLinear(PackedWeight([matrix]), None, RowChunking())
+        assert module_bytes(model) == expected  # a mapped file's pages are handed back once interleaved
+    model.proj = PackedLinear(PackedWeight([dataclasses.replace(blocks, mapped=True)]), None, RowChunking())
+    assert module_bytes(model) == blocks.data.numel()  # read in place: its pages are the weight
 
 
 def test_check_memory_names_every_need_when_they_do_not_fit() -> None:
