@@ -98,8 +98,9 @@ void decode_columns(const Part& part, int64_t column, int64_t first, int64_t val
 constexpr int64_t kChunkValues = 512;
 
 // Bytes the kernels ask into cache a share at a time while they work on a chunk (the next chunk's): spread over
-// the chunk's blocks, the requests never stall the arithmetic at once. The VNNI build's int8 kernels ask (1.2-1.7x
-// at 2-16 rows); AVX2's, bound by their arithmetic, would only lose by it.
+// the chunk's blocks, the requests never stall the arithmetic at once. The VNNI build's int8 and int16 kernels ask
+// (1.2-1.7x at 2-16 int8 rows, 2-5% at a prompt chunk's 64 int16 rows); AVX2's, bound by their arithmetic, would
+// only lose by it.
 #if defined(STATELM_GGUF_VNNI)
 constexpr bool kAskAhead = true;
 #else
@@ -119,7 +120,7 @@ struct Ahead {
 
 // Adds the contribution of values [first, first + values) of the tile of columns from `column` to acc, the
 // tile's running results: int kinds [M, kTileColumns] (gguf_matmul_int.cpp), float [M, kTileColumns, 4] chains.
-// The int8 kernels ask for `ahead` as they go.
+// The VNNI build's kernels ask for `ahead` as they go.
 void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
                     const Ahead& ahead, float* acc);
 void float_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const FloatRows& x,
