@@ -208,18 +208,19 @@ class AsyncEngine:
         return await future
 
     def _run(self) -> None:
-        stepped = False  # since the engine last had nothing to do
+        stepped = False  # a forward ran since the engine last had nothing it could do
         while True:
             try:
-                idle = not self.engine.has_work() or self.engine.stalled  # wait for a command (or a pin to expire)
+                # nothing to do, or nothing the last step could run: wait for a command (or a pin to expire)
+                idle = not (self.engine.has_work() and self.engine.last_step_ran)
                 if idle and stepped:
                     # the steps' large buffers (a prompt's activations) stay with malloc once freed: hand them back
                     release_free_memory()
                     stepped = False
                 if not self._drain_commands(block=idle):
                     return
-                stepped = stepped or self.engine.has_work()
                 self._publish(self.engine.step())
+                stepped = stepped or self.engine.last_step_ran
             except Exception:  # keep serving: a bug in one step must not kill the thread
                 log.exception("engine loop error")
 

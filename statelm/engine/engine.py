@@ -49,9 +49,9 @@ class Engine:
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
         self.latest_stats = self.stats()  # replaced by every step (read by other threads)
-        # the last step had work but could schedule none of it (the pool is short of blocks): nothing changes until
-        # a command (a request ends, a session is released) or a cache pin's expiry frees some
-        self.stalled = False
+        # the last step ran a forward; one that had work but could schedule none of it (the pool short of blocks)
+        # changes nothing until a command (a request ends, a session is released) or a cache pin's expiry
+        self.last_step_ran = False
 
     def add_request(
         self,
@@ -148,7 +148,7 @@ class Engine:
         """
         self.kv.expire_cache_pins()
         chunks = self.scheduler.schedule()
-        self.stalled = not chunks and self.has_work()
+        self.last_step_ran = bool(chunks)
         self.latest_stats = self.stats()
         if not chunks:
             return []

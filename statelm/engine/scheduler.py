@@ -84,7 +84,8 @@ class Scheduler:
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
             # it starts only if its whole prompt fits: one that would be preempted halfway would be recomputed in vain
-            if not (self._make_room(seq, seq.num_tokens) and self._grow(seq, seq.num_computed_tokens + count)):
+            fits = self._make_room(seq, seq.num_tokens)
+            if not (fits and self.kv.grow(seq.block_table, seq.num_computed_tokens + count)):
                 self.kv.free(seq.block_table)
                 seq.num_computed_tokens = 0
                 break
