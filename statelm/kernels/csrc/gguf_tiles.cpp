@@ -601,7 +601,7 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
   const Format& f = *part.format;
-  if constexpr (kAskAhead && R > 1) {  // VNNI; one row is bound by memory already: it asks for nothing
+  if constexpr (kAskAhead && (R > 1 || asks_ahead_at_one_row(kType))) {  // VNNI (one row: see asks_ahead_at_one_row)
     AskingSink<DotSink<R, kG16, kMin>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false, acc);
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
