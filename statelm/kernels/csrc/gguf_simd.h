@@ -158,11 +158,17 @@ inline V dot_wide(V sum, const WideQuad& w, int32_t x) {
   return _mm256_add_epi32(sum, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
 }
 
+// Narrow levels (uint8 below 64) times 4 int8 activations per 32-bit lane: vpmaddubsw's sums of pairs in int16,
+// which a few quads may add in int16 while no sum reaches 32768, then widened into int32 sums by vpmaddwd.
+inline V pair_sums(V levels, int32_t x) { return _mm256_maddubs_epi16(levels, _mm256_set1_epi32(x)); }
+inline V add16(V a, V b) { return _mm256_add_epi16(a, b); }
+inline V widen_pairs(V sum, V pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+
 // sum + the exact dot products of 4 levels by 4 int8 activations, per 32-bit lane: uint8 levels below 64 (narrow
 // formats), or wide ones.
 inline V dot_quad(V sum, V levels, int32_t x, bool wide) {
   if (wide) return dot_wide(sum, wide_quad(levels), x);
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_maddubs_epi16(levels, _mm256_set1_epi32(x)), _mm256_set1_epi16(1)));
+  return widen_pairs(sum, pair_sums(levels, x));
 }
 #endif
 

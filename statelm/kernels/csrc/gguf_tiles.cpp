@@ -254,8 +254,22 @@ struct StoreSink {
   void block_done(int64_t) {}
 };
 
+// Quads of a format's narrow levels whose pair sums the AVX2 build adds in int16 before widening them (every sum
+// below quads * 2 * largest level * 127 < 32768): 4-bit levels a whole block's 8, 5-bit 4, Q6_K's 6-bit 2; 1: each
+// quad widened at once (wide levels, and the VNNI build, whose vpdpbusd sums in int32).
+constexpr int quads_in_int16(int64_t type) {
+  switch (type) {
+    case kQ4_0: case kQ4_1: case kQ4_K: return 8;
+    case kQ5_0: case kQ5_1: case kQ5_K: return 4;
+    case kQ6_K: return 2;
+    default: return 1;
+  }
+}
+
 // The int8 arithmetic of R rows straight from decoded quads: a block's exact group sums, then its float steps.
-template <int R, bool kG16, bool kMin>
+// kPack > 1 (AVX2, quads_in_int16): the builders deliver a block's quads of one group in order (K-quants, Q5) or
+// all in one group (4-bit formats, widened once at block_done), so kPack consecutive quads share a group.
+template <int R, bool kG16, bool kMin, int kPack = 1>
 struct DotSink {
   static constexpr int kSlots = 16;  // scales and mins kept for a superblock's groups at most
   const IntRows& x;
@@ -264,6 +278,7 @@ struct DotSink {
   bool wide;
   VF acc[R];
   V sums[2][R];
+  V pairs[R];  // kPack > 1: the int16 pair sums of the quads not yet widened
   alignas(64) float scales[kSlots * W];
   alignas(64) float mins[kSlots * W];
 
@@ -271,17 +286,35 @@ struct DotSink {
       : x(rows), block0(first_block), offset(level_offset), wide(wide_levels) {
     for (int r = 0; r < R; ++r) {
       acc[r] = load_f(running + r * W);
-      sums[0][r] = sums[1][r] = zero();
+      sums[0][r] = sums[1][r] = pairs[r] = zero();
     }
   }
   __attribute__((always_inline)) void quad(int64_t block, int q, V v) {
     V* sum = sums[kG16 && q >= 4 ? 1 : 0];
     const int8_t* at = x.q8.data() + (block0 + block) * kBlock + 4 * q;
+#if !defined(STATELM_GGUF_VNNI)
+    if constexpr (kPack > 1) {
+      for (int r = 0; r < R; ++r) pairs[r] = add16(pairs[r], pair_sums(v, load32(at + r * x.k)));
+      if (kPack < 8 && q % kPack == kPack - 1) widen(sum);
+      return;
+    }
+#endif
     for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, load32(at + r * x.k), wide);
   }
+#if !defined(STATELM_GGUF_VNNI)
+  __attribute__((always_inline)) void widen(V* sum) {
+    for (int r = 0; r < R; ++r) {
+      sum[r] = widen_pairs(sum[r], pairs[r]);
+      pairs[r] = zero();
+    }
+  }
+#endif
   void scale(int64_t group, VF v) { store_f(scales + group % kSlots * W, v); }
   void min(int64_t group, VF v) { store_f(mins + group % kSlots * W, v); }
   __attribute__((always_inline)) void block_done(int64_t block) {
+#if !defined(STATELM_GGUF_VNNI)
+    if constexpr (kPack == 8) widen(sums[0]);
+#endif
     constexpr int64_t size = kG16 ? 16 : 32;
     const int64_t kb = block0 + block;
     for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
@@ -609,7 +642,7 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
 #if defined(STATELM_GGUF_VNNI)
     DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
 #else
-    DotSink<R, kG16, kMin> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
+    DotSink<R, kG16, kMin, quads_in_int16(kType)> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
 #endif
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
