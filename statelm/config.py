@@ -145,11 +145,11 @@ class EngineConfig:
         " at load)",
     )
     activations: str = setting(
-        "int16-prompt",
-        help="Packed (quantized) matmuls, prompt tokens' rows / generated tokens' rows: float32 (the float model's"
-        " arithmetic, both) | int8 (both quantized per 32 values, as llama.cpp computes: about 3% of next tokens"
-        " differ from float32's) | int8-decode (float32 / int8) | int16-prompt (int16 / int8: prompts at about twice"
-        " the float32 rate on VNNI CPUs with float32's next tokens in 99.9% of positions).",
+        "auto",
+        help="Packed (quantized) matmuls, prompt tokens' rows / generated tokens' rows: auto (int8 for models of about"
+        " 1B parameters and up, int16-prompt below) | int8 (both quantized per 32 values, as llama.cpp computes: about"
+        " 3% of next tokens differ from float32's) | int16-prompt (int16 / int8: float32's next tokens in 99.9% of"
+        " positions, prompts at about half int8's rate) | int8-decode (float32 / int8) | float32 (both).",
     )
     repack: bool = setting(
         True,

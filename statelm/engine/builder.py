@@ -82,7 +82,9 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     try:
         if use_activations(loaded.model, config.activations):
             # what the KV means: snapshots and sessions hold prompt rows' KV only, so that of their arithmetic
-            loaded.fingerprint.parts["activations"] = ACTIVATIONS[config.activations][0]
+            loaded.fingerprint.parts["activations"] = ACTIVATIONS[loaded.model.activations][0]
+            if config.activations == "auto":
+                log.info("activations: %s (auto, by the model's size)", loaded.model.activations)
     except ValueError as exc:
         raise EngineConfigError(str(exc)) from None
     return loaded

@@ -82,13 +82,22 @@ def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
     model.compute_path = path
 
 
+# `--activations auto` takes int8 for a model whose packed matrices hold at least this many weights (a 1B model's
+# decoder layers: ~0.97 billion), int16-prompt below (docs/gguf.md says why).
+AUTO_INT8_WEIGHTS = 500_000_000
+
+
 def use_activations(model: LlamaForCausalLM, activations: str) -> int:
     """How packed linears on the kernels path treat activations, prompt rows and generated rows (a key of
-    ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`); returns how many packed linears
+    ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`, or `auto`: int8 from
+    AUTO_INT8_WEIGHTS weights on, else int16-prompt; model.activations says which); returns how many packed linears
     there are (none: the setting changes nothing)."""
-    if activations not in ACTIVATIONS:
-        raise ValueError(f"unknown activations {activations!r}; choose {', '.join(ACTIVATIONS)}")
+    if activations != "auto" and activations not in ACTIVATIONS:
+        raise ValueError(f"unknown activations {activations!r}; choose auto, {', '.join(ACTIVATIONS)}")
     packed = [module for module in model.modules() if isinstance(module, PackedLinear)]
+    if activations == "auto":
+        weights = sum(module.in_features * module.out_features for module in packed)
+        activations = "int8" if weights >= AUTO_INT8_WEIGHTS else "int16-prompt"
     for module in packed:
         module.activations = activations
     model.activations = activations

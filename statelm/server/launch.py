@@ -57,7 +57,7 @@ def build_services(
     output_settings = {
         "device": built.loaded.device.type,
         "quantization": engine_config.quantization,
-        "activations": engine_config.activations,
+        "activations": built.loaded.model.activations,  # `auto` resolved
         "batch_invariant": engine_config.batch_invariant,
         "sampling_defaults": info.sampling_defaults,
     }

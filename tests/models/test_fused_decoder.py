@@ -12,6 +12,7 @@ from statelm.attention.base import AttentionMetadata
 from statelm.attention.kv_format import Q8_GROUP
 from statelm.engine.kv_cache import KVCache
 from statelm.kernels.build import KernelBuildError, cpu_variant, load_kernels
+from statelm.models import compute_path
 from statelm.models.compute_path import use_activations, use_compute_path, use_repack
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model
@@ -112,3 +113,18 @@ def test_blocks_read_in_place_give_the_interleaved_blocks_bits(loaded: LoadedMod
         use_repack(loaded.model, True)
         use_compute_path(loaded.model, "kernels")
     assert torch.equal(interleaved, in_place)
+
+
+def test_auto_activations_follow_the_size_of_the_packed_weights(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--activations auto`: int16-prompt below AUTO_INT8_WEIGHTS packed weights, int8 from there on."""
+    packed = [module for module in loaded.model.modules() if isinstance(module, PackedLinear)]
+    weights = sum(module.in_features * module.out_features for module in packed)
+    for threshold, chosen in ((weights + 1, "int16-prompt"), (weights, "int8")):
+        monkeypatch.setattr(compute_path, "AUTO_INT8_WEIGHTS", threshold)
+        assert use_activations(loaded.model, "auto") == len(packed)
+        assert loaded.model.activations == chosen
+        assert all(module.activations == chosen for module in packed)
+    with pytest.raises(ValueError, match="unknown activations"):
+        use_activations(loaded.model, "int4")
