@@ -85,7 +85,6 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 // int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x.
 template <int R, bool kInt16, bool kG16, bool kMin>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
   const bool wide = !kInt16 && !t.format->narrow;
   constexpr int kWords = kInt16 ? 16 : 8;  // words of a block's activations a row
   constexpr int64_t G = IntRows::kGroupRows;
@@ -124,9 +123,8 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
         const int half = kG16 && quad >= 4 ? 1 : 0;
         for (int r = 0; r < R; ++r) {
-          const __m256i products = _mm256_add_epi16(_mm256_maddubs_epi16(w0, _mm256_set1_epi32(xs[quad * G + r])),
-                                                    _mm256_maddubs_epi16(w1, _mm256_set1_epi32(xs[(quad + 1) * G + r])));
-          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(products, ones));
+          sums[half][r] = widen_pairs(sums[half][r], add16(pair_sums(w0, xs[quad * G + r]),
+                                                           pair_sums(w1, xs[(quad + 1) * G + r])));
         }
       }
     }

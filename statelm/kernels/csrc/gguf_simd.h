@@ -143,6 +143,12 @@ __attribute__((always_inline)) inline void transpose(V r[8]) {
   }
 }
 
+// Narrow levels (uint8 below 64) times 4 int8 activations per 32-bit lane: vpmaddubsw's sums of pairs in int16,
+// which a few quads may add in int16 while no sum reaches 32768, then widened into int32 sums by vpmaddwd.
+inline V pair_sums(V levels, int32_t x) { return _mm256_maddubs_epi16(levels, _mm256_set1_epi32(x)); }
+inline V add16(V a, V b) { return _mm256_add_epi16(a, b); }
+inline V widen_pairs(V sum, V pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+
 // Wide levels (Q8_0, IQ4: signed, stored + 128) as vpmaddubsw takes them: magnitudes (|-128| reads as 128), and the
 // signed levels whose signs move to the activations.
 struct WideQuad {
@@ -154,15 +160,8 @@ inline WideQuad wide_quad(V stored) {
   return {_mm256_sign_epi8(w, w), w};
 }
 inline V dot_wide(V sum, const WideQuad& w, int32_t x) {
-  const V products = _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(x), w.levels));
-  return _mm256_add_epi32(sum, _mm256_madd_epi16(products, _mm256_set1_epi16(1)));
+  return widen_pairs(sum, _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(x), w.levels)));
 }
-
-// Narrow levels (uint8 below 64) times 4 int8 activations per 32-bit lane: vpmaddubsw's sums of pairs in int16,
-// which a few quads may add in int16 while no sum reaches 32768, then widened into int32 sums by vpmaddwd.
-inline V pair_sums(V levels, int32_t x) { return _mm256_maddubs_epi16(levels, _mm256_set1_epi32(x)); }
-inline V add16(V a, V b) { return _mm256_add_epi16(a, b); }
-inline V widen_pairs(V sum, V pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
 
 // sum + the exact dot products of 4 levels by 4 int8 activations, per 32-bit lane: uint8 levels below 64 (narrow
 // formats), or wide ones.
