@@ -16,10 +16,15 @@
 
 #include <vector>
 
+#include "parallel.h"
+
 namespace {
 
 constexpr int64_t kLayerTensors = 6;
 constexpr int64_t kLinears = 4;
+// What a layer's serial stretches (attention, norms, activations) give an idle core time to load at one decode row:
+// about its L2. More is evicted before it is read.
+constexpr int64_t kReadAheadBytes = 2 << 20;
 
 enum Slot : int64_t { kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm };
 
@@ -28,6 +33,19 @@ struct Linear {
   std::vector<at::Tensor> blocks;
   std::vector<int64_t> types;
 };
+
+// Starts loading the first bytes of w's blocks into the caches (statelm::read_ahead) while the caller goes on.
+void read_ahead(const Linear& w) {
+  std::vector<statelm::Span> spans;
+  int64_t left = kReadAheadBytes;
+  for (const at::Tensor& block : w.blocks) {
+    if (left <= 0) break;
+    const int64_t bytes = std::min<int64_t>(left, block.nbytes());
+    spans.push_back({block.data_ptr(), bytes});
+    left -= bytes;
+  }
+  statelm::read_ahead(std::move(spans));
+}
 
 at::Tensor matmul(const at::Tensor& x, const Linear& w, const at::Tensor& bias, int64_t arithmetic) {
   static auto op = c10::Dispatcher::singleton()
@@ -141,6 +159,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
       h = add_rms_norm(residual, x, w[kInputNorm], eps);
     }
     at::Tensor qkv = matmul(h, linear[0], w[kQkvBias], arithmetic);
+    read_ahead(linear[1]);
     at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
@@ -158,9 +177,12 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     kv_store(k, v, cache, slot_mapping);
     at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, window);
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
+    read_ahead(linear[2]);
     h = add_rms_norm(residual, o, w[kPostNorm], eps);
     at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
+    read_ahead(linear[3]);
     x = matmul(silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
+    if (layer + 1 < layers) read_ahead(linear[kLinears]);
   }
   return add_rms_norm(residual, x, final_norm, eps);
 }

@@ -339,7 +339,7 @@ void gemm(int64_t rows, const float* a, int64_t lda, const B& b, int64_t cols, i
 constexpr int64_t kTileQueries = 48;  // query vectors (rows x heads) per KV head an item aims for: shared K/V loads
 constexpr int64_t kPartition = 512;   // keys per partition, a multiple of kChunk
 constexpr int64_t kSplitBelow = 2;    // split items over partitions when there are fewer than this many per thread
-constexpr int64_t kSerialCost = 16384;  // below this many head-key visits a call stays on the calling thread
+constexpr int64_t kSerialCost = 2048;  // below this many head-key visits a call stays on the calling thread
 constexpr int64_t kMaxGroups = kMaxHeadDim / kGroup;
 
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
