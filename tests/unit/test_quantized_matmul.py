@@ -167,6 +167,43 @@ def test_paired_formats_interleave_without_padding_rows_of_even_blocks_only(qtyp
     assert torch.equal(odd.interleave().matmul(x), odd.matmul(x))
 
 
+def mapping_of(address: int) -> dict[str, str]:
+    """The /proc/self/smaps entry of the mapping holding `address`: its range as `start` and `end`, and its fields."""
+    entry: dict[str, str] = {}
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:
+            if entry and int(entry["start"], 16) <= address < int(entry["end"], 16):
+                return entry
+            start, end = head.split("-")
+            entry = {"start": start, "end": end}
+        else:
+            name, _, value = line.partition(":")
+            entry[name] = value.strip()
+    assert entry and int(entry["start"], 16) <= address < int(entry["end"], 16), "no mapping holds the address"
+    return entry
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage").exists(), reason="needs Linux with transparent huge pages"
+)
+def test_large_interleaved_copies_sit_on_2_mib_aligned_mappings_advised_for_huge_pages() -> None:
+    simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
+    if not simd:
+        pytest.skip("this library has no interleaved layout")
+    weight = matrix(Q.Q4_K, 4096, 1024, seed=21)[0]
+    interleaved = weight.interleave()
+    large = interleaved.parts[0].interleaved  # 2.25 MiB
+    assert large is not None and large.data_ptr() % (2 << 20) == 0
+    mapping = mapping_of(large.data_ptr())
+    assert int(mapping["start"], 16) == large.data_ptr()  # a mapping of its own
+    assert "hg" in mapping["VmFlags"].split()  # MADV_HUGEPAGE
+    x = torch.randn(3, 1024, generator=torch.Generator().manual_seed(22))
+    assert torch.equal(interleaved.matmul(x), weight.matmul(x))
+    small = matrix(Q.Q4_K, 64, 1024, seed=23)[0].interleave().parts[0].interleaved  # 36 KiB: malloc's
+    assert small is not None and "hg" not in mapping_of(small.data_ptr())["VmFlags"].split()
+
+
 def test_interleaved_and_in_place_parts_stack_into_one_output() -> None:
     parts = [matrix(qtype, rows, 256, seed=rows)[0] for qtype, rows in ((Q.Q4_K, 24), (Q.Q3_K, 9), (Q.Q6_K, 17))]
     mixed = PackedWeight.concat([parts[0].interleave(), parts[1].interleave(), parts[2]])

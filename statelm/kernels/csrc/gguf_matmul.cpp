@@ -18,6 +18,7 @@
 
 #include "gguf_matmul.h"
 #include "gguf_tiles.h"
+#include "huge_pages.h"
 #include "parallel.h"
 
 namespace statelm::gguf {
@@ -354,8 +355,8 @@ at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type) {
   const int64_t rows = weight.size(0), row_bytes = weight.size(1);
   TORCH_CHECK(row_bytes % f->bytes == 0, "gguf_interleave: rows are not whole ", f->name, " blocks");
   if (!interleavable(*f, row_bytes)) return at::empty({0, 0}, weight.options());
-  auto out = at::empty({(rows + kTileColumns - 1) / kTileColumns * kTileColumns, interleaved_row_bytes(*f, row_bytes)},
-                       weight.options());
+  auto out = statelm::empty_on_huge_pages(
+      {(rows + kTileColumns - 1) / kTileColumns * kTileColumns, interleaved_row_bytes(*f, row_bytes)});
   interleave_blocks(*f, weight.data_ptr<uint8_t>(), rows, row_bytes, weight.stride(0), out.data_ptr<uint8_t>());
   return out;
 }
