@@ -29,13 +29,33 @@ SYSTEM = "Answer in one short sentence."
 STARTUP_TIMEOUT_S = 420
 REPLICA = "x-statelm-replica"
 MAX_SESSIONS = 10  # per key, over both replicas: KEY_A's tests make 9 sessions in all, KEY_B's limit test 10
+START_ATTEMPTS = 3  # a start whose router port was taken meanwhile is retried on another
 
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A router URL in front of two replicas sharing a state dir; stopped (and every Ray process gone) after."""
     root = tmp_path_factory.mktemp("cluster")
-    log_path = root / "cluster.log"
+    for attempt in range(START_ATTEMPTS):
+        process, url, log_path = _start(root, attempt)
+        try:
+            wait_until(lambda url=url: _healthy(url), STARTUP_TIMEOUT_S, process, log_path)
+        except RuntimeError:
+            _stop(process)
+            # Ray's own processes bind ports of their choosing and can take the one picked for the router first
+            if attempt + 1 < START_ATTEMPTS and "address already in use" in log_path.read_text():
+                continue
+            raise
+        break
+    try:
+        yield url
+    finally:
+        _stop(process)
+
+
+def _start(root: Path, attempt: int) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`statelm serve --replicas 2` on a free port, its output in root/cluster-<attempt>.log."""
+    log_path = root / f"cluster-{attempt}.log"
     port = free_port()
     args = ["--replicas", "2", "--port", str(port), "--kv-cache-memory", "256MiB", "--threads", "1",
             "--state-dir", str(root / "state"), "--api-key", KEY_A, "--api-key", KEY_B, "--admin-key", ADMIN,
@@ -49,16 +69,16 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
             env={**server_environment(), "PYTHONUNBUFFERED": "1", "RAY_AUTH_MODE": "disabled"},
             start_new_session=True,  # its own process group: every Ray process it starts can be found after
         )
-    url = f"http://127.0.0.1:{port}"
+    return process, f"http://127.0.0.1:{port}", log_path
+
+
+def _stop(process: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the cluster (if still running) and wait for its whole process group to be gone."""
+    process.send_signal(signal.SIGTERM)
     try:
-        wait_until(lambda: _healthy(url), STARTUP_TIMEOUT_S, process, log_path)
-        yield url
+        process.wait(timeout=120)
     finally:
-        process.send_signal(signal.SIGTERM)
-        try:
-            process.wait(timeout=120)
-        finally:
-            with_group_gone(process.pid)
+        with_group_gone(process.pid)
 
 
 def wait_until(
