@@ -219,14 +219,20 @@ __attribute__((always_inline)) inline void words_of_runs(const TileWords<kType>&
   }
 }
 
-// four_words() of one field's 16 bytes (a K-quant's header, Q6_K's scales): an interleaved tile's place found once.
+// `count` (at most W) words of one field from `offset` (a K-quant's header or high bits, Q6_K's scales): an
+// interleaved tile's place found once (field_words); file rows transposed as four_words() or words() give them.
 template <int64_t kType>
-__attribute__((always_inline)) inline void field_four_words(const TileWords<kType>& rows, int64_t offset, V out[4]) {
-  field_words(rows, offset, 4, out);
+__attribute__((always_inline)) inline void field_run(const TileWords<kType>& rows, int64_t offset, int64_t count,
+                                                     V* out) {
+  field_words(rows, offset, count, out);
 }
 
-__attribute__((always_inline)) inline void field_four_words(const Rows& rows, int64_t offset, V out[4]) {
-  four_words(rows, offset, out);
+__attribute__((always_inline)) inline void field_run(const Rows& rows, int64_t offset, int64_t count, V* out) {
+  if (count == 4) {
+    four_words(rows, offset, out);
+  } else {
+    words(rows, offset, out);
+  }
 }
 
 // Words of `present` (of kVecBytes / size) runs of `size` bytes per column, the p-th at offset + p * step.
@@ -518,20 +524,10 @@ void build_q4_k(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const auto at = rows.at(s * 144);
     V header[4];
-    field_four_words(at, 0, header);
+    field_run(at, 0, 4, header);
     k4_scales(header, 8 * s, sink);
     k_nibbles(at, 16, 8 * s, nullptr, sink);
   }
-}
-
-// Q5_K's 32 bytes of qh as words 0..7 of qh (a tile's eight, the words() of file rows).
-template <int64_t kType>
-__attribute__((always_inline)) inline void qh_words(const TileWords<kType>& rows, int64_t offset, V out[W]) {
-  field_words(rows, offset, 8, out);
-}
-
-__attribute__((always_inline)) inline void qh_words(const Rows& rows, int64_t offset, V out[W]) {
-  words(rows, offset, out);
 }
 
 template <class Sink, class Source>
@@ -539,9 +535,9 @@ void build_q5_k(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const auto at = rows.at(s * 176);
     V header[4], qh[W];
-    field_four_words(at, 0, header);
+    field_run(at, 0, 4, header);
     k4_scales(header, 8 * s, sink);
-    qh_words(at, 16, qh);  // words 0..7: qh
+    field_run(at, 16, 8, qh);  // words 0..7: qh
     k_nibbles(at, 48, 8 * s, qh, sink);
   }
 }
@@ -554,7 +550,7 @@ void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const auto at = rows.at(s * 210);
     V scales[4], d_word[4];
-    field_four_words(at, 192, scales);  // the 16 int8 scales
+    field_run(at, 192, 4, scales);  // the 16 int8 scales
     four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half
     const VF d = half_high(d_word[3]);
     for (int g = 0; g < 16; ++g) sink.scale(16 * s + g, mul(d, to_float(sra(sll(scales[g / 4], 24 - 8 * (g % 4)), 24))));
@@ -584,7 +580,7 @@ void build_iq4_xs(const Source& rows, int64_t superblocks, Sink& sink) {
   for (int64_t s = 0; s < superblocks; ++s) {
     const auto at = rows.at(s * 136);
     V header[4];
-    field_four_words(at, 0, header);
+    field_run(at, 0, 4, header);
     const VF d = half_low(header[0]);
     const V high = srl(header[0], 16), low = header[1];
     for (int j = 0; j < 8; ++j) {

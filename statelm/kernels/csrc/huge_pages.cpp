@@ -2,6 +2,8 @@
 
 #include "huge_pages.h"
 
+#include <c10/util/accumulate.h>
+
 #include <cstdint>
 
 #if defined(__linux__)
@@ -21,8 +23,7 @@ int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
 at::Tensor empty_on_huge_pages(at::IntArrayRef sizes) {
   const auto options = at::TensorOptions().dtype(at::kByte);
-  int64_t bytes = 1;
-  for (int64_t size : sizes) bytes *= size;
+  const int64_t bytes = c10::multiply_integers(sizes);
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   if (bytes >= kHugePage) {
     const int64_t length = round_up(bytes, kSmallPage);
