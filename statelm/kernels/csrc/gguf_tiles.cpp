@@ -291,18 +291,31 @@ constexpr int quads_in_int16(int64_t type) {
 template <int R, bool kG16, bool kMin, int kPack = 1>
 struct DotSink {
   static constexpr int kSlots = 16;  // scales and mins kept for a superblock's groups at most
-  const IntRows& x;
-  int64_t block0;  // the chunk's first block in K
+  static constexpr int64_t kSize = kG16 ? 16 : 32;
+  // The rows' activations from the chunk's first block on, read through pointers taken once (the kernel's loop
+  // then keeps its sums and results in registers).
+  const int8_t* q8;
+  const float* dx;
+  const int32_t* level_sums;  // per group of kSize
+  const float* sx;            // per group of kSize
+  int64_t k;
   int offset;
   bool wide;
+  float* scales;  // [kSlots][W], then mins [kSlots][W]: the caller's (a buffer apart keeps this sink in registers)
   VF acc[R];
   V sums[2][R];
   V pairs[R];  // kPack > 1: the int16 pair sums of the quads not yet widened
-  alignas(64) float scales[kSlots * W];
-  alignas(64) float mins[kSlots * W];
 
-  DotSink(const IntRows& rows, int64_t first_block, int level_offset, bool wide_levels, const float* running)
-      : x(rows), block0(first_block), offset(level_offset), wide(wide_levels) {
+  DotSink(const IntRows& x, int64_t first_block, int level_offset, bool wide_levels, const float* running,
+          float* slots)
+      : q8(x.q8.data() + first_block * kBlock),
+        dx(x.dx.data() + first_block),
+        level_sums((kG16 ? x.sums16.data() : x.sums32.data()) + first_block * kBlock / kSize),
+        sx((kG16 ? x.sx16.data() : x.sx32.data()) + first_block * kBlock / kSize),
+        k(x.k),
+        offset(level_offset),
+        wide(wide_levels),
+        scales(slots) {
     for (int r = 0; r < R; ++r) {
       acc[r] = load_f(running + r * W);
       sums[0][r] = sums[1][r] = pairs[r] = zero();
@@ -310,15 +323,15 @@ struct DotSink {
   }
   __attribute__((always_inline)) void quad(int64_t block, int q, V v) {
     V* sum = sums[kG16 && q >= 4 ? 1 : 0];
-    const int8_t* at = x.q8.data() + (block0 + block) * kBlock + 4 * q;
+    const int8_t* at = q8 + block * kBlock + 4 * q;
 #if !defined(STATELM_GGUF_VNNI)
     if constexpr (kPack > 1) {
-      for (int r = 0; r < R; ++r) pairs[r] = add16(pairs[r], pair_sums(v, load32(at + r * x.k)));
+      for (int r = 0; r < R; ++r) pairs[r] = add16(pairs[r], pair_sums(v, load32(at + r * k)));
       if (kPack < 8 && q % kPack == kPack - 1) widen(sum);
       return;
     }
 #endif
-    for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, load32(at + r * x.k), wide);
+    for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, load32(at + r * k), wide);
   }
 #if !defined(STATELM_GGUF_VNNI)
   __attribute__((always_inline)) void widen(V* sum) {
@@ -329,20 +342,20 @@ struct DotSink {
   }
 #endif
   void scale(int64_t group, VF v) { store_f(scales + group % kSlots * W, v); }
-  void min(int64_t group, VF v) { store_f(mins + group % kSlots * W, v); }
+  void min(int64_t group, VF v) { store_f(scales + (kSlots + group % kSlots) * W, v); }
   __attribute__((always_inline)) void block_done(int64_t block) {
 #if !defined(STATELM_GGUF_VNNI)
     if constexpr (kPack == 8) widen(sums[0]);
 #endif
-    constexpr int64_t size = kG16 ? 16 : 32;
-    const int64_t kb = block0 + block;
-    for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
-      const int64_t group = kG16 ? 2 * kb + h : kb, slot = (kG16 ? 2 * block + h : block) % kSlots;
+    constexpr int64_t kGroups = kBlock / kSize;  // a block's groups
+    for (int h = 0; h < kGroups; ++h) {
+      const int64_t group = kGroups * block + h, slot = group % kSlots;
       const VF s = load_f(scales + slot * W);
       for (int r = 0; r < R; ++r) {
-        const int32_t offset_sum = offset ? offset * x.sum(r, group, size) : 0;
-        acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, s, x.scale(r, kb), mins + slot * W,
-                                  kMin ? x.sx(r, group, size) : 0.0f);
+        const int64_t at = r * (k / kSize) + group;
+        const int32_t offset_sum = offset ? offset * level_sums[at] : 0;
+        acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, s, dx[r * (k / kBlock) + block],
+                                  scales + (kSlots + slot) * W, kMin ? sx[at] : 0.0f);
         sums[h][r] = zero();
       }
     }
@@ -546,7 +559,7 @@ void build_q5_k(const Source& rows, int64_t superblocks, Sink& sink) {
 // 64h + 32(s % 2) + i (low nibble for s < 2), high bits (qh byte 32h + i >> 2s) & 3; levels + 32.
 template <class Sink, class Source>
 void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
-  const V mask = set8(0x0F), two_bits = set8(0x03);
+  const V mask = set8(0x0F), high_bits = set8(0x30);
   for (int64_t s = 0; s < superblocks; ++s) {
     const auto at = rows.at(s * 210);
     V scales[4], d_word[4];
@@ -565,7 +578,9 @@ void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
         for (int t = 0; t < 8; ++t) {
           const V word = ql[8 * (sub % 2) + t];
           const V low = sub < 2 ? vand(word, mask) : vand(srl(word, 4), mask);
-          const V top = sll(vand(srl(qh[8 * h + t], 2 * sub), two_bits), 4);
+          // bits 2sub, 2sub + 1 of each qh byte moved to bits 4, 5 (a word's shift: the mask drops its neighbours')
+          const V bits = qh[8 * h + t];
+          const V top = vand(sub < 2 ? sll(bits, 4 - 2 * sub) : sub == 2 ? bits : srl(bits, 2), high_bits);
           sink.quad(8 * s + 4 * h + sub, t, vor(low, top));
         }
         sink.block_done(8 * s + 4 * h + sub);
@@ -653,15 +668,17 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
   const Format& f = *part.format;
+  alignas(64) float slots[2 * 16 * W];  // the sink's scales and mins
   if constexpr (kAskAhead && (R > 1 || asks_ahead_at_one_row(kType))) {  // VNNI (one row: see asks_ahead_at_one_row)
-    AskingSink<DotSink<R, kG16, kMin>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false, acc);
+    AskingSink<DotSink<R, kG16, kMin>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false, acc, slots);
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
   } else {
 #if defined(STATELM_GGUF_VNNI)
-    DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc);
+    DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc, slots);
 #else
-    DotSink<R, kG16, kMin, quads_in_int16(kType)> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc);
+    DotSink<R, kG16, kMin, quads_in_int16(kType)> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc,
+                                                       slots);
 #endif
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
