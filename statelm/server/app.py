@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from statelm.api.anthropic.service import MessagesService
@@ -25,6 +25,7 @@ from statelm.server.errors import install_error_handlers
 from statelm.server.limits import RequestLimitMiddleware
 from statelm.server.openapi import install_openapi
 from statelm.server.request_id import RequestIdMiddleware
+from statelm.server.response_count import ResponseCountMiddleware
 from statelm.server.routes import anthropic, embeddings, health, metrics, openai, sessions
 from statelm.server.routes import responses as responses_routes
 from statelm.server.webui import ASSETS_PREFIX, install_webui
@@ -116,14 +117,7 @@ def create_app(
     )
     app.add_middleware(DrainMiddleware, gate=guards.drain, exempt_paths=frozenset({HEALTH_PATH}))
 
-    @app.middleware("http")
-    async def count_responses(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        response = await call_next(request)
-        route = request.scope.get("route")
-        path = getattr(route, "path", "unmatched")
-        serving_metrics.http_responses.labels(path, str(response.status_code)).inc()
-        return response
-
+    app.add_middleware(ResponseCountMiddleware, counter=serving_metrics.http_responses)
     app.add_middleware(RequestIdMiddleware)  # every answer, 401s and 413s too
     if allowed_origins:  # outermost: a preflight carries no key, and every answer (401s too) needs the headers
         app.add_middleware(CORSMiddleware, allow_origins=allowed_origins, allow_methods=["*"], allow_headers=["*"])

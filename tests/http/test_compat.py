@@ -40,6 +40,29 @@ def test_user_never_becomes_a_metric_label(client: openai.OpenAI, model_name: st
     assert "label-canary-9" not in api.get("/metrics").text
 
 
+def _responses_counted(api: httpx.Client, route: str, status: int) -> float:
+    """statelm_http_responses_total for that route and status on /metrics (0 before the first)."""
+    pattern = rf'^statelm_http_responses_total{{route="{re.escape(route)}",status="{status}"}} ([0-9.e+]+)$'
+    match = re.search(pattern, api.get("/metrics").text, re.MULTILINE)
+    return float(match.group(1)) if match else 0.0
+
+
+def test_responses_are_counted_by_route_and_status(client: openai.OpenAI, model_name: str, api: httpx.Client) -> None:
+    route = "/v1/chat/completions"
+    streamed, refused, unmatched = (
+        _responses_counted(api, route, 200),
+        _responses_counted(api, route, 400),
+        _responses_counted(api, "unmatched", 404),
+    )
+    for _ in client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=3, stream=True):
+        pass
+    assert api.post(route, json={"model": model_name, "messages": QUESTION, "max_tokens": -1}).status_code == 400
+    assert api.get("/v1/no-such-route").status_code == 404
+    assert _responses_counted(api, route, 200) == streamed + 1  # a stream counts once, not per chunk
+    assert _responses_counted(api, route, 400) == refused + 1
+    assert _responses_counted(api, "unmatched", 404) == unmatched + 1
+
+
 def test_service_tier_is_echoed_and_unknown_tiers_are_refused(client: openai.OpenAI, model_name: str) -> None:
     for sent, served in (("auto", "default"), ("default", "default"), ("flex", "flex"), ("priority", "priority")):
         reply = client.chat.completions.create(model=model_name, messages=QUESTION, max_tokens=1, service_tier=sent)
