@@ -48,6 +48,18 @@ class LayerOps:
         """A small linear's projection of [T, in] rows (a mixture of experts' router), as the linear runs."""
         return linear(x)
 
+    def expert_sum(self, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+        """Each token's experts' outputs times their router weights, summed from zero in slot order: rows
+        [T * top_k, H] in expert order, pairs [T * top_k] each row's token * top_k + slot, weights [T * top_k] each
+        (token, slot)'s."""
+        contributions = torch.empty_like(rows)
+        contributions[pairs] = rows * weights[pairs, None]
+        per_token = contributions.view(-1, top_k, rows.shape[1])
+        out = torch.zeros_like(per_token[:, 0])
+        for slot in range(top_k):  # from zero, in ascending expert order
+            out += per_token[:, slot]
+        return out
+
     def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """gelu(gate, tanh approximation) * up, for gate and up side by side in the last dimension (GeGLU)."""
         gate, up = gate_up.chunk(2, dim=-1)
@@ -88,6 +100,12 @@ class KernelLayerOps(LayerOps):
         if not isinstance(linear, RowChunkedLinear) or linear.bias is not None or linear.weight.dtype != torch.float32:
             return linear(x)
         return torch.ops.statelm.float_linear(x.float().contiguous(), linear.weight)
+
+    def expert_sum(self, rows: torch.Tensor, pairs: torch.Tensor, weights: torch.Tensor, top_k: int) -> torch.Tensor:
+        """The same sums in one pass (torch.ops.statelm.expert_sum) for float32 rows."""
+        if rows.dtype != torch.float32 or weights.dtype != torch.float32:
+            return super().expert_sum(rows, pairs, weights, top_k)
+        return torch.ops.statelm.expert_sum(rows.contiguous(), pairs.contiguous(), weights.contiguous(), top_k)
 
     def prepare_rope(self, positions: torch.Tensor, max_position: int, rotary: RotaryEmbedding) -> RopeInputs:
         """The tokens' positions and the whole table (the kernel looks rows up itself)."""

@@ -17,6 +17,7 @@ a decode step's eight small expert matmuls cost one call's overhead); on the tor
 
 from __future__ import annotations
 
+import itertools
 import re
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -71,27 +72,22 @@ class MoEMLP(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         chosen, order = chosen.sort(dim=-1)  # each token's experts ascending: the order its outputs are summed in
         weights = weights.gather(-1, order).to(x.dtype).flatten()
-        pairs = chosen.flatten().argsort(stable=True)  # (token, slot) pairs by expert, then by token
-        counts = torch.bincount(chosen.flatten(), minlength=self.num_experts)
-        experts = counts.nonzero().flatten()
-        sizes = counts[experts].tolist()
-        tokens = pairs.div(self.top_k, rounding_mode="floor")
+        picks = chosen.flatten().tolist()  # (token, slot) pairs' experts, token by token
+        pairs = sorted(range(len(picks)), key=picks.__getitem__)  # by expert, then by token (a stable sort)
+        experts = [(e, len(list(run))) for e, run in itertools.groupby(picks[p] for p in pairs)]
+        sizes = [size for _, size in experts]
+        pair_index = torch.tensor(pairs, dtype=torch.int64, device=x.device)
+        tokens = pair_index.div(self.top_k, rounding_mode="floor")
         routes = [  # (expert, its rows' kinds among its tokens)
             (self.experts[e], self.chunking.rows_among(share))
-            for e, share in zip(experts.tolist(), tokens.split(sizes), strict=True)
+            for (e, _), share in zip(experts, tokens.split(sizes), strict=True)
         ]
         gate_up = self._project(
             [(e.gate_up_proj, xs, r) for (e, r), xs in zip(routes, x[tokens].split(sizes), strict=True)]
         )
         hidden = ops.silu_mul(torch.cat(gate_up)).split(sizes)
         down = self._project([(e.down_proj, h, r) for (e, r), h in zip(routes, hidden, strict=True)])
-        contributions = torch.empty(len(pairs), x.shape[1], dtype=x.dtype, device=x.device)
-        contributions[pairs] = torch.cat(down).to(x.dtype) * weights[pairs, None]
-        per_token = contributions.view(x.shape[0], self.top_k, x.shape[1])
-        out = torch.zeros_like(x)
-        for slot in range(self.top_k):  # from zero, in ascending expert order
-            out += per_token[:, slot]
-        return out
+        return ops.expert_sum(torch.cat(down).to(x.dtype), pair_index, weights, self.top_k)
 
     def _project(
         self, projections: list[tuple[RowChunkedLinear | PackedLinear, torch.Tensor, Rows]]

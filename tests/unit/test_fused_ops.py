@@ -93,3 +93,18 @@ def test_each_row_gets_the_same_bits_alone_and_in_any_batch(threads: int) -> Non
                 KERNELS.add_rms_norm(residual, delta[:count], weight, 1e-5)[-1],
                 KERNELS.add_rms_norm(alone, delta[count - 1 : count], weight, 1e-5)[0],
             )
+
+
+@pytest.mark.parametrize(("tokens", "top_k"), [(1, 8), (5, 2), (37, 4)])
+def test_expert_sum_matches_torch_bit_for_bit(tokens: int, top_k: int) -> None:
+    generator = torch.Generator().manual_seed(tokens)
+    experts = torch.rand(tokens, 16, generator=generator).argsort(dim=-1)[:, :top_k].sort(dim=-1).values
+    pairs = experts.flatten().argsort(stable=True)  # (token, slot) pairs by expert, as models/moe.py orders them
+    outputs, weights = rows(tokens * top_k, 96, tokens), torch.rand(tokens * top_k, generator=generator)
+    outputs[0, :3] = torch.tensor([-0.0, 0.0, 1e-30])  # signed zeros and tiny products keep their bits too
+    assert torch.equal(KERNELS.expert_sum(outputs, pairs, weights, top_k), TORCH.expert_sum(outputs, pairs, weights, top_k))
+
+
+def test_expert_sum_refuses_pairs_that_name_a_slot_twice() -> None:
+    with pytest.raises(RuntimeError, match="each \\(token, slot\\) once"):
+        KERNELS.expert_sum(rows(4, 8, 0), torch.tensor([0, 1, 1, 3]), torch.ones(4), 2)

@@ -1,5 +1,5 @@
 // Fused element-wise ops of a Llama-family decoder layer, in float32: RMSNorm (optionally adding the
-// residual first), SiLU-and-multiply, and rotary embedding applied in place.
+// residual first), SiLU-and-multiply, rotary embedding applied in place, and a mixture of experts' weighted sums.
 //
 // Every row is computed by the same scalar loop whatever the number of rows, so a row's result never depends
 // on its batch. The rows are short (hidden sizes of a few thousand), so the call overhead these ops save
@@ -14,6 +14,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "parallel.h"
 
@@ -88,6 +89,45 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return out;
 }
 
+// A mixture of experts' outputs summed per token: rows [P, H] are the experts' outputs in expert order, pairs [P]
+// each row's (token * top_k + slot) and weights [T * top_k] each (token, slot)'s router weight; out [T, H] is, per
+// token, ((0 + rows[slot 0] * w0) + rows[slot 1] * w1) + ... in slot order, the products rounded before each sum
+// (the build contracts no multiply-add), as models/moe.py sums them with torch ops.
+at::Tensor expert_sum(const at::Tensor& rows, const at::Tensor& pairs, const at::Tensor& weights, int64_t top_k) {
+  check_rows(rows, "rows");
+  TORCH_CHECK(top_k > 0, "top_k must be positive");
+  TORCH_CHECK(pairs.dim() == 1 && pairs.scalar_type() == at::kLong && pairs.is_contiguous() &&
+                  pairs.numel() == rows.size(0), "pairs must be one contiguous int64 index a row");
+  TORCH_CHECK(weights.dim() == 1 && weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+                  weights.numel() == rows.size(0), "weights must be one contiguous float32 weight a row");
+  TORCH_CHECK(rows.size(0) % top_k == 0, "rows must be top_k per token");
+  const int64_t count = rows.size(0), tokens = count / top_k, width = rows.size(1);
+  std::vector<int64_t> row_of(count, -1);  // the row holding each (token, slot)
+  const int64_t* pair = pairs.data_ptr<int64_t>();
+  for (int64_t i = 0; i < count; ++i) {
+    TORCH_CHECK(pair[i] >= 0 && pair[i] < count && row_of[pair[i]] < 0, "pairs must name each (token, slot) once");
+    row_of[pair[i]] = i;
+  }
+  auto out = at::empty({tokens, width}, rows.options());
+  const float* in = rows.data_ptr<float>();
+  const float* w = weights.data_ptr<float>();
+  float* o = out.data_ptr<float>();
+  const int64_t stride = rows.stride(0);
+  statelm::parallel_for(tokens, std::max<int64_t>(1, kSiluValuesPerChunk / (top_k * width)), [&](int64_t begin,
+                                                                                                 int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      float* sum = o + t * width;
+      std::fill(sum, sum + width, 0.0f);
+      for (int64_t slot = 0; slot < top_k; ++slot) {
+        const float* row = in + row_of[t * top_k + slot] * stride;
+        const float weight = w[t * top_k + slot];
+        for (int64_t i = 0; i < width; ++i) sum[i] += row[i] * weight;
+      }
+    }
+  });
+  return out;
+}
+
 // x [T, heads, D] (rows may be strided, heads and D contiguous) rotated in place by each token's position: table
 // [P, 2, D] holds cos and the sign-folded sin per position, and each dimension's rotary partner is the one half a
 // head away (Hugging Face's rotate-half layout) or, interleaved, its neighbour (llama.cpp's: dimensions 2i, 2i+1).
@@ -126,6 +166,7 @@ TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def("add_rms_norm_(Tensor(a!) residual, Tensor delta, Tensor weight, float eps) -> Tensor");
   m.def("silu_mul(Tensor gate_up) -> Tensor");
   m.def("rope_(Tensor(a!) x, Tensor positions, Tensor table, bool interleaved) -> ()");
+  m.def("expert_sum(Tensor rows, Tensor pairs, Tensor weights, int top_k) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) {
@@ -133,4 +174,5 @@ TORCH_LIBRARY_IMPL(statelm, CPU, m) {
   m.impl("add_rms_norm_", &add_rms_norm_);
   m.impl("silu_mul", &silu_mul);
   m.impl("rope_", &rope_);
+  m.impl("expert_sum", &expert_sum);
 }
