@@ -102,7 +102,9 @@ def test_expert_sum_matches_torch_bit_for_bit(tokens: int, top_k: int) -> None:
     pairs = experts.flatten().argsort(stable=True)  # (token, slot) pairs by expert, as models/moe.py orders them
     outputs, weights = rows(tokens * top_k, 96, tokens), torch.rand(tokens * top_k, generator=generator)
     outputs[0, :3] = torch.tensor([-0.0, 0.0, 1e-30])  # signed zeros and tiny products keep their bits too
-    assert torch.equal(KERNELS.expert_sum(outputs, pairs, weights, top_k), TORCH.expert_sum(outputs, pairs, weights, top_k))
+    assert torch.equal(
+        KERNELS.expert_sum(outputs, pairs, weights, top_k), TORCH.expert_sum(outputs, pairs, weights, top_k)
+    )
 
 
 def test_expert_sum_refuses_pairs_that_name_a_slot_twice() -> None:
