@@ -1,4 +1,7 @@
-"""Every decoder layer of a packed model in one C++ call: the Python forward's kernel calls, without the Python."""
+"""Every decoder layer of a packed model in one C++ call: the Python forward's kernel calls, without the Python.
+
+Llama's block, its MLPs dense or mixtures of experts (models/moe.py: the op routes each layer's tokens as MoEMLP does,
+with the same calls)."""
 
 from __future__ import annotations
 
@@ -7,6 +10,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from statelm.kernels.quant import ARITHMETICS
+from statelm.models.layers import kernel_float_linear
+from statelm.models.moe import MoEMLP
 from statelm.models.packed import PackedLinear
 
 if TYPE_CHECKING:
@@ -18,10 +23,10 @@ if TYPE_CHECKING:
 class FusedDecoder:
     """torch.ops.statelm.decoder_layers over a model whose linears are all packed, on the kernels path.
 
-    The op makes the same kernel calls as LlamaForCausalLM.forward on the kernels path, in the same order, so its
-    hidden states are the same bit for bit; it only serves forwards whose rows all take one arithmetic (every step
-    under `float32` or `int8`; under `int8-decode` or `int16-prompt`, steps of prompt rows only or generated rows
-    only).
+    The op makes the same kernel calls as LlamaForCausalLM.forward on the kernels path (and as MoEMLP.forward for a
+    mixture of experts), in the same order, so its hidden states are the same bit for bit; it only serves forwards
+    whose rows all take one arithmetic (every step under `float32` or `int8`; under `int8-decode` or `int16-prompt`,
+    steps of prompt rows only or generated rows only).
     """
 
     def __init__(
@@ -31,28 +36,43 @@ class FusedDecoder:
         blocks: list[torch.Tensor],
         block_types: list[int],
         parts: list[int],
+        experts: list[int],
     ) -> None:
         self.model = model
+        self.experts = experts  # per layer: 0 for a dense MLP, else its mixture's experts
         self.tensors = tensors
         self.block_data = blocks
         self.block_types = block_types
         self.parts = parts
         config = model.config
         heads, window = (config.num_attention_heads, config.num_key_value_heads), config.sliding_window or 0
-        self.dims = [*heads, config.head_dim, window]
+        self.dims = [*heads, config.head_dim, window, config.num_experts_per_tok, int(config.norm_topk_prob)]
         self.eps = config.rms_norm_eps
         self.scale = config.head_dim**-0.5
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
-        """The fused decoder of a model, or None when a linear of it is not packed."""
+        """The fused decoder of a model, or None when a linear of it is not packed (a float32 router aside) or a
+        router has a bias."""
         tensors: list[torch.Tensor | None] = []
         blocks: list[torch.Tensor] = []
         block_types: list[int] = []
         parts: list[int] = []
+        experts: list[int] = []
         for layer in model.layers:
             attn, mlp = layer.self_attn, layer.mlp
-            linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            router: torch.Tensor | None = None
+            if isinstance(mlp, MoEMLP):  # routed as KernelLayerOps routes: float_linear, or the packed router
+                if mlp.router.bias is not None:
+                    return None
+                router = mlp.router.weight if kernel_float_linear(mlp.router) else None
+                mlp_linears = [] if router is not None else [mlp.router]
+                mlp_linears += [linear for expert in mlp.experts for linear in (expert.gate_up_proj, expert.down_proj)]
+                experts.append(mlp.num_experts)
+            else:
+                mlp_linears = [mlp.gate_up_proj, mlp.down_proj]
+                experts.append(0)
+            linears = (attn.qkv_proj, attn.o_proj, *mlp_linears)
             if not all(isinstance(linear, PackedLinear) for linear in linears):
                 return None
             for linear in linears:
@@ -64,7 +84,8 @@ class FusedDecoder:
             tensors += [layer.input_layernorm.weight, qkv.bias, o.bias, layer.post_attention_layernorm.weight]
             norms = attn.q_norm, attn.k_norm
             tensors += [None, None] if None in norms else [norm.weight for norm in norms]  # type: ignore[union-attr]
-        return cls(model, tensors, blocks, block_types, parts)
+            tensors.append(router)
+        return cls(model, tensors, blocks, block_types, parts, experts)
 
     def __call__(
         self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
@@ -88,6 +109,7 @@ class FusedDecoder:
             meta.query_start_tensor,
             self.model.norm.weight,
             self.dims,
+            self.experts,
             self.eps,
             self.scale,
             ARITHMETICS[arithmetic],

@@ -97,7 +97,7 @@ class KernelLayerOps(LayerOps):
     def float_linear(self, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """One fixed-order dot product an output (torch.ops.statelm.float_linear: no row chunks to pad, the weight
         read once) for a float32 RowChunkedLinear without bias; any other linear (a packed router) as it runs."""
-        if not isinstance(linear, RowChunkedLinear) or linear.bias is not None or linear.weight.dtype != torch.float32:
+        if not kernel_float_linear(linear):
             return linear(x)
         return torch.ops.statelm.float_linear(x.float().contiguous(), linear.weight)
 
@@ -116,6 +116,12 @@ class KernelLayerOps(LayerOps):
         torch.ops.statelm.rope_(q, inputs.positions, inputs.table, inputs.interleaved)
         torch.ops.statelm.rope_(k, inputs.positions, inputs.table, inputs.interleaved)
         return q, k
+
+
+def kernel_float_linear(linear: nn.Module) -> bool:
+    """Whether torch.ops.statelm.float_linear computes the linear on the kernels path: a float32 RowChunkedLinear
+    without bias."""
+    return isinstance(linear, RowChunkedLinear) and linear.bias is None and linear.weight.dtype == torch.float32
 
 
 class RMSNorm(nn.Module):

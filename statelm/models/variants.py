@@ -35,6 +35,10 @@ VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3", "granite", "olmo2", "qwen3moe
 _FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 
 
+# The config fields of a mixture of experts: a model departing from Llama only in them takes the fused decoder.
+_EXPERT_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_layers"}
+
+
 class VariantMLP(GatedMLP):
     """Gated MLP with the config's activation: SwiGLU (silu) or GeGLU (gelu, tanh approximation)."""
 
@@ -166,13 +170,23 @@ class VariantForCausalLM(LlamaForCausalLM):
     def llama_shaped(self) -> bool:
         """Whether, once loaded, the model computes what Llama's would (Phi-3): then it runs Llama's forward and
         can take the fused decoder."""
+        return not self._departures()
+
+    def fusable(self) -> bool:
+        """Whether the fused decoder computes this model: Llama's block, its MLPs dense or mixtures of experts
+        (Qwen3-MoE, Mixtral)."""
+        return self._departures() <= _EXPERT_FIELDS
+
+    def _departures(self) -> set[str]:
+        """The config's fields that differ from Llama's, but for how the checkpoint stores its projections."""
         config = self.config
         names = [f.name for f in fields(config)]
-        departures = names[names.index("eos_token_ids") + 1 :]
         defaults = ModelConfig(config.architecture, *([0] * 8))
-        return all(
-            getattr(config, name) == getattr(defaults, name) for name in departures if name != "fused_projections"
-        )
+        return {
+            name
+            for name in names[names.index("eos_token_ids") + 1 :]
+            if name != "fused_projections" and getattr(config, name) != getattr(defaults, name)
+        }
 
     def unsupported_paths(self) -> dict[str, str]:
         """The compute paths this model cannot run, each with the feature the path lacks."""
@@ -203,6 +217,9 @@ class VariantForCausalLM(LlamaForCausalLM):
             local_rope = self.ops.prepare_rope(positions, longest, self.local_rotary)
         steps = {FULL: full, SLIDING: ForwardStep(local_rope, meta, self.local_backend, self.ops)}
         x, residual = self.embed_tokens(input_ids), None
+        arithmetic = self._arithmetic()
+        if self.fused is not None and arithmetic is not None:  # a mixture of experts (fusable)
+            return self.fused(x, full.rope, kv_cache, meta, arithmetic)
         if self.config.embedding_multiplier != 1.0:
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)  # rounded as transformers does
         for i, layer in enumerate(self.layers):

@@ -82,10 +82,11 @@ def test_the_self_check_picks_the_path_the_architecture_supports(loaded: LoadedM
     assert report is not None and report.verified
     if loaded.config.architecture == "gemma2":
         assert compute_paths(model) == ["torch", "torch-per-row"]
-    elif kernels_available() and model.dtype == torch.float32:  # the Q8_0 GGUFs (a folder is bfloat16 on BF16 CPUs)
-        assert model.compute_path == "kernels"
-        assert (model.fused is not None) == (loaded.config.architecture == "phi3")  # Llama's block once loaded
     packed = any(isinstance(module, PackedLinear) for module in model.modules())
+    if loaded.config.architecture != "gemma2" and kernels_available() and model.dtype == torch.float32:
+        assert model.compute_path == "kernels"  # the Q8_0 GGUFs (a folder is bfloat16 on BF16 CPUs)
+        llama_block = loaded.config.architecture in ("phi3", "mixtral", "qwen3moe", "qwen3_moe")  # MLPs dense or routed
+        assert (model.fused is not None) == (llama_block and packed)
     assert packed == loaded.fingerprint.parts["weights"].startswith("gguf:")
 
 

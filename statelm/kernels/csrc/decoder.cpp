@@ -6,27 +6,29 @@
 // whole model. It serves the kernels compute path on packed weights; the Python forward stays the reference.
 //
 // Per layer, `tensors` holds kLayerTensors tensors (an undefined one is absent):
-//   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm
-// and its four packed linears (qkv, o, gate_up, down) are `parts[4 * layer + i]` consecutive block matrices of
-// `blocks` (types in `block_types`); `dims` is [num_heads, num_kv_heads, head_dim, sliding_window].
+//   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm, router
+// and its packed linears, each `parts[i]` consecutive block matrices of `blocks` (types in `block_types`): qkv, o,
+// then gate_up and down; or, where `experts[layer]` is not 0 (a mixture of that many experts, models/moe.py), the
+// router (packed where the router tensor is absent) and each expert's gate_up and down in expert order. `dims` is
+// [num_heads, num_kv_heads, head_dim, sliding_window, experts_per_token, renormalise].
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "parallel.h"
 
 namespace {
 
-constexpr int64_t kLayerTensors = 6;
-constexpr int64_t kLinears = 4;
+constexpr int64_t kLayerTensors = 7;
 // What a layer's serial stretches (attention, norms, activations) give an idle core time to load at one decode row:
 // about its L2. More is evicted before it is read.
 constexpr int64_t kReadAheadBytes = 2 << 20;
 
-enum Slot : int64_t { kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm };
+enum Slot : int64_t { kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm, kRouter };
 
 // One packed linear: its block matrices and their ggml types.
 struct Linear {
@@ -114,6 +116,83 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
   return rms_norm(x.reshape({-1, x.size(2)}), weight, eps).view(x.sizes());
 }
 
+// A mixture of experts' MLP (models/moe.py's MoEMLP.forward on the kernels path, the same calls in the same order):
+// the router's probabilities, each token's top-k experts ascending, the (token, slot) pairs grouped by expert, every
+// chosen expert's gate+up and then down projections of its tokens in one gguf_matmul_groups call each, and each
+// token's weighted sum of its experts (expert_sum).
+struct Experts {
+  at::Tensor router;     // [E, H] float32, or undefined: then
+  Linear packed_router;  // its blocks
+  std::vector<Linear> gate_up, down;  // per expert
+};
+
+at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("statelm::float_linear", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&)>();
+  return op.call(x, weight);
+}
+
+std::vector<at::Tensor> matmul_groups(const std::vector<at::Tensor>& xs, const std::vector<const Linear*>& linears,
+                                      int64_t arithmetic) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("statelm::gguf_matmul_groups", "")
+                       .typed<std::vector<at::Tensor>(at::TensorList, at::TensorList, at::IntArrayRef,
+                                                      at::IntArrayRef, at::IntArrayRef)>();
+  std::vector<at::Tensor> blocks;
+  std::vector<int64_t> types, parts;
+  for (const Linear* linear : linears) {
+    blocks.insert(blocks.end(), linear->blocks.begin(), linear->blocks.end());
+    types.insert(types.end(), linear->types.begin(), linear->types.end());
+    parts.push_back(static_cast<int64_t>(linear->blocks.size()));
+  }
+  const std::vector<int64_t> arithmetics(xs.size(), arithmetic);
+  return op.call(xs, blocks, types, parts, arithmetics);
+}
+
+at::Tensor expert_sum(const at::Tensor& rows, const at::Tensor& pairs, const at::Tensor& weights, int64_t top_k) {
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("statelm::expert_sum", "")
+                       .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t)>();
+  return op.call(rows, pairs, weights, top_k);
+}
+
+at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, bool normalize, int64_t arithmetic) {
+  const at::Tensor logits = experts.router.defined() ? float_linear(h, experts.router)
+                                                    : matmul(h, experts.packed_router, at::Tensor(), arithmetic);
+  const at::Tensor probabilities = at::softmax(logits, -1, at::kFloat);
+  auto [weights, chosen] = probabilities.topk(top_k, -1);
+  if (normalize) weights = weights / weights.sum(-1, true);
+  auto [ascending, order] = chosen.sort(-1);  // each token's experts ascending: the order its outputs are summed in
+  weights = weights.gather(-1, order).flatten();
+  const at::Tensor picks_tensor = ascending.flatten().contiguous();
+  const int64_t* picks = picks_tensor.data_ptr<int64_t>();
+  const int64_t count = picks_tensor.numel();
+  std::vector<int64_t> pairs(count);  // (token, slot) pairs by expert, then by token
+  for (int64_t p = 0; p < count; ++p) pairs[p] = p;
+  std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return picks[a] < picks[b]; });
+  const at::Tensor pair_index = at::tensor(pairs, at::kLong);
+  const at::Tensor tokens = pair_index.div(top_k, "floor");
+  std::vector<int64_t> sizes;
+  std::vector<const Linear*> gate_up, down;
+  for (int64_t p = 0; p < count; ++p) {
+    const int64_t expert = picks[pairs[p]];
+    if (p > 0 && expert == picks[pairs[p - 1]]) {
+      ++sizes.back();
+      continue;
+    }
+    TORCH_CHECK(expert >= 0 && expert < static_cast<int64_t>(experts.gate_up.size()), "moe: expert out of range");
+    sizes.push_back(1);
+    gate_up.push_back(&experts.gate_up[expert]);
+    down.push_back(&experts.down[expert]);
+  }
+  const std::vector<at::Tensor> xs = h.index_select(0, tokens).split_with_sizes(sizes);
+  std::vector<at::Tensor> inputs(xs.begin(), xs.end());
+  const std::vector<at::Tensor> hidden = silu_mul(at::cat(matmul_groups(inputs, gate_up, arithmetic))).split_with_sizes(sizes);
+  inputs.assign(hidden.begin(), hidden.end());
+  return expert_sum(at::cat(matmul_groups(inputs, down, arithmetic)), pair_index, weights, top_k);
+}
+
 // Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer.
 at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& rope_table,
                           const c10::List<c10::optional<at::Tensor>>& tensor_list, at::TensorList blocks,
@@ -121,15 +200,15 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
                           at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start, const at::Tensor& final_norm, at::IntArrayRef dims,
-                          double eps, double scale, int64_t arithmetic, bool interleaved_rope) {
+                          at::IntArrayRef expert_counts, double eps, double scale, int64_t arithmetic,
+                          bool interleaved_rope) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   std::vector<at::Tensor> tensors;  // undefined where absent
   tensors.reserve(tensor_list.size());
   for (const c10::optional<at::Tensor>& t : tensor_list) tensors.push_back(t.has_value() ? *t : at::Tensor());
   TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors && v_caches.size() == k_caches.size(),
               "decoder_layers: tensors must hold ", kLayerTensors, " tensors per layer");
-  TORCH_CHECK(static_cast<int64_t>(parts.size()) == layers * kLinears && blocks.size() == block_types.size(),
-              "decoder_layers: parts must count the block matrices of ", kLinears, " linears a layer");
+  TORCH_CHECK(blocks.size() == block_types.size(), "decoder_layers: one type per block matrix");
   std::vector<Linear> linears(parts.size());
   size_t next = 0;
   for (size_t i = 0; i < parts.size(); ++i) {
@@ -140,17 +219,39 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     }
   }
   TORCH_CHECK(next == blocks.size(), "decoder_layers: more block matrices than parts counts");
-  TORCH_CHECK(dims.size() == 4, "decoder_layers: dims must have 4 entries");
+  std::vector<int64_t> first_linear(layers + 1, 0);  // each layer's linears: [first_linear[l], first_linear[l + 1])
+  TORCH_CHECK(static_cast<int64_t>(expert_counts.size()) == layers, "decoder_layers: one expert count a layer");
+  std::vector<Experts> experts(layers);
+  for (int64_t layer = 0; layer < layers; ++layer) {
+    const at::Tensor& router = tensors[layer * kLayerTensors + kRouter];
+    const int64_t count = expert_counts[layer], first = first_linear[layer] + (router.defined() ? 2 : 3);
+    first_linear[layer + 1] = count ? first + 2 * count : first_linear[layer] + 4;
+    TORCH_CHECK(first_linear[layer + 1] <= static_cast<int64_t>(linears.size()),
+                "decoder_layers: parts must count each layer's linears (qkv, o, then gate_up and down, or the "
+                "router and each expert's)");
+    if (count) {
+      experts[layer].router = router;
+      if (!router.defined()) experts[layer].packed_router = linears[first_linear[layer] + 2];
+      for (int64_t e = 0; e < count; ++e) {
+        experts[layer].gate_up.push_back(linears[first + 2 * e]);
+        experts[layer].down.push_back(linears[first + 2 * e + 1]);
+      }
+    }
+  }
+  TORCH_CHECK(first_linear[layers] == static_cast<int64_t>(linears.size()),
+              "decoder_layers: parts count more linears than the layers have");
+  TORCH_CHECK(dims.size() == 6, "decoder_layers: dims must have 6 entries");
   TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == k_caches.size()),
               "decoder_layers: k_scales and v_scales hold one tensor per layer (q8_0) or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(), "x must be [T, H] float32");
-  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], window = dims[3];
+  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], window = dims[3], top_k = dims[4];
+  const bool renormalise = dims[5] != 0;
   const int64_t tokens = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor x = x_in;
   at::Tensor residual;
   for (int64_t layer = 0; layer < layers; ++layer) {
     const at::Tensor* w = tensors.data() + layer * kLayerTensors;
-    const Linear* linear = linears.data() + layer * kLinears;
+    const Linear* linear = linears.data() + first_linear[layer];
     at::Tensor h;
     if (layer == 0) {
       residual = x;
@@ -177,12 +278,17 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     kv_store(k, v, cache, slot_mapping);
     at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, window);
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
-    read_ahead(linear[2]);
+    const bool routed = expert_counts[layer] != 0;
+    if (!routed || !w[kRouter].defined()) read_ahead(linear[2]);  // which experts come next is not known yet
     h = add_rms_norm(residual, o, w[kPostNorm], eps);
-    at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
-    read_ahead(linear[3]);
-    x = matmul(silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
-    if (layer + 1 < layers) read_ahead(linear[kLinears]);
+    if (routed) {
+      x = moe_mlp(h, experts[layer], top_k, renormalise, arithmetic);
+    } else {
+      at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
+      read_ahead(linear[3]);
+      x = matmul(silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
+    }
+    if (layer + 1 < layers) read_ahead(linears[first_linear[layer + 1]]);
   }
   return add_rms_norm(residual, x, final_norm, eps);
 }
@@ -194,7 +300,8 @@ TORCH_LIBRARY_FRAGMENT(statelm, m) {
       "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor?[] tensors, Tensor[] blocks, "
       "int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
       "Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-      "Tensor final_norm, int[] dims, float eps, float scale, int arithmetic, bool interleaved_rope) -> Tensor");
+      "Tensor final_norm, int[] dims, int[] experts, float eps, float scale, int arithmetic, bool interleaved_rope) "
+      "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
