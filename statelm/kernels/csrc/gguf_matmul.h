@@ -17,6 +17,7 @@
 
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <vector>
 
@@ -109,13 +110,18 @@ constexpr bool kAskAhead = false;
 struct Ahead {
   const uint8_t* data = nullptr;
   int64_t bytes = 0;
-  // The share of block `block` of the `blocks` the kernel's chunk has.
-  void share(int64_t block, int64_t blocks) const {
-    if (bytes == 0) return;
-    const int64_t end = bytes * (block + 1) / blocks;
-    for (int64_t at = bytes * block / blocks / 64 * 64; at < end; at += 64) __builtin_prefetch(data + at, 0, 2);
-  }
-  void all() const { share(0, 1); }
+  // The bytes spread over a chunk of `blocks` blocks: each block asks for its share of whole lines, found by a
+  // multiplication (a division a block cost a one-row loop a good part of its time).
+  struct Shares {
+    const uint8_t* data;
+    int64_t bytes, per_block;
+    void ask(int64_t block) const {
+      const int64_t end = std::min(bytes, (block + 1) * per_block);
+      for (int64_t at = block * per_block; at < end; at += 64) __builtin_prefetch(data + at, 0, 2);
+    }
+  };
+  Shares shares(int64_t blocks) const { return {data, bytes, (bytes + blocks * 64 - 1) / (blocks * 64) * 64}; }
+  void all() const { shares(1).ask(0); }
 };
 
 // Adds the contribution of values [first, first + values) of the tile of columns from `column` to acc, the

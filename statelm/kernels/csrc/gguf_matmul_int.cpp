@@ -57,8 +57,9 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
   const int32_t* group = x.grouped.data() + m0 * words;  // m0: a multiple of G (run_rows)
   VF a[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
+  const Ahead::Shares shares = ahead.shares(t.blocks);
   for (int64_t b = 0; b < t.blocks; ++b) {
-    ahead.share(b, t.blocks);
+    shares.ask(b);
     const int64_t kb = block0 + b;
     const int32_t* xs = group + kb * kSteps * G;  // the rows' words of block kb: [step][G]
     V sums[2][R];

@@ -368,14 +368,13 @@ struct DotSink {
 // A sink that asks for its share of `ahead` as each block is done, then passes the block on.
 template <class Sink>
 struct AskingSink : Sink {
-  const Ahead& ahead;
-  int64_t blocks;  // the chunk's
+  Ahead::Shares shares;  // over the chunk's blocks
 
   template <class... Args>
   AskingSink(const Ahead& later, int64_t chunk_blocks, Args&&... args)
-      : Sink(std::forward<Args>(args)...), ahead(later), blocks(chunk_blocks) {}
+      : Sink(std::forward<Args>(args)...), shares(later.shares(chunk_blocks)) {}
   __attribute__((always_inline)) void block_done(int64_t block) {
-    ahead.share(block, blocks);
+    shares.ask(block);
     Sink::block_done(block);
   }
 };
