@@ -168,8 +168,7 @@ class VariantForCausalLM(LlamaForCausalLM):
         self.local_backend = backend(sliding_window=self.config.sliding_window, **extra)
 
     def llama_shaped(self) -> bool:
-        """Whether, once loaded, the model computes what Llama's would (Phi-3): then it runs Llama's forward and
-        can take the fused decoder."""
+        """Whether, once loaded, the model computes what Llama's would (Phi-3): then it runs Llama's forward."""
         return not self._departures()
 
     def fusable(self) -> bool:

@@ -187,10 +187,9 @@ at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, b
     down.push_back(&experts.down[expert]);
   }
   const std::vector<at::Tensor> xs = h.index_select(0, tokens).split_with_sizes(sizes);
-  std::vector<at::Tensor> inputs(xs.begin(), xs.end());
-  const std::vector<at::Tensor> hidden = silu_mul(at::cat(matmul_groups(inputs, gate_up, arithmetic))).split_with_sizes(sizes);
-  inputs.assign(hidden.begin(), hidden.end());
-  return expert_sum(at::cat(matmul_groups(inputs, down, arithmetic)), pair_index, weights, top_k);
+  const at::Tensor gate_up_rows = at::cat(matmul_groups(xs, gate_up, arithmetic));
+  const std::vector<at::Tensor> hidden = silu_mul(gate_up_rows).split_with_sizes(sizes);
+  return expert_sum(at::cat(matmul_groups(hidden, down, arithmetic)), pair_index, weights, top_k);
 }
 
 // Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer.
@@ -279,7 +278,7 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, window);
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
     const bool routed = expert_counts[layer] != 0;
-    if (!routed || !w[kRouter].defined()) read_ahead(linear[2]);  // which experts come next is not known yet
+    if (!routed || !w[kRouter].defined()) read_ahead(linear[2]);  // gate_up or the packed router (experts: unknown)
     h = add_rms_norm(residual, o, w[kPostNorm], eps);
     if (routed) {
       x = moe_mlp(h, experts[layer], top_k, renormalise, arithmetic);
