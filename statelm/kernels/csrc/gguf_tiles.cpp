@@ -291,6 +291,7 @@ constexpr int quads_in_int16(int64_t type) {
 template <int R, bool kG16, bool kMin, int kPack = 1>
 struct DotSink {
   static constexpr int kSlots = 16;  // scales and mins kept for a superblock's groups at most
+  static constexpr int kSlotFloats = 2 * kSlots * W;  // the caller's buffer (`slots`)
   static constexpr int64_t kSize = kG16 ? 16 : 32;
   // The rows' activations from the chunk's first block on, read through pointers taken once (the kernel's loop
   // then keeps its sums and results in registers).
@@ -667,7 +668,7 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
   const Format& f = *part.format;
-  alignas(64) float slots[2 * 16 * W];  // the sink's scales and mins
+  alignas(64) float slots[DotSink<R, kG16, kMin>::kSlotFloats];  // the sink's scales and mins
   if constexpr (kAskAhead && (R > 1 || asks_ahead_at_one_row(kType))) {  // VNNI (one row: see asks_ahead_at_one_row)
     AskingSink<DotSink<R, kG16, kMin>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false, acc, slots);
     build_blocks<kType>(f, rows, values, sink);
