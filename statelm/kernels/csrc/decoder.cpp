@@ -120,10 +120,11 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 // the router's probabilities, each token's top-k experts ascending, the (token, slot) pairs grouped by expert, every
 // chosen expert's gate+up and then down projections of its tokens in one gguf_matmul_groups call each, and each
 // token's weighted sum of its experts (expert_sum).
+// The linears point into the call's own list (decoder_layers).
 struct Experts {
-  at::Tensor router;     // [E, H] float32, or undefined: then
-  Linear packed_router;  // its blocks
-  std::vector<Linear> gate_up, down;  // per expert
+  at::Tensor router;                     // [E, H] float32, or undefined: then
+  const Linear* packed_router = nullptr;  // its blocks
+  std::vector<const Linear*> gate_up, down;  // per expert
 };
 
 at::Tensor float_linear(const at::Tensor& x, const at::Tensor& weight) {
@@ -159,7 +160,7 @@ at::Tensor expert_sum(const at::Tensor& rows, const at::Tensor& pairs, const at:
 
 at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, bool normalize, int64_t arithmetic) {
   const at::Tensor logits = experts.router.defined() ? float_linear(h, experts.router)
-                                                    : matmul(h, experts.packed_router, at::Tensor(), arithmetic);
+                                                    : matmul(h, *experts.packed_router, at::Tensor(), arithmetic);
   const at::Tensor probabilities = at::softmax(logits, -1, at::kFloat);
   auto [weights, chosen] = probabilities.topk(top_k, -1);
   if (normalize) weights = weights / weights.sum(-1, true);
@@ -171,9 +172,8 @@ at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, b
   std::vector<int64_t> pairs(count);  // (token, slot) pairs by expert, then by token
   for (int64_t p = 0; p < count; ++p) pairs[p] = p;
   std::stable_sort(pairs.begin(), pairs.end(), [&](int64_t a, int64_t b) { return picks[a] < picks[b]; });
-  const at::Tensor pair_index = at::tensor(pairs, at::kLong);
-  const at::Tensor tokens = pair_index.div(top_k, "floor");
-  std::vector<int64_t> sizes;
+  std::vector<int64_t> token_of(count), sizes;  // each pair's token
+  for (int64_t p = 0; p < count; ++p) token_of[p] = pairs[p] / top_k;
   std::vector<const Linear*> gate_up, down;
   for (int64_t p = 0; p < count; ++p) {
     const int64_t expert = picks[pairs[p]];
@@ -183,13 +183,13 @@ at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, b
     }
     TORCH_CHECK(expert >= 0 && expert < static_cast<int64_t>(experts.gate_up.size()), "moe: expert out of range");
     sizes.push_back(1);
-    gate_up.push_back(&experts.gate_up[expert]);
-    down.push_back(&experts.down[expert]);
+    gate_up.push_back(experts.gate_up[expert]);
+    down.push_back(experts.down[expert]);
   }
-  const std::vector<at::Tensor> xs = h.index_select(0, tokens).split_with_sizes(sizes);
+  const std::vector<at::Tensor> xs = h.index_select(0, at::tensor(token_of, at::kLong)).split_with_sizes(sizes);
   const at::Tensor gate_up_rows = at::cat(matmul_groups(xs, gate_up, arithmetic));
   const std::vector<at::Tensor> hidden = silu_mul(gate_up_rows).split_with_sizes(sizes);
-  return expert_sum(at::cat(matmul_groups(hidden, down, arithmetic)), pair_index, weights, top_k);
+  return expert_sum(at::cat(matmul_groups(hidden, down, arithmetic)), at::tensor(pairs, at::kLong), weights, top_k);
 }
 
 // Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer.
@@ -230,10 +230,10 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
                 "router and each expert's)");
     if (count) {
       experts[layer].router = router;
-      if (!router.defined()) experts[layer].packed_router = linears[first_linear[layer] + 2];
+      if (!router.defined()) experts[layer].packed_router = &linears[first_linear[layer] + 2];
       for (int64_t e = 0; e < count; ++e) {
-        experts[layer].gate_up.push_back(linears[first + 2 * e]);
-        experts[layer].down.push_back(linears[first + 2 * e + 1]);
+        experts[layer].gate_up.push_back(&linears[first + 2 * e]);
+        experts[layer].down.push_back(&linears[first + 2 * e + 1]);
       }
     }
   }

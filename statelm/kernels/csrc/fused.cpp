@@ -5,8 +5,8 @@
 // on its batch. The rows are short (hidden sizes of a few thousand), so the call overhead these ops save
 // matters more than vectorising them, and they run on the calling thread: waking a second thread for a few
 // microseconds of work costs more than the work, and far more when another process holds that core. SiLU's
-// exponentials are the exception at many rows (a 500-token prompt's are milliseconds a layer): its rows are
-// spread over the kernel threads (statelm::parallel_for, which runs one row inline).
+// exponentials and the experts' sums are the exceptions at many rows (a 500-token prompt's are milliseconds a
+// layer): their rows are spread over the kernel threads (statelm::parallel_for, which runs one row inline).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -21,7 +21,7 @@
 namespace {
 
 constexpr int64_t kRowGrain = 1 << 30;  // one thread (see above)
-constexpr int64_t kSiluValuesPerChunk = 16384;  // silu_mul's rows a chunk: enough exponentials to pay a wake-up
+constexpr int64_t kValuesPerChunk = 16384;  // a thread's share of silu_mul or expert_sum: enough to pay a wake-up
 
 void check_rows(const at::Tensor& x, const char* name) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, name, " must be a 2-D float32 tensor");
@@ -77,7 +77,7 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   const int64_t half = gate_up.size(1) / 2;
   auto out = at::empty({gate_up.size(0), half}, gate_up.options());
   // its exponentials cost microseconds a row: a prompt's rows share the kernel threads (one row stays on this one)
-  const int64_t grain = std::max<int64_t>(1, kSiluValuesPerChunk / half);
+  const int64_t grain = std::max<int64_t>(1, kValuesPerChunk / half);
   statelm::parallel_for(gate_up.size(0), grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const float* g = gate_up.data_ptr<float>() + t * gate_up.stride(0);
@@ -113,7 +113,7 @@ at::Tensor expert_sum(const at::Tensor& rows, const at::Tensor& pairs, const at:
   const float* w = weights.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const int64_t stride = rows.stride(0);
-  statelm::parallel_for(tokens, std::max<int64_t>(1, kSiluValuesPerChunk / (top_k * width)), [&](int64_t begin,
+  statelm::parallel_for(tokens, std::max<int64_t>(1, kValuesPerChunk / (top_k * width)), [&](int64_t begin,
                                                                                                  int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       float* sum = o + t * width;
