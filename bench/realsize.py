@@ -1,6 +1,7 @@
 """statelm and llama-server on the same GGUF of a real model's shape: random weights, quantized by llama.cpp itself.
 
-Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qwen2.5-0.5b] [--types Q4_K_M,Q8_0]
+Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qwen2.5-0.5b,gemma-2-2b,...]
+           [--types Q4_K_M,Q8_0]
            [--dir DIR] [--make-only] [bench.peers flags: --rounds 2 --concurrency 1,8 --output-tokens 64 ...]
 For each shape it writes (once) an F16 GGUF of that architecture's sizes with random weights (normal, std 0.02;
 norms 1; tied embeddings) and SmolLM2's vocabulary and chat template, taken from the bundled GGUF, and quantizes it
@@ -67,6 +68,10 @@ class Shape:
     experts: int = 0  # a mixture of experts: experts per layer, of which experts_used run per token
     experts_used: int = 0
     expert_ffn: int = 0
+    sandwich_norms: bool = False  # Gemma: norms after attention and after the MLP too
+    attn_softcap: float = 0.0  # Gemma 2: soft-capped attention scores and logits, sliding-window layers
+    final_softcap: float = 0.0
+    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -78,6 +83,21 @@ SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 500000.0, 1e-5),
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, 1e-5),
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 1000000.0, 1e-6, qkv_bias=True),
+    "gemma-2-2b": Shape(
+        "gemma2",
+        2304,
+        26,
+        8,
+        4,
+        9216,
+        10000.0,
+        1e-6,
+        head_size=256,
+        sandwich_norms=True,
+        attn_softcap=50.0,
+        final_softcap=30.0,
+        sliding_window=4096,
+    ),
     # Qwen3-30B-A3B's layers (128 experts of 768, 8 a token; 32/4 heads of 128), 4 of its 48: a small MoE
     "qwen3-30b-a3b-4l": Shape(
         "qwen3moe",
@@ -127,6 +147,8 @@ def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
         }
         if shape.qk_norm:
             block.update({"attn_q_norm.weight": (shape.head_dim,), "attn_k_norm.weight": (shape.head_dim,)})
+        if shape.sandwich_norms:
+            block.update({"post_attention_norm.weight": (shape.hidden,), "post_ffw_norm.weight": (shape.hidden,)})
         if shape.experts:
             block.update({
                 "ffn_gate_inp.weight": (shape.experts, shape.hidden),
@@ -167,6 +189,10 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
     if shape.head_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.attn_softcap:
+        writer.add_attn_logit_softcapping(shape.attn_softcap)
+        writer.add_final_logit_softcapping(shape.final_softcap)
+        writer.add_sliding_window(shape.sliding_window)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
@@ -218,7 +244,7 @@ def kv_bytes_per_token(path: Path) -> int:
     fields = GGUFFile(path).header.fields
     arch = fields["general.architecture"]
     heads, kv_heads = fields[f"{arch}.attention.head_count"], fields[f"{arch}.attention.head_count_kv"]
-    head_dim = fields[f"{arch}.embedding_length"] // heads
+    head_dim = fields.get(f"{arch}.attention.key_length") or fields[f"{arch}.embedding_length"] // heads
     return fields[f"{arch}.block_count"] * kv_heads * head_dim * 2 * 2
 
 

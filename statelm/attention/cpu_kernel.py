@@ -18,9 +18,10 @@ from statelm.kernels.build import load_kernels
 class CpuKernelAttentionBackend:
     """Paged attention through torch.ops.statelm.paged_attention (CPU tensors; every KV format)."""
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, softcap: float | None = None) -> None:
         load_kernels()
         self.sliding_window = sliding_window
+        self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
 
     def forward(
         self,
@@ -44,4 +45,5 @@ class CpuKernelAttentionBackend:
             self.sliding_window or 0,
             cache.k_scale,
             cache.v_scale,
+            self.softcap or 0.0,
         )

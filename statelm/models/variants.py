@@ -191,8 +191,7 @@ class VariantForCausalLM(LlamaForCausalLM):
         """The compute paths this model cannot run, each with the feature the path lacks."""
         unsupported = {}
         if self.config.attn_logit_softcapping is not None:
-            reason = "attention logit soft-capping (statelm's attention kernels do not soft-cap)"
-            unsupported |= {"kernels": reason, "triton": reason}
+            unsupported["triton"] = "attention logit soft-capping (statelm's Triton attention kernel does not soft-cap)"
         if self.config.num_experts:
             unsupported["triton"] = "mixture of experts (its routing reads the chosen experts on the host)"
         return unsupported

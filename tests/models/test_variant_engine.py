@@ -1,7 +1,7 @@
 """Llama's variants as the server runs them: the start-up self-check's path, batch invariance and session exactness.
 
-Gemma 2 soft-caps its attention scores, which statelm's attention kernels do not: it runs the torch paths. Gemma 3
-runs statelm's kernels path (its weights packed from a Q8_0 GGUF), without the fused decoder (Llama's block); Phi-3
+Gemma 2 (soft-capped attention scores) and Gemma 3 run statelm's kernels path (their weights packed from Q8_0
+GGUFs), without the fused decoder (Llama's block); Phi-3
 (fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too. Granite (from a
 Q8_0 GGUF) and OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) are also covered, and the
 mixtures of experts: Qwen3-MoE from a folder and from a Q4_0 GGUF, Mixtral from a Q8_0 GGUF (the GGUFs' experts run
@@ -21,7 +21,6 @@ from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
 from statelm.kernels.build import kernels_available
-from statelm.models.compute_path import compute_paths
 from statelm.models.loader import LoadedModel
 from statelm.models.packed import PackedLinear
 from statelm.tokenizer import ChatTemplateError
@@ -35,7 +34,7 @@ pytestmark = [pytest.mark.invariance]
 
 # Gemma 3 from a Hugging Face folder is also in test_engine.py's invariance test
 MODELS = (
-    "gemma2",
+    "gemma2-q8_0-gguf",
     "gemma3-q8_0-gguf",
     "phi3-q8_0-gguf",
     "granite-q8_0-gguf",
@@ -80,10 +79,8 @@ def test_the_self_check_picks_the_path_the_architecture_supports(loaded: LoadedM
     engine_for(loaded)
     report, model = loaded.invariance, loaded.model
     assert report is not None and report.verified
-    if loaded.config.architecture == "gemma2":
-        assert compute_paths(model) == ["torch", "torch-per-row"]
     packed = any(isinstance(module, PackedLinear) for module in model.modules())
-    if loaded.config.architecture != "gemma2" and kernels_available() and model.dtype == torch.float32:
+    if kernels_available() and model.dtype == torch.float32:
         assert model.compute_path == "kernels"  # the Q8_0 GGUFs (a folder is bfloat16 on BF16 CPUs)
         llama_block = loaded.config.architecture in ("phi3", "mixtral", "qwen3moe", "qwen3_moe")  # MLPs dense or routed
         assert (model.fused is not None) == (llama_block and packed)

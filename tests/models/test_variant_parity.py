@@ -11,7 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from statelm.models.compute_path import compute_paths
+from statelm.kernels.build import kernels_available
+from statelm.models.compute_path import use_compute_path
 from statelm.models.config import ModelConfig, ModelConfigError
 from statelm.models.gguf import load_gguf
 from statelm.models.llama import LlamaForCausalLM
@@ -104,6 +105,18 @@ def test_gguf_matches_transformers(variant: str, tmp_path: Path) -> None:
     assert_matches_transformers(build(gguf.config, gguf.tensors()), checkpoint)
 
 
+@pytest.mark.skipif(not kernels_available(), reason="statelm's C++ kernels are not built here")
+def test_gemma2_on_the_kernels_path_matches_transformers(tmp_path: Path) -> None:
+    """Soft-capped scores (a cap of 1: every score bent) by the paged attention kernel, sliding and full layers."""
+    path = make_tiny_checkpoint("gemma2", tmp_path)
+    model = build(
+        ModelConfig.from_hf_dict(json.loads((path / "config.json").read_text())),
+        load_file(path / "model.safetensors").items(),
+    )
+    use_compute_path(model, "kernels")
+    assert_matches_transformers(model, path)
+
+
 def test_gemma_layer_types() -> None:
     config = ModelConfig.from_hf_dict(
         {"model_type": "gemma3_text", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
@@ -124,7 +137,7 @@ def test_each_fast_path_a_variant_cannot_run_is_named() -> None:
     capped = VariantForCausalLM(
         ModelConfig.from_hf_dict({"model_type": "gemma2", "attn_logit_softcapping": 50.0, **sizes})
     )
-    assert set(capped.unsupported_paths()) == {"kernels", "triton"} and compute_paths(capped)[0] == "torch"
+    assert set(capped.unsupported_paths()) == {"triton"}
     moe = {"model_type": "mixtral", "num_local_experts": 4, "num_experts_per_tok": 2, **sizes}
     assert set(VariantForCausalLM(ModelConfig.from_hf_dict(moe)).unsupported_paths()) == {"triton"}
     assert (

@@ -14,14 +14,17 @@ KV_FORMATS = ["float32", "float16", "bfloat16", "q8_0"]
 
 
 def dense_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, window: int | None, softcap: float | None = None
 ) -> torch.Tensor:
-    """Float64 causal attention of the last len(q) positions of a context k/v [ctx, kv_heads, dim]."""
+    """Float64 causal attention of the last len(q) positions of a context k/v [ctx, kv_heads, dim] (scores
+    soft-capped: softcap * tanh(scores / softcap))."""
     query_len, heads, _ = q.shape
     ctx, kv_heads, _ = k.shape
     k = k.double().repeat_interleave(heads // kv_heads, dim=1)
     v = v.double().repeat_interleave(heads // kv_heads, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     query_pos = torch.arange(ctx - query_len, ctx).view(-1, 1)
     key_pos = torch.arange(ctx).view(1, -1)
     visible = key_pos <= query_pos
@@ -61,11 +64,11 @@ class PagedCase:
         """The cache's only layer."""
         return self.cache.layers[0]
 
-    def expected(self, scale: float, window: int | None = None) -> torch.Tensor:
+    def expected(self, scale: float, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
         """Float64 attention of every query row over its sequence's stored K/V."""
         out, start = [], 0
         for (k, v), query_len in zip(self.contexts, self.meta.query_lens, strict=True):
-            out.append(dense_attention(self.queries[start : start + query_len], k, v, scale, window))
+            out.append(dense_attention(self.queries[start : start + query_len], k, v, scale, window, softcap))
             start += query_len
         return torch.cat(out)
 

@@ -23,21 +23,26 @@ SCALE = 0.25
 
 
 def run_case(
-    query_lens: list[int], seq_lens: list[int], *, window: int | None = None, **case: object
+    query_lens: list[int],
+    seq_lens: list[int],
+    *,
+    window: int | None = None,
+    softcap: float | None = None,
+    **case: object,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(kernel backend output, dense float64 output over the K/V as stored) for one flat batch.
 
     The step's new K/V are stored by the kernel (kv_store): they must read back as the format stores them.
     """
     batch = paged_case(query_lens, seq_lens, **case)  # type: ignore[arg-type]
-    out = CpuKernelAttentionBackend(window).forward(
+    out = CpuKernelAttentionBackend(window, softcap).forward(
         batch.queries, batch.new_k, batch.new_v, batch.layer, batch.meta, SCALE
     )
     assert out.dtype == batch.queries.dtype and out.shape == batch.queries.shape
     kv = str(case.get("kv", "float32"))
     keys, values = stored_rows(batch.cache, batch.meta.slot_mapping)
     assert torch.equal(keys, stored(batch.new_k, kv)) and torch.equal(values, stored(batch.new_v, kv))
-    return out, batch.expected(SCALE, window)
+    return out, batch.expected(SCALE, window, softcap)
 
 
 CASES = {
@@ -64,6 +69,26 @@ def test_matches_dense_attention(case: str, heads: int, kv_heads: int) -> None:
 def test_sliding_window_matches_dense_attention(case: str, window: int) -> None:
     out, expected = run_case(*CASES[case], window=window)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["mixed", "many-chunks", "many-partitions"])
+@pytest.mark.parametrize(("kv", "window"), [("float32", None), ("q8_0", None), ("float16", 40)])
+@pytest.mark.parametrize("softcap", [0.4, 1.5, 50.0])
+def test_soft_capped_scores_match_dense_attention(case: str, kv: str, window: int | None, softcap: float) -> None:
+    """Gemma 2's cap * tanh(score / cap): scores of standard deviation ~1 land on both sides of the kernel's tanh
+    switch (|score / cap| = 0.55) and deep in its flat ends."""
+    out, expected = run_case(*CASES[case], head_dim=64, kv=kv, window=window, softcap=softcap)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=1e-5)
+    uncapped, _ = run_case(*CASES[case], head_dim=64, kv=kv, window=window)
+    assert not torch.allclose(out, uncapped, atol=1e-3)  # the cap changed the result
+
+
+def test_rejects_a_negative_softcap() -> None:
+    batch = paged_case([1], [3])
+    with pytest.raises(RuntimeError, match="softcap must be >= 0"):
+        CpuKernelAttentionBackend(None, -1.0).forward(
+            batch.queries, batch.new_k, batch.new_v, batch.layer, batch.meta, SCALE
+        )
 
 
 @pytest.mark.parametrize("head_dim", [8, 24, 64, 128, 256])
@@ -193,15 +218,20 @@ def test_rejects_caches_of_the_old_layout_and_int8_without_scales() -> None:
         torch.ops.statelm.paged_attention(torch.randn(1, 2, 32), q8.k, q8.v, tables, lengths, starts, 1.0, 0)
 
 
-LONG = [("float16", 2100, None), ("q8_0", 2100, 600)]  # several key partitions, a lone decode's split over threads
+LONG = [("float16", 2100, None, None), ("q8_0", 2100, 600, None)]  # several key partitions, split decodes
+SOFT_CAPPED = [("float32", 150, 37, 1.0), ("float16", 2100, None, 1.0)]
 
 
 @pytest.mark.invariance
 @pytest.mark.parametrize(
-    ("kv", "length", "window"), [(kv, 150, window) for kv in KV_FORMATS for window in (None, 37)] + LONG
+    ("kv", "length", "window", "softcap"),
+    [(kv, 150, window, None) for kv in KV_FORMATS for window in (None, 37)] + LONG + SOFT_CAPPED,
 )
-def test_a_row_is_bitwise_the_same_whatever_shares_its_call(kv: str, length: int, window: int | None) -> None:
-    """Also over several key partitions (2,100 keys), whose states a lone decode splits over threads."""
+def test_a_row_is_bitwise_the_same_whatever_shares_its_call(
+    kv: str, length: int, window: int | None, softcap: float | None
+) -> None:
+    """Also over several key partitions (2,100 keys), whose states a lone decode splits over threads, and with
+    soft-capped scores."""
     heads, kv_heads, head_dim, block_size = 9, 3, 64, 16
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(length, kv_heads, head_dim, generator=gen)
@@ -233,6 +263,7 @@ def test_a_row_is_bitwise_the_same_whatever_shares_its_call(kv: str, length: int
             window or 0,
             layer.k_scale,
             layer.v_scale,
+            softcap or 0.0,
         )
 
     with kernel_threads(1):
@@ -249,5 +280,5 @@ def test_a_row_is_bitwise_the_same_whatever_shares_its_call(kv: str, length: int
     for row in (0, 31, 32, 100, length - 1):  # beside another sequence's prefill, and beside its decodes
         assert torch.equal(attend(row, row + 1, other=(0, 40))[0], prefill[row])
         assert torch.equal(attend(row, row + 1, other=(39, 40))[0], prefill[row])
-    reference = dense_attention(queries, stored(keys, kv), stored(values, kv), 0.125, window)
+    reference = dense_attention(queries, stored(keys, kv), stored(values, kv), 0.125, window, softcap)
     torch.testing.assert_close(prefill.double(), reference, atol=1e-5, rtol=1e-5)

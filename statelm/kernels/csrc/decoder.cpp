@@ -106,9 +106,10 @@ at::Tensor attention(const at::Tensor& q, const LayerKV& cache, const at::Tensor
                        .findSchemaOrThrow("statelm::paged_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
                                          const at::Tensor&, const at::Tensor&, double, int64_t,
-                                         const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&)>();
+                                         const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
+                                         double)>();
   return op.call(q, cache.k, cache.v, block_tables, seq_lens, query_start, scale, window, cache.k_scale,
-                 cache.v_scale);
+                 cache.v_scale, /*softcap=*/0.0);
 }
 
 // A head-wise RMSNorm of q or k [T, heads, D] (Qwen3), as the Python ops compute it: on a reshaped copy.

@@ -2,7 +2,7 @@
 // step's K/V into the pool.
 //
 // torch.ops.statelm.paged_attention(q [T, H, D], k_cache, v_cache, block_tables [B, W] int32/int64, seq_lens [B],
-//     query_start [B + 1], scale, sliding_window, k_scale, v_scale) -> [T, H, D]
+//     query_start [B + 1], scale, sliding_window, k_scale, v_scale, softcap) -> [T, H, D]
 // torch.ops.statelm.kv_store(k [T, KVH, D], v, k_cache, v_cache, k_scale, v_scale, slot_mapping [T])
 //
 // The pool's layout (statelm/engine/kv_cache.py), per block of S tokens: keys [blocks, KVH, D, S], transposed so
@@ -14,6 +14,7 @@
 //
 // Query rows of sequence b are tokens query_start[b]..query_start[b + 1] - 1, the last positions of its
 // context of seq_lens[b] tokens; a row at position p sees keys 0..p (only keys > p - window with a window).
+// With a softcap c > 0 (Gemma 2) each score s becomes c * tanh(s / c) before the softmax.
 //
 // Every (row, head) result comes out of one fixed sequence of float operations, whatever else is in the
 // call: keys are visited in position order in chunks of kChunk keys aligned to absolute positions, with an
@@ -165,6 +166,39 @@ inline Vec vexp(Vec x) { return std::exp(x); }
 
 constexpr int kChunkVecs = kChunk / kLanes;
 static_assert(kChunk % kLanes == 0 && kGroup % kLanes == 0, "a chunk is whole vectors, a q8_0 group too");
+
+// tanh, lane by lane: below |x| = 0.55 its odd Taylor polynomial to x^15 (the next term is under 4e-8 of x there),
+// above it (1 - e^(-2|x|)) / (1 + e^(-2|x|)) with the sign of x (no cancellation: e^(-2|x|) < 1/3).
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline Vec vtanh(Vec x) {
+  const Vec sign_bit = vset(-0.0f);
+#if defined(__AVX512F__)
+  const Vec magnitude = _mm512_andnot_ps(sign_bit, x);
+#else
+  const Vec magnitude = _mm256_andnot_ps(sign_bit, x);
+#endif
+  const Vec x2 = vmul(x, x);
+  Vec p = vset(-929569.0f / 638512875.0f);
+  p = vfma(p, x2, vset(21844.0f / 6081075.0f));
+  p = vfma(p, x2, vset(-1382.0f / 155925.0f));
+  p = vfma(p, x2, vset(62.0f / 2835.0f));
+  p = vfma(p, x2, vset(-17.0f / 315.0f));
+  p = vfma(p, x2, vset(2.0f / 15.0f));
+  p = vfma(p, x2, vset(-1.0f / 3.0f));
+  const Vec small = vfma(vmul(p, x2), x, x);
+  const Vec t = vexp(vmul(magnitude, vset(-2.0f)));
+  const Vec large = vdiv(vsub(vset(1.0f), t), vadd(vset(1.0f), t));
+#if defined(__AVX512F__)
+  const Vec signed_large = _mm512_or_ps(large, _mm512_and_ps(sign_bit, x));
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(magnitude, vset(0.55f), _CMP_LT_OQ), signed_large, small);
+#else
+  const Vec signed_large = _mm256_or_ps(large, _mm256_and_ps(sign_bit, x));
+  return _mm256_blendv_ps(signed_large, small, _mm256_cmp_ps(magnitude, vset(0.55f), _CMP_LT_OQ));
+#endif
+}
+#else
+inline Vec vtanh(Vec x) { return std::tanh(x); }
+#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
@@ -422,6 +456,7 @@ struct Problem {
   const int64_t* query_start;
   int64_t heads, kv_heads, group, dim, padded, block_size, window;
   float scale;
+  float softcap;  // > 0: scores soft-capped (Gemma 2)
 };
 
 // One unit of work: some query rows of one sequence, for some KV heads and some of the query heads of each.
@@ -553,6 +588,12 @@ void softmax_step(Scratch& s, const Problem& pb, const KB& keys, const VB& value
   prefetcher.issue(std::numeric_limits<int64_t>::max());
   for (int64_t m = 0; m < count; ++m) {
     float* row = scores + m * kChunk;
+    if (pb.softcap > 0.0f) {
+      const Vec cap = vset(pb.softcap), inverse = vset(1.0f / pb.softcap);
+      for (int v = 0; v < kChunkVecs; ++v) {
+        vstore(row + v * kLanes, vmul(cap, vtanh(vmul(vload(row + v * kLanes), inverse))));
+      }
+    }
     for (int j = 0; j < lo; ++j) row[j] = kNegInf;
     for (int j = hi; j < kChunk; ++j) row[j] = kNegInf;
     Vec top = vload(row);
@@ -929,7 +970,8 @@ Layout check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache, const 
 at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_tables_in, const at::Tensor& seq_lens_in,
                            const at::Tensor& query_start_in, double scale, int64_t sliding_window,
-                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+                           const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                           double softcap) {
   TORCH_CHECK(q_in.dim() == 3 && is_float_type(q_in.scalar_type()), "q must be [T, H, D] float32/bfloat16/float16");
   TORCH_CHECK(q_in.device().is_cpu(), "paged_attention runs on CPU tensors");
   const Layout layout = check_caches(k_cache, v_cache, k_scale, v_scale);
@@ -937,6 +979,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   TORCH_CHECK(layout.dim == dim, "q and the caches disagree on the head dim");
   TORCH_CHECK(heads % kv_heads == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(sliding_window >= 0, "sliding_window must be >= 0 (0: none)");
+  TORCH_CHECK(softcap >= 0.0, "softcap must be >= 0 (0: none)");
   TORCH_CHECK(block_tables_in.dim() == 2 &&
                   (block_tables_in.scalar_type() == at::kInt || block_tables_in.scalar_type() == at::kLong),
               "block_tables must be [B, W] int32/int64");
@@ -975,6 +1018,7 @@ at::Tensor paged_attention(const at::Tensor& q_in, const at::Tensor& k_cache, co
   pb.padded = round_up(dim, kLanes);
   pb.window = sliding_window;
   pb.scale = static_cast<float>(scale);
+  pb.softcap = static_cast<float>(softcap);
 
   TORCH_CHECK(pb.query_start[0] == 0 && pb.query_start[num_seqs] == tokens,
               "query_start must run from 0 to the number of query rows");
@@ -1108,7 +1152,8 @@ void kv_store(const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cach
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def(
       "paged_attention(Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start, float scale, int sliding_window=0, Tensor? k_scale=None, Tensor? v_scale=None) -> Tensor");
+      "Tensor query_start, float scale, int sliding_window=0, Tensor? k_scale=None, Tensor? v_scale=None, "
+      "float softcap=0.0) -> Tensor");
   m.def(
       "kv_store(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, Tensor(d!)? v_scale, "
       "Tensor slot_mapping) -> ()");
