@@ -74,7 +74,7 @@ def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
     for module in model.modules():
         if isinstance(module, PackedLinear):
             module.use(kernel=path == "kernels")
-    fusable = not isinstance(model, VariantForCausalLM) or model.fusable()  # the fused decoder is Llama's block
+    fusable = not isinstance(model, VariantForCausalLM) or model.fusable()  # blocks the fused decoder takes
     model.fused = FusedDecoder.build(model) if path == "kernels" and fusable else None
     if model.batch_invariant:
         sizes = RowChunking.per_row() if path == "torch-per-row" else RowChunking.batch_invariant(model.device)

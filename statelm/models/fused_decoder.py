@@ -1,7 +1,8 @@
 """Every decoder layer of a packed model in one C++ call: the Python forward's kernel calls, without the Python.
 
 Llama's block, its MLPs dense or mixtures of experts (models/moe.py: the op routes each layer's tokens as MoEMLP does,
-with the same calls)."""
+with the same calls), and the variants' blocks the op takes (models/variants.py, `fusable`): Gemma 2 and 3's norms
+after attention and MLP, GeGLU, soft-capped scores and sliding layers with their own rope, Granite's multipliers."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from statelm.kernels.quant import ARITHMETICS
 from statelm.models.layers import kernel_float_linear
 from statelm.models.moe import MoEMLP
 from statelm.models.packed import PackedLinear
+from statelm.models.variant_config import SLIDING
 
 if TYPE_CHECKING:
     from statelm.attention.base import AttentionMetadata, KVView
@@ -45,15 +47,31 @@ class FusedDecoder:
         self.block_types = block_types
         self.parts = parts
         config = model.config
-        heads, window = (config.num_attention_heads, config.num_key_value_heads), config.sliding_window or 0
-        self.dims = [*heads, config.head_dim, window, config.num_experts_per_tok, int(config.norm_topk_prob)]
+        # per layer: 1 where it attends as a sliding layer (a variant's local backend and rope), else 0
+        self.layer_kinds = [int(getattr(layer, "kind", None) == SLIDING) for layer in model.layers]
+        full, sliding = model.backend, getattr(model, "local_backend", model.backend)
+        windows = [backend.sliding_window or 0 for backend in (full, sliding)]  # type: ignore[attr-defined]
+        layouts = {getattr(layer, "layout", "pre") for layer in model.layers}
+        activations = {getattr(layer.mlp, "activation", "silu") for layer in model.layers}
+        self.dims = [
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            config.head_dim,
+            *windows,
+            config.num_experts_per_tok,
+            int(config.norm_topk_prob),
+            int(layouts == {"sandwich"}),
+            int(activations == {"gelu_tanh"}),
+        ]
         self.eps = config.rms_norm_eps
-        self.scale = config.head_dim**-0.5
+        self.scale = model.layers[0].self_attn.scale
+        self.softcap = config.attn_logit_softcapping or 0.0
+        self.residual_multiplier = config.residual_multiplier
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
         """The fused decoder of a model, or None when a linear of it is not packed (a float32 router aside) or a
-        router has a bias."""
+        router has a bias. The model's blocks are Llama's or a variant's that `fusable` admits."""
         tensors: list[torch.Tensor | None] = []
         blocks: list[torch.Tensor] = []
         block_types: list[int] = []
@@ -85,16 +103,28 @@ class FusedDecoder:
             norms = attn.q_norm, attn.k_norm
             tensors += [None, None] if None in norms else [norm.weight for norm in norms]  # type: ignore[union-attr]
             tensors.append(router)
+            feedforward = [
+                getattr(layer, name, None) for name in ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+            ]
+            tensors += [None if norm is None else norm.weight for norm in feedforward]
         return cls(model, tensors, blocks, block_types, parts, experts)
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
+        self,
+        x: torch.Tensor,
+        rope: RopeInputs,
+        kv_cache: KVView,
+        meta: AttentionMetadata,
+        arithmetic: str,
+        local_rope: RopeInputs | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, from the embeddings x [T, hidden]."""
+        """Hidden states after the final norm, from the embeddings x [T, hidden] (sliding layers rotate by
+        local_rope where given)."""
         return torch.ops.statelm.decoder_layers(
             x,
             rope.positions,
             rope.table,
+            None if local_rope is None else local_rope.table,
             self.tensors,
             self.block_data,
             self.block_types,
@@ -110,8 +140,11 @@ class FusedDecoder:
             self.model.norm.weight,
             self.dims,
             self.experts,
+            self.layer_kinds,
             self.eps,
             self.scale,
+            self.softcap,
+            self.residual_multiplier,
             ARITHMETICS[arithmetic],
             rope.interleaved,
         )

@@ -39,9 +39,16 @@ class DecoderStack(Protocol):
     """Every decoder layer and the final norm in one call (the compute-path pass sets one: FusedDecoder)."""
 
     def __call__(
-        self, x: torch.Tensor, rope: RopeInputs, kv_cache: KVView, meta: AttentionMetadata, arithmetic: str
+        self,
+        x: torch.Tensor,
+        rope: RopeInputs,
+        kv_cache: KVView,
+        meta: AttentionMetadata,
+        arithmetic: str,
+        local_rope: RopeInputs | None = None,
     ) -> torch.Tensor:
-        """Hidden states after the final norm, from the embeddings x [T, hidden]."""
+        """Hidden states after the final norm, from the embeddings x [T, hidden] (a variant's sliding layers rotate
+        by local_rope where it has its own)."""
         ...
 
 

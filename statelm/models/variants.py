@@ -6,7 +6,8 @@ MLP ("sandwich"), GeGLU, a softmax scale of their own, soft-capped attention sco
 layers that alternate between a sliding window (with their own rope base) and full attention, and checkpoints that
 keep the QKV and gate/up projections fused (Phi-3, which statelm fuses the same way). The model keeps
 Llama's parts and weight names (llama.py), so the loaders, the packed weights and the compute-path pass take it as
-they take Llama; what the fast paths cannot run is said by `unsupported_paths` and `llama_shaped` (the fused decoder).
+they take Llama; what the fast paths cannot run is said by `unsupported_paths`, and `fusable` says whether the fused
+decoder runs its layers.
 """
 
 from __future__ import annotations
@@ -35,8 +36,22 @@ VARIANT_ARCHITECTURES = frozenset({*GEMMA, "phi3", "granite", "olmo2", "qwen3moe
 _FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
 
 
-# The config fields of a mixture of experts: a model departing from Llama only in them takes the fused decoder.
+# The config fields of a mixture of experts
 _EXPERT_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_layers"}
+# The departures the fused decoder takes (models/fused_decoder.py): a model departing from Llama only in them (and in
+# a norm layout of `pre` or `sandwich`) runs all its layers in one call. Logits and embeddings stay in Python.
+_FUSABLE_FIELDS = _EXPERT_FIELDS | {
+    "attention_scale",
+    "attn_logit_softcapping",
+    "embedding_multiplier",
+    "final_logit_softcapping",
+    "hidden_activation",
+    "layer_types",
+    "logits_scaling",
+    "norm_layout",
+    "residual_multiplier",
+    "rope_local_theta",
+}
 
 
 class VariantMLP(GatedMLP):
@@ -173,8 +188,8 @@ class VariantForCausalLM(LlamaForCausalLM):
 
     def fusable(self) -> bool:
         """Whether the fused decoder computes this model: Llama's block, its MLPs dense or mixtures of experts
-        (Qwen3-MoE, Mixtral)."""
-        return self._departures() <= _EXPERT_FIELDS
+        (Qwen3-MoE, Mixtral), or Gemma 2/3's and Granite's (not OLMo 2's norms after the blocks only)."""
+        return self._departures() <= _FUSABLE_FIELDS and self.config.norm_layout in ("pre", "sandwich")
 
     def _departures(self) -> set[str]:
         """The config's fields that differ from Llama's, but for how the checkpoint stores its projections."""
@@ -215,11 +230,11 @@ class VariantForCausalLM(LlamaForCausalLM):
             local_rope = self.ops.prepare_rope(positions, longest, self.local_rotary)
         steps = {FULL: full, SLIDING: ForwardStep(local_rope, meta, self.local_backend, self.ops)}
         x, residual = self.embed_tokens(input_ids), None
-        arithmetic = self._arithmetic()
-        if self.fused is not None and arithmetic is not None:  # a mixture of experts (fusable)
-            return self.fused(x, full.rope, kv_cache, meta, arithmetic)
         if self.config.embedding_multiplier != 1.0:
             x = x * torch.tensor(self.config.embedding_multiplier, dtype=x.dtype)  # rounded as transformers does
+        arithmetic = self._arithmetic()
+        if self.fused is not None and arithmetic is not None:  # fusable
+            return self.fused(x, full.rope, kv_cache, meta, arithmetic, None if local_rope is full.rope else local_rope)
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, kv_cache.layers[i], steps[layer.kind])
         assert residual is not None

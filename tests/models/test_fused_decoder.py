@@ -31,13 +31,21 @@ pytestmark = pytest.mark.invariance
 BLOCK = 16
 
 
-@pytest.fixture(
-    scope="module", params=["qwen2", "qwen3", "mistral", "llama-gguf", "qwen3_moe-q4_0-gguf", "mixtral-q8_0-gguf"]
-)
+VARIANT_GGUFS = [
+    "qwen3_moe-q4_0-gguf",
+    "mixtral-q8_0-gguf",
+    "gemma2-q8_0-gguf",
+    "gemma3-q8_0-gguf",
+    "granite-q8_0-gguf",
+]
+
+
+@pytest.fixture(scope="module", params=["qwen2", "qwen3", "mistral", "llama-gguf", *VARIANT_GGUFS])
 def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> LoadedModel:
     """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3); or a
     GGUF of mixed formats used in place, with interleaved rope (llama-gguf), or of a mixture of experts' blocks and
-    float32 router (qwen3_moe, mixtral)."""
+    float32 router (qwen3_moe, mixtral), or of a variant's block: soft-capped scores, sliding layers, norms after
+    attention and MLP and GeGLU (gemma2), its sliding layers' own rope (gemma3), multipliers (granite)."""
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "llama-gguf":
         mix = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_k": Q.Q8_0, "token_embd": Q.Q6_K}  # as in a Q4_K_M

@@ -1,9 +1,8 @@
 """Llama's variants as the server runs them: the start-up self-check's path, batch invariance and session exactness.
 
 Gemma 2 (soft-capped attention scores) and Gemma 3 run statelm's kernels path (their weights packed from Q8_0
-GGUFs), without the fused decoder (Llama's block); Phi-3
-(fused projections, LongRoPE) computes Llama's block once loaded and takes the fused decoder too. Granite (from a
-Q8_0 GGUF) and OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) are also covered, and the
+GGUFs) and its fused decoder; so do Phi-3 (fused projections, LongRoPE; Llama's block once loaded) and Granite (from
+a Q8_0 GGUF). OLMo 2 (from a Hugging Face folder, in bfloat16 where the CPU computes it) is covered too, and the
 mixtures of experts: Qwen3-MoE from a folder and from a Q4_0 GGUF, Mixtral from a Q8_0 GGUF (the GGUFs' experts run
 by the packed kernel in their blocks).
 """
@@ -82,8 +81,8 @@ def test_the_self_check_picks_the_path_the_architecture_supports(loaded: LoadedM
     packed = any(isinstance(module, PackedLinear) for module in model.modules())
     if kernels_available() and model.dtype == torch.float32:
         assert model.compute_path == "kernels"  # the Q8_0 GGUFs (a folder is bfloat16 on BF16 CPUs)
-        llama_block = loaded.config.architecture in ("phi3", "mixtral", "qwen3moe", "qwen3_moe")  # MLPs dense or routed
-        assert (model.fused is not None) == (llama_block and packed)
+        fusable = loaded.config.architecture != "olmo2"  # norms after the blocks only: not in the fused decoder
+        assert (model.fused is not None) == (fusable and packed)
     assert packed == loaded.fingerprint.parts["weights"].startswith("gguf:")
 
 

@@ -1,4 +1,7 @@
 // torch.ops.statelm.decoder_layers: every decoder layer of a Llama-family model on packed weights, in one call.
+// Llama's block, and the variants' (models/variants.py) whose departures are in its arguments: Gemma's norms after
+// attention and after the MLP ("sandwich"), GeGLU, soft-capped attention scores, sliding layers with their own rope
+// table, Granite's residual multiplier.
 //
 // The model's Python forward calls about ten kernels a layer, and at one decode row per sequence the Python and
 // dispatch around them cost a third of a step. This op makes exactly the same kernel calls, in the same order on
@@ -6,11 +9,13 @@
 // whole model. It serves the kernels compute path on packed weights; the Python forward stays the reference.
 //
 // Per layer, `tensors` holds kLayerTensors tensors (an undefined one is absent):
-//   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm, router
-// and its packed linears, each `parts[i]` consecutive block matrices of `blocks` (types in `block_types`): qkv, o,
-// then gate_up and down; or, where `experts[layer]` is not 0 (a mixture of that many experts, models/moe.py), the
-// router (packed where the router tensor is absent) and each expert's gate_up and down in expert order. `dims` is
-// [num_heads, num_kv_heads, head_dim, sliding_window, experts_per_token, renormalise].
+//   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm, router, pre_feedforward_norm, post_feedforward_norm
+// (post_norm: the pre layout's norm before the MLP, the sandwich layout's after attention) and its packed linears,
+// each `parts[i]` consecutive block matrices of `blocks` (types in `block_types`): qkv, o, then gate_up and down; or,
+// where `experts[layer]` is not 0 (a mixture of that many experts, models/moe.py), the router (packed where the
+// router tensor is absent) and each expert's gate_up and down in expert order. `layer_kinds[layer]` is 1 for a
+// sliding layer (window dims[4], local_rope_table where given), else 0 (window dims[3]). `dims` is
+// [num_heads, num_kv_heads, head_dim, full_window, sliding_window, experts_per_token, renormalise, sandwich, gelu].
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -23,12 +28,15 @@
 
 namespace {
 
-constexpr int64_t kLayerTensors = 7;
+constexpr int64_t kLayerTensors = 9;
+constexpr size_t kDims = 9;
 // What a layer's serial stretches (attention, norms, activations) give an idle core time to load at one decode row:
 // about its L2. More is evicted before it is read.
 constexpr int64_t kReadAheadBytes = 2 << 20;
 
-enum Slot : int64_t { kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm, kRouter };
+enum Slot : int64_t {
+  kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm, kRouter, kPreFeedforward, kPostFeedforward
+};
 
 // One packed linear: its block matrices and their ggml types.
 struct Linear {
@@ -85,6 +93,12 @@ at::Tensor silu_mul(const at::Tensor& gate_up) {
   return op.call(gate_up);
 }
 
+// GeGLU as LayerOps.gelu_tanh_mul computes it: the same ATen calls on the same views.
+at::Tensor gelu_tanh_mul(const at::Tensor& gate_up) {
+  const std::vector<at::Tensor> halves = gate_up.chunk(2, -1);
+  return at::gelu(halves[0], "tanh") * halves[1];
+}
+
 // One layer's KV in the pool: keys, values and (q8_0) their scales.
 struct LayerKV {
   at::Tensor k, v;
@@ -101,7 +115,8 @@ void kv_store(const at::Tensor& k, const at::Tensor& v, const LayerKV& cache, co
 }
 
 at::Tensor attention(const at::Tensor& q, const LayerKV& cache, const at::Tensor& block_tables,
-                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale, int64_t window) {
+                     const at::Tensor& seq_lens, const at::Tensor& query_start, double scale, int64_t window,
+                     double softcap) {
   static auto op = c10::Dispatcher::singleton()
                        .findSchemaOrThrow("statelm::paged_attention", "")
                        .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
@@ -109,7 +124,7 @@ at::Tensor attention(const at::Tensor& q, const LayerKV& cache, const at::Tensor
                                          const c10::optional<at::Tensor>&, const c10::optional<at::Tensor>&,
                                          double)>();
   return op.call(q, cache.k, cache.v, block_tables, seq_lens, query_start, scale, window, cache.k_scale,
-                 cache.v_scale, /*softcap=*/0.0);
+                 cache.v_scale, softcap);
 }
 
 // A head-wise RMSNorm of q or k [T, heads, D] (Qwen3), as the Python ops compute it: on a reshaped copy.
@@ -195,13 +210,14 @@ at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, b
 
 // Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer.
 at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& rope_table,
+                          const c10::optional<at::Tensor>& local_rope_table,
                           const c10::List<c10::optional<at::Tensor>>& tensor_list, at::TensorList blocks,
                           at::IntArrayRef block_types, at::IntArrayRef parts, at::TensorList k_caches,
                           at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start, const at::Tensor& final_norm, at::IntArrayRef dims,
-                          at::IntArrayRef expert_counts, double eps, double scale, int64_t arithmetic,
-                          bool interleaved_rope) {
+                          at::IntArrayRef expert_counts, at::IntArrayRef layer_kinds, double eps, double scale,
+                          double softcap, double residual_multiplier, int64_t arithmetic, bool interleaved_rope) {
   const int64_t layers = static_cast<int64_t>(k_caches.size());
   std::vector<at::Tensor> tensors;  // undefined where absent
   tensors.reserve(tensor_list.size());
@@ -240,12 +256,15 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
   }
   TORCH_CHECK(first_linear[layers] == static_cast<int64_t>(linears.size()),
               "decoder_layers: parts count more linears than the layers have");
-  TORCH_CHECK(dims.size() == 6, "decoder_layers: dims must have 6 entries");
+  TORCH_CHECK(dims.size() == kDims, "decoder_layers: dims must have ", kDims, " entries");
+  TORCH_CHECK(static_cast<int64_t>(layer_kinds.size()) == layers, "decoder_layers: one kind a layer");
   TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == k_caches.size()),
               "decoder_layers: k_scales and v_scales hold one tensor per layer (q8_0) or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(), "x must be [T, H] float32");
-  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], window = dims[3], top_k = dims[4];
-  const bool renormalise = dims[5] != 0;
+  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], top_k = dims[5];
+  const int64_t windows[2] = {dims[3], dims[4]};  // of full and sliding layers
+  const bool renormalise = dims[6] != 0, sandwich = dims[7] != 0, gelu = dims[8] != 0;
+  const at::Tensor local_table = local_rope_table.has_value() ? *local_rope_table : rope_table;
   const int64_t tokens = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
   at::Tensor x = x_in;
   at::Tensor residual;
@@ -268,25 +287,36 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
       q = head_norm(q, w[kQNorm], eps);
       k = head_norm(k, w[kKNorm], eps);
     }
-    rope(q, positions, rope_table, interleaved_rope);
-    rope(k, positions, rope_table, interleaved_rope);
+    const bool sliding = layer_kinds[layer] != 0;
+    const at::Tensor& table = sliding ? local_table : rope_table;
+    rope(q, positions, table, interleaved_rope);
+    rope(k, positions, table, interleaved_rope);
     LayerKV cache{k_caches[layer], v_caches[layer]};
     if (!k_scales.empty()) {
       cache.k_scale = k_scales[layer];
       cache.v_scale = v_scales[layer];
     }
     kv_store(k, v, cache, slot_mapping);
-    at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, window);
+    at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, windows[sliding], softcap);
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
     const bool routed = expert_counts[layer] != 0;
     if (!routed || !w[kRouter].defined()) read_ahead(linear[2]);  // gate_up or the packed router (experts: unknown)
-    h = add_rms_norm(residual, o, w[kPostNorm], eps);
+    if (sandwich) {  // VariantDecoderLayer's norm layouts
+      h = add_rms_norm(residual, rms_norm(o, w[kPostNorm], eps), w[kPreFeedforward], eps);
+    } else {
+      h = add_rms_norm(residual, residual_multiplier == 1.0 ? o : o * residual_multiplier, w[kPostNorm], eps);
+    }
     if (routed) {
       x = moe_mlp(h, experts[layer], top_k, renormalise, arithmetic);
     } else {
       at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
       read_ahead(linear[3]);
-      x = matmul(silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
+      x = matmul(gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
+    }
+    if (sandwich) {
+      x = rms_norm(x, w[kPostFeedforward], eps);
+    } else if (residual_multiplier != 1.0) {
+      x = x * residual_multiplier;
     }
     if (layer + 1 < layers) read_ahead(linears[first_linear[layer + 1]]);
   }
@@ -297,11 +327,11 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def(
-      "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor?[] tensors, Tensor[] blocks, "
-      "int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
+      "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor? local_rope_table, Tensor?[] tensors, "
+      "Tensor[] blocks, int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
       "Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-      "Tensor final_norm, int[] dims, int[] experts, float eps, float scale, int arithmetic, bool interleaved_rope) "
-      "-> Tensor");
+      "Tensor final_norm, int[] dims, int[] experts, int[] layer_kinds, float eps, float scale, float softcap, "
+      "float residual_multiplier, int arithmetic, bool interleaved_rope) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
