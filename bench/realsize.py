@@ -1,6 +1,6 @@
 """statelm and llama-server on the same GGUF of a real model's shape: random weights, quantized by llama.cpp itself.
 
-Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qwen2.5-0.5b,gemma-2-2b,...]
+Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qwen2.5-0.5b,gemma-3-1b,...]
            [--types Q4_K_M,Q8_0]
            [--dir DIR] [--make-only] [bench.peers flags: --rounds 2 --concurrency 1,8 --output-tokens 64 ...]
 For each shape it writes (once) an F16 GGUF of that architecture's sizes with random weights (normal, std 0.02;
@@ -69,9 +69,9 @@ class Shape:
     experts_used: int = 0
     expert_ffn: int = 0
     sandwich_norms: bool = False  # Gemma: norms after attention and after the MLP too
-    attn_softcap: float = 0.0  # Gemma 2: soft-capped attention scores and logits, sliding-window layers
+    sliding_window: int = 0  # Gemma: of its sliding layers (llama.cpp knows which layers they are)
+    attn_softcap: float = 0.0  # Gemma 2: soft-capped attention scores and logits
     final_softcap: float = 0.0
-    sliding_window: int = 0
 
     @property
     def head_dim(self) -> int:
@@ -94,9 +94,23 @@ SHAPES = {
         1e-6,
         head_size=256,
         sandwich_norms=True,
+        sliding_window=4096,
         attn_softcap=50.0,
         final_softcap=30.0,
-        sliding_window=4096,
+    ),
+    "gemma-3-1b": Shape(
+        "gemma3",
+        1152,
+        26,
+        4,
+        1,
+        6912,
+        1000000.0,
+        1e-6,
+        head_size=256,
+        qk_norm=True,
+        sandwich_norms=True,
+        sliding_window=512,
     ),
     # Qwen3-30B-A3B's layers (128 experts of 768, 8 a token; 32/4 heads of 128), 4 of its 48: a small MoE
     "qwen3-30b-a3b-4l": Shape(
@@ -189,10 +203,11 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
     if shape.head_size:
         writer.add_key_length(shape.head_dim)
         writer.add_value_length(shape.head_dim)
+    if shape.sliding_window:
+        writer.add_sliding_window(shape.sliding_window)
     if shape.attn_softcap:
         writer.add_attn_logit_softcapping(shape.attn_softcap)
         writer.add_final_logit_softcapping(shape.final_softcap)
-        writer.add_sliding_window(shape.sliding_window)
     if shape.experts:
         writer.add_expert_count(shape.experts)
         writer.add_expert_used_count(shape.experts_used)
