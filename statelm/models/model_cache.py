@@ -122,10 +122,11 @@ class ModelCache:
         except FileNotFoundError:
             return None
         entry = self.root / _entry_name(content, variant)
+        existed = entry.exists()  # before the read: a writer may publish the entry (a rename) during it
         try:
             manifest = json.loads((entry / MANIFEST).read_bytes())
         except FileNotFoundError:
-            if entry.exists():
+            if existed and entry.exists():
                 return self._damaged(entry, FileNotFoundError(f"no {MANIFEST}"))
             return None
         except (OSError, ValueError) as exc:
