@@ -63,32 +63,35 @@ class ModelRunner:
             return ForwardResult(seqs, logits)
         input_ids: list[int] = []
         positions: list[int] = []
+        slots: list[int] = []  # where each token's K/V goes: its block * block_size + its offset in the block
         query_lens: list[int] = []
         seq_lens: list[int] = []
         query_start = [0]
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
         is_prompt: list[bool] = []
+        tables: list[list[int]] = []
+        size = self.block_size
         for chunk in chunks:
             seq, start = chunk.seq, chunk.seq.num_computed_tokens
             end = start + chunk.num_tokens
+            blocks = seq.block_table.blocks
             input_ids.extend(seq.tokens[start:end])
             positions.extend(range(start, end))
+            slots.extend(blocks[position // size] * size + position % size for position in range(start, end))
             prompt_len = len(seq.prompt_ids)
             is_prompt.extend(position < prompt_len for position in range(start, end))
+            tables.append(blocks)
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
             if end == seq.num_tokens and seq.samples:
                 sample_rows.append(query_start[-1] - 1)
                 sampling_seqs.append(seq)
-        position_tensor = torch.tensor(positions, dtype=torch.int64)
-        block_tables = self._block_tables(chunks)
-        token_seq = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(query_lens))
-        block_of_token = block_tables[token_seq, position_tensor // self.block_size]
-        slot_mapping = block_of_token * self.block_size + position_tensor % self.block_size
+        width = max(len(blocks) for blocks in tables)
+        block_tables = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in tables], dtype=torch.int64)
         meta = AttentionMetadata(
-            slot_mapping=slot_mapping.to(self.device),
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
             block_tables=block_tables.to(self.device),
             query_lens=query_lens,
             seq_lens=seq_lens,
@@ -97,7 +100,7 @@ class ModelRunner:
         prompt_rows = torch.tensor(is_prompt)  # on the host: the row chunking reads it without a device sync
         hidden = self.model(
             torch.tensor(input_ids, dtype=torch.int64, device=self.device),
-            position_tensor.to(self.device),
+            torch.tensor(positions, dtype=torch.int64, device=self.device),
             self.kv_cache,
             meta,
             prompt_rows,
@@ -124,12 +127,3 @@ class ModelRunner:
                 return False
             longest = max(longest, position + 1)
         return self.graphs.fits(len(chunks), longest)
-
-    @staticmethod
-    def _block_tables(chunks: list[ScheduledChunk]) -> torch.Tensor:
-        width = max(len(chunk.seq.block_table.blocks) for chunk in chunks)
-        tables = torch.zeros((len(chunks), width), dtype=torch.int64)
-        for i, chunk in enumerate(chunks):
-            blocks = chunk.seq.block_table.blocks
-            tables[i, : len(blocks)] = torch.tensor(blocks, dtype=torch.int64)
-        return tables
