@@ -28,7 +28,9 @@ class FusedDecoder:
     The op makes the same kernel calls as LlamaForCausalLM.forward on the kernels path (and as MoEMLP.forward for a
     mixture of experts), in the same order, so its hidden states are the same bit for bit; it only serves forwards
     whose rows all take one arithmetic (every step under `float32` or `int8`; under `int8-decode` or `int16-prompt`,
-    steps of prompt rows only or generated rows only).
+    steps of prompt rows only or generated rows only). The layers' weights and settings are handed to C++ once, as a
+    torch.classes.statelm.DecoderStack, so that a step converts only what changes (a mixture of experts has
+    thousands of block matrices).
     """
 
     def __init__(
@@ -40,20 +42,14 @@ class FusedDecoder:
         parts: list[int],
         experts: list[int],
     ) -> None:
-        self.model = model
-        self.experts = experts  # per layer: 0 for a dense MLP, else its mixture's experts
-        self.tensors = tensors
-        self.block_data = blocks
-        self.block_types = block_types
-        self.parts = parts
         config = model.config
         # per layer: 1 where it attends as a sliding layer (a variant's local backend and rope), else 0
-        self.layer_kinds = [int(getattr(layer, "kind", None) == SLIDING) for layer in model.layers]
+        layer_kinds = [int(getattr(layer, "kind", None) == SLIDING) for layer in model.layers]
         full, sliding = model.backend, getattr(model, "local_backend", model.backend)
         windows = [backend.sliding_window or 0 for backend in (full, sliding)]  # type: ignore[attr-defined]
         layouts = {getattr(layer, "layout", "pre") for layer in model.layers}
         activations = {getattr(layer.mlp, "activation", "silu") for layer in model.layers}
-        self.dims = [
+        dims = [
             config.num_attention_heads,
             config.num_key_value_heads,
             config.head_dim,
@@ -63,10 +59,21 @@ class FusedDecoder:
             int(layouts == {"sandwich"}),
             int(activations == {"gelu_tanh"}),
         ]
-        self.eps = config.rms_norm_eps
-        self.scale = model.layers[0].self_attn.scale
-        self.softcap = config.attn_logit_softcapping or 0.0
-        self.residual_multiplier = config.residual_multiplier
+        # the layers' weights and settings, converted once (the op's per-step arguments are only what changes)
+        self.stack = torch.classes.statelm.DecoderStack(
+            tensors,
+            blocks,
+            block_types,
+            parts,
+            model.norm.weight,
+            dims,
+            experts,  # per layer: 0 for a dense MLP, else its mixture's experts
+            layer_kinds,
+            config.rms_norm_eps,
+            model.layers[0].self_attn.scale,
+            config.attn_logit_softcapping or 0.0,
+            config.residual_multiplier,
+        )
 
     @classmethod
     def build(cls, model: LlamaForCausalLM) -> FusedDecoder | None:
@@ -121,14 +128,11 @@ class FusedDecoder:
         """Hidden states after the final norm, from the embeddings x [T, hidden] (sliding layers rotate by
         local_rope where given)."""
         return torch.ops.statelm.decoder_layers(
+            self.stack,
             x,
             rope.positions,
             rope.table,
             None if local_rope is None else local_rope.table,
-            self.tensors,
-            self.block_data,
-            self.block_types,
-            self.parts,
             kv_cache.k,
             kv_cache.v,
             kv_cache.k_scale,
@@ -137,14 +141,6 @@ class FusedDecoder:
             meta.block_tables,
             meta.seq_lens_tensor,
             meta.query_start_tensor,
-            self.model.norm.weight,
-            self.dims,
-            self.experts,
-            self.layer_kinds,
-            self.eps,
-            self.scale,
-            self.softcap,
-            self.residual_multiplier,
             ARITHMETICS[arithmetic],
             rope.interleaved,
         )

@@ -8,20 +8,25 @@
 // the same tensors, from C++ (so its result is the Python forward's, bit for bit), and releases the GIL for the
 // whole model. It serves the kernels compute path on packed weights; the Python forward stays the reference.
 //
-// Per layer, `tensors` holds kLayerTensors tensors (an undefined one is absent):
+// A model's layers are prepared once into a torch.classes.statelm.DecoderStack, whose constructor takes, per layer,
+// kLayerTensors tensors in `tensors` (an undefined one is absent):
 //   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm, router, pre_feedforward_norm, post_feedforward_norm
 // (post_norm: the pre layout's norm before the MLP, the sandwich layout's after attention) and its packed linears,
 // each `parts[i]` consecutive block matrices of `blocks` (types in `block_types`): qkv, o, then gate_up and down; or,
 // where `experts[layer]` is not 0 (a mixture of that many experts, models/moe.py), the router (packed where the
 // router tensor is absent) and each expert's gate_up and down in expert order. `layer_kinds[layer]` is 1 for a
-// sliding layer (window dims[4], local_rope_table where given), else 0 (window dims[3]). `dims` is
+// sliding layer (window dims[4], the step's local rope table where given), else 0 (window dims[3]). `dims` is
 // [num_heads, num_kv_heads, head_dim, full_window, sliding_window, experts_per_token, renormalise, sandwich, gelu].
+// Each step then passes the stack and what changes: the embeddings, positions, rope tables, KV caches and the
+// attention layout.
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
 
 #include <algorithm>
+#include <utility>
 #include <vector>
 
 #include "parallel.h"
@@ -136,7 +141,7 @@ at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) 
 // the router's probabilities, each token's top-k experts ascending, the (token, slot) pairs grouped by expert, every
 // chosen expert's gate+up and then down projections of its tokens in one gguf_matmul_groups call each, and each
 // token's weighted sum of its experts (expert_sum).
-// The linears point into the call's own list (decoder_layers).
+// The linears point into the DecoderStack's own list.
 struct Experts {
   at::Tensor router;                     // [E, H] float32, or undefined: then
   const Linear* packed_router = nullptr;  // its blocks
@@ -208,69 +213,97 @@ at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, b
   return expert_sum(at::cat(matmul_groups(hidden, down, arithmetic)), at::tensor(pairs, at::kLong), weights, top_k);
 }
 
-// Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer.
-at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& rope_table,
-                          const c10::optional<at::Tensor>& local_rope_table,
-                          const c10::List<c10::optional<at::Tensor>>& tensor_list, at::TensorList blocks,
-                          at::IntArrayRef block_types, at::IntArrayRef parts, at::TensorList k_caches,
-                          at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
-                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                          const at::Tensor& query_start, const at::Tensor& final_norm, at::IntArrayRef dims,
-                          at::IntArrayRef expert_counts, at::IntArrayRef layer_kinds, double eps, double scale,
-                          double softcap, double residual_multiplier, int64_t arithmetic, bool interleaved_rope) {
-  const int64_t layers = static_cast<int64_t>(k_caches.size());
-  std::vector<at::Tensor> tensors;  // undefined where absent
-  tensors.reserve(tensor_list.size());
-  for (const c10::optional<at::Tensor>& t : tensor_list) tensors.push_back(t.has_value() ? *t : at::Tensor());
-  TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors && v_caches.size() == k_caches.size(),
-              "decoder_layers: tensors must hold ", kLayerTensors, " tensors per layer");
-  TORCH_CHECK(blocks.size() == block_types.size(), "decoder_layers: one type per block matrix");
-  std::vector<Linear> linears(parts.size());
-  size_t next = 0;
-  for (size_t i = 0; i < parts.size(); ++i) {
-    for (int64_t p = 0; p < parts[i]; ++p, ++next) {
-      TORCH_CHECK(next < blocks.size(), "decoder_layers: fewer block matrices than parts counts");
-      linears[i].blocks.push_back(blocks[next]);
-      linears[i].types.push_back(block_types[next]);
-    }
-  }
-  TORCH_CHECK(next == blocks.size(), "decoder_layers: more block matrices than parts counts");
-  std::vector<int64_t> first_linear(layers + 1, 0);  // each layer's linears: [first_linear[l], first_linear[l + 1])
-  TORCH_CHECK(static_cast<int64_t>(expert_counts.size()) == layers, "decoder_layers: one expert count a layer");
-  std::vector<Experts> experts(layers);
-  for (int64_t layer = 0; layer < layers; ++layer) {
-    const at::Tensor& router = tensors[layer * kLayerTensors + kRouter];
-    const int64_t count = expert_counts[layer], first = first_linear[layer] + (router.defined() ? 2 : 3);
-    first_linear[layer + 1] = count ? first + 2 * count : first_linear[layer] + 4;
-    TORCH_CHECK(first_linear[layer + 1] <= static_cast<int64_t>(linears.size()),
-                "decoder_layers: parts must count each layer's linears (qkv, o, then gate_up and down, or the "
-                "router and each expert's)");
-    if (count) {
-      experts[layer].router = router;
-      if (!router.defined()) experts[layer].packed_router = &linears[first_linear[layer] + 2];
-      for (int64_t e = 0; e < count; ++e) {
-        experts[layer].gate_up.push_back(&linears[first + 2 * e]);
-        experts[layer].down.push_back(&linears[first + 2 * e + 1]);
+// A model's layers as decoder_layers runs them: what does not change between steps, converted once
+// (models/fused_decoder.py builds one per model and compute path).
+struct DecoderStack : torch::CustomClassHolder {
+  std::vector<at::Tensor> tensors;  // kLayerTensors a layer, undefined where absent
+  std::vector<Linear> linears;
+  std::vector<int64_t> first_linear;  // each layer's linears: [first_linear[l], first_linear[l + 1])
+  std::vector<Experts> experts;       // per layer (none for a dense MLP); they point into `linears`
+  std::vector<int64_t> expert_counts, kinds;
+  at::Tensor final_norm;
+  int64_t heads, kv_heads, head_dim, windows[2], top_k;  // windows: of full and sliding layers
+  bool renormalise, sandwich, gelu;
+  double eps, scale, softcap, residual_multiplier;
+
+  DecoderStack(const c10::List<c10::optional<at::Tensor>>& tensor_list, std::vector<at::Tensor> blocks,
+               std::vector<int64_t> block_types, std::vector<int64_t> parts, at::Tensor final_norm_weight,
+               std::vector<int64_t> dims, std::vector<int64_t> experts_per_layer, std::vector<int64_t> layer_kinds,
+               double eps_, double scale_, double softcap_, double residual_multiplier_)
+      : expert_counts(std::move(experts_per_layer)),
+        kinds(std::move(layer_kinds)),
+        final_norm(std::move(final_norm_weight)),
+        eps(eps_),
+        scale(scale_),
+        softcap(softcap_),
+        residual_multiplier(residual_multiplier_) {
+    const int64_t layers = static_cast<int64_t>(kinds.size());
+    tensors.reserve(tensor_list.size());
+    for (const c10::optional<at::Tensor>& t : tensor_list) tensors.push_back(t.has_value() ? *t : at::Tensor());
+    TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors,
+                "DecoderStack: tensors must hold ", kLayerTensors, " tensors per layer");
+    TORCH_CHECK(static_cast<int64_t>(expert_counts.size()) == layers, "DecoderStack: one expert count a layer");
+    TORCH_CHECK(blocks.size() == block_types.size(), "DecoderStack: one type per block matrix");
+    TORCH_CHECK(dims.size() == kDims, "DecoderStack: dims must have ", kDims, " entries");
+    heads = dims[0], kv_heads = dims[1], head_dim = dims[2], windows[0] = dims[3], windows[1] = dims[4];
+    top_k = dims[5], renormalise = dims[6] != 0, sandwich = dims[7] != 0, gelu = dims[8] != 0;
+    linears.resize(parts.size());
+    size_t next = 0;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      for (int64_t p = 0; p < parts[i]; ++p, ++next) {
+        TORCH_CHECK(next < blocks.size(), "DecoderStack: fewer block matrices than parts counts");
+        linears[i].blocks.push_back(blocks[next]);
+        linears[i].types.push_back(block_types[next]);
       }
     }
+    TORCH_CHECK(next == blocks.size(), "DecoderStack: more block matrices than parts counts");
+    first_linear.assign(layers + 1, 0);
+    experts.resize(layers);
+    for (int64_t layer = 0; layer < layers; ++layer) {
+      const at::Tensor& router = tensors[layer * kLayerTensors + kRouter];
+      const int64_t count = expert_counts[layer], first = first_linear[layer] + (router.defined() ? 2 : 3);
+      first_linear[layer + 1] = count ? first + 2 * count : first_linear[layer] + 4;
+      TORCH_CHECK(first_linear[layer + 1] <= static_cast<int64_t>(linears.size()),
+                  "DecoderStack: parts must count each layer's linears (qkv, o, then gate_up and down, or the "
+                  "router and each expert's)");
+      if (count) {
+        experts[layer].router = router;
+        if (!router.defined()) experts[layer].packed_router = &linears[first_linear[layer] + 2];
+        for (int64_t e = 0; e < count; ++e) {
+          experts[layer].gate_up.push_back(&linears[first + 2 * e]);
+          experts[layer].down.push_back(&linears[first + 2 * e + 1]);
+        }
+      }
+    }
+    TORCH_CHECK(first_linear[layers] == static_cast<int64_t>(linears.size()),
+                "DecoderStack: parts count more linears than the layers have");
   }
-  TORCH_CHECK(first_linear[layers] == static_cast<int64_t>(linears.size()),
-              "decoder_layers: parts count more linears than the layers have");
-  TORCH_CHECK(dims.size() == kDims, "decoder_layers: dims must have ", kDims, " entries");
-  TORCH_CHECK(static_cast<int64_t>(layer_kinds.size()) == layers, "decoder_layers: one kind a layer");
+  DecoderStack(const DecoderStack&) = delete;  // its experts point into its own linears
+  DecoderStack& operator=(const DecoderStack&) = delete;
+};
+
+// Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer of stack.
+at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x_in,
+                          const at::Tensor& positions, const at::Tensor& rope_table,
+                          const c10::optional<at::Tensor>& local_rope_table, at::TensorList k_caches,
+                          at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
+                          const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start, int64_t arithmetic, bool interleaved_rope) {
+  const DecoderStack& s = *stack;
+  const int64_t layers = static_cast<int64_t>(s.kinds.size());
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && v_caches.size() == k_caches.size(),
+              "decoder_layers: one K and one V cache a layer");
   TORCH_CHECK(k_scales.size() == v_scales.size() && (k_scales.empty() || k_scales.size() == k_caches.size()),
               "decoder_layers: k_scales and v_scales hold one tensor per layer (q8_0) or none");
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kFloat && x_in.is_contiguous(), "x must be [T, H] float32");
-  const int64_t heads = dims[0], kv_heads = dims[1], head_dim = dims[2], top_k = dims[5];
-  const int64_t windows[2] = {dims[3], dims[4]};  // of full and sliding layers
-  const bool renormalise = dims[6] != 0, sandwich = dims[7] != 0, gelu = dims[8] != 0;
+  const int64_t tokens = x_in.size(0), q_size = s.heads * s.head_dim, kv_size = s.kv_heads * s.head_dim;
   const at::Tensor local_table = local_rope_table.has_value() ? *local_rope_table : rope_table;
-  const int64_t tokens = x_in.size(0), q_size = heads * head_dim, kv_size = kv_heads * head_dim;
+  const double eps = s.eps;
   at::Tensor x = x_in;
   at::Tensor residual;
   for (int64_t layer = 0; layer < layers; ++layer) {
-    const at::Tensor* w = tensors.data() + layer * kLayerTensors;
-    const Linear* linear = linears.data() + first_linear[layer];
+    const at::Tensor* w = s.tensors.data() + layer * kLayerTensors;
+    const Linear* linear = s.linears.data() + s.first_linear[layer];
     at::Tensor h;
     if (layer == 0) {
       residual = x;
@@ -280,14 +313,14 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
     }
     at::Tensor qkv = matmul(h, linear[0], w[kQkvBias], arithmetic);
     read_ahead(linear[1]);
-    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads, head_dim});
-    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads, head_dim});
-    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads, head_dim});
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, s.heads, s.head_dim});
+    at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, s.kv_heads, s.head_dim});
+    at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.kv_heads, s.head_dim});
     if (w[kQNorm].defined() && w[kKNorm].defined()) {
       q = head_norm(q, w[kQNorm], eps);
       k = head_norm(k, w[kKNorm], eps);
     }
-    const bool sliding = layer_kinds[layer] != 0;
+    const bool sliding = s.kinds[layer] != 0;
     const at::Tensor& table = sliding ? local_table : rope_table;
     rope(q, positions, table, interleaved_rope);
     rope(k, positions, table, interleaved_rope);
@@ -297,41 +330,44 @@ at::Tensor decoder_layers(const at::Tensor& x_in, const at::Tensor& positions, c
       cache.v_scale = v_scales[layer];
     }
     kv_store(k, v, cache, slot_mapping);
-    at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, scale, windows[sliding], softcap);
+    at::Tensor out = attention(q, cache, block_tables, seq_lens, query_start, s.scale, s.windows[sliding], s.softcap);
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
-    const bool routed = expert_counts[layer] != 0;
+    const bool routed = s.expert_counts[layer] != 0;
     if (!routed || !w[kRouter].defined()) read_ahead(linear[2]);  // gate_up or the packed router (experts: unknown)
-    if (sandwich) {  // VariantDecoderLayer's norm layouts
+    if (s.sandwich) {  // VariantDecoderLayer's norm layouts
       h = add_rms_norm(residual, rms_norm(o, w[kPostNorm], eps), w[kPreFeedforward], eps);
     } else {
-      h = add_rms_norm(residual, residual_multiplier == 1.0 ? o : o * residual_multiplier, w[kPostNorm], eps);
+      h = add_rms_norm(residual, s.residual_multiplier == 1.0 ? o : o * s.residual_multiplier, w[kPostNorm], eps);
     }
     if (routed) {
-      x = moe_mlp(h, experts[layer], top_k, renormalise, arithmetic);
+      x = moe_mlp(h, s.experts[layer], s.top_k, s.renormalise, arithmetic);
     } else {
       at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
       read_ahead(linear[3]);
-      x = matmul(gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
+      x = matmul(s.gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
     }
-    if (sandwich) {
+    if (s.sandwich) {
       x = rms_norm(x, w[kPostFeedforward], eps);
-    } else if (residual_multiplier != 1.0) {
-      x = x * residual_multiplier;
+    } else if (s.residual_multiplier != 1.0) {
+      x = x * s.residual_multiplier;
     }
-    if (layer + 1 < layers) read_ahead(linears[first_linear[layer + 1]]);
+    if (layer + 1 < layers) read_ahead(s.linears[s.first_linear[layer + 1]]);
   }
-  return add_rms_norm(residual, x, final_norm, eps);
+  return add_rms_norm(residual, x, s.final_norm, eps);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
+  m.class_<DecoderStack>("DecoderStack")
+      .def(torch::init<const c10::List<c10::optional<at::Tensor>>&, std::vector<at::Tensor>, std::vector<int64_t>,
+                       std::vector<int64_t>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>,
+                       std::vector<int64_t>, double, double, double, double>());
   m.def(
-      "decoder_layers(Tensor x, Tensor positions, Tensor rope_table, Tensor? local_rope_table, Tensor?[] tensors, "
-      "Tensor[] blocks, int[] block_types, int[] parts, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
+      "decoder_layers(__torch__.torch.classes.statelm.DecoderStack stack, Tensor x, Tensor positions, "
+      "Tensor rope_table, Tensor? local_rope_table, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
       "Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
-      "Tensor final_norm, int[] dims, int[] experts, int[] layer_kinds, float eps, float scale, float softcap, "
-      "float residual_multiplier, int arithmetic, bool interleaved_rope) -> Tensor");
+      "int arithmetic, bool interleaved_rope) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) { m.impl("decoder_layers", &decoder_layers); }
