@@ -2,7 +2,8 @@
 
 Llama's block, its MLPs dense or mixtures of experts (models/moe.py: the op routes each layer's tokens as MoEMLP does,
 with the same calls), and the variants' blocks the op takes (models/variants.py, `fusable`): Gemma 2 and 3's norms
-after attention and MLP, GeGLU, soft-capped scores and sliding layers with their own rope, Granite's multipliers."""
+after attention and MLP, OLMo 2's after them only, GeGLU, soft-capped scores and sliding layers with their own rope,
+Granite's multipliers."""
 
 from __future__ import annotations
 
@@ -20,6 +21,9 @@ if TYPE_CHECKING:
     from statelm.attention.base import AttentionMetadata, KVView
     from statelm.models.layers import RopeInputs
     from statelm.models.llama import LlamaForCausalLM
+
+
+_LAYOUTS = {"pre": 0, "sandwich": 1, "post": 2}  # decoder.cpp's Layout
 
 
 class FusedDecoder:
@@ -47,7 +51,7 @@ class FusedDecoder:
         layer_kinds = [int(getattr(layer, "kind", None) == SLIDING) for layer in model.layers]
         full, sliding = model.backend, getattr(model, "local_backend", model.backend)
         windows = [backend.sliding_window or 0 for backend in (full, sliding)]  # type: ignore[attr-defined]
-        layouts = {getattr(layer, "layout", "pre") for layer in model.layers}
+        (layout,) = {getattr(layer, "layout", "pre") for layer in model.layers}  # a config field: one for all
         activations = {getattr(layer.mlp, "activation", "silu") for layer in model.layers}
         dims = [
             config.num_attention_heads,
@@ -56,7 +60,7 @@ class FusedDecoder:
             *windows,
             config.num_experts_per_tok,
             int(config.norm_topk_prob),
-            int(layouts == {"sandwich"}),
+            _LAYOUTS[layout],
             int(activations == {"gelu_tanh"}),
         ]
         # the layers' weights and settings, converted once (the op's per-step arguments are only what changes)

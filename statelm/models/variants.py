@@ -38,8 +38,8 @@ _FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_pr
 
 # The config fields of a mixture of experts
 _EXPERT_FIELDS = {"num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "dense_layers"}
-# The departures the fused decoder takes (models/fused_decoder.py): a model departing from Llama only in them (and in
-# a norm layout of `pre` or `sandwich`) runs all its layers in one call. Logits and embeddings stay in Python.
+# The departures the fused decoder takes (models/fused_decoder.py): a model departing from Llama only in them runs all
+# its layers in one call. Logits and embeddings stay in Python.
 _FUSABLE_FIELDS = _EXPERT_FIELDS | {
     "attention_scale",
     "attn_logit_softcapping",
@@ -49,6 +49,7 @@ _FUSABLE_FIELDS = _EXPERT_FIELDS | {
     "layer_types",
     "logits_scaling",
     "norm_layout",
+    "qk_norm_full",
     "residual_multiplier",
     "rope_local_theta",
 }
@@ -188,8 +189,8 @@ class VariantForCausalLM(LlamaForCausalLM):
 
     def fusable(self) -> bool:
         """Whether the fused decoder computes this model: Llama's block, its MLPs dense or mixtures of experts
-        (Qwen3-MoE, Mixtral), or Gemma 2/3's and Granite's (not OLMo 2's norms after the blocks only)."""
-        return self._departures() <= _FUSABLE_FIELDS and self.config.norm_layout in ("pre", "sandwich")
+        (Qwen3-MoE, Mixtral), or the blocks of Gemma 2/3, Granite and OLMo 2."""
+        return self._departures() <= _FUSABLE_FIELDS
 
     def _departures(self) -> set[str]:
         """The config's fields that differ from Llama's, but for how the checkpoint stores its projections."""

@@ -37,6 +37,7 @@ VARIANT_GGUFS = [
     "gemma2-q8_0-gguf",
     "gemma3-q8_0-gguf",
     "granite-q8_0-gguf",
+    "olmo2-q8_0-gguf",
 ]
 
 
@@ -45,7 +46,8 @@ def loaded(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     """A tiny checkpoint quantized to int8 at load (every linear packed): qkv bias (qwen2), q/k norms (qwen3); or a
     GGUF of mixed formats used in place, with interleaved rope (llama-gguf), or of a mixture of experts' blocks and
     float32 router (qwen3_moe, mixtral), or of a variant's block: soft-capped scores, sliding layers, norms after
-    attention and MLP and GeGLU (gemma2), its sliding layers' own rope (gemma3), multipliers (granite)."""
+    attention and MLP and GeGLU (gemma2), its sliding layers' own rope (gemma3), multipliers (granite), norms after
+    attention and MLP only and a QK-norm over all heads (olmo2)."""
     folder = tmp_path_factory.mktemp(request.param)
     if request.param == "llama-gguf":
         mix = {"attn_v": Q.Q6_K, "ffn_down": Q.Q6_K, "attn_k": Q.Q8_0, "token_embd": Q.Q6_K}  # as in a Q4_K_M

@@ -81,8 +81,7 @@ def test_the_self_check_picks_the_path_the_architecture_supports(loaded: LoadedM
     packed = any(isinstance(module, PackedLinear) for module in model.modules())
     if kernels_available() and model.dtype == torch.float32:
         assert model.compute_path == "kernels"  # the Q8_0 GGUFs (a folder is bfloat16 on BF16 CPUs)
-        fusable = loaded.config.architecture != "olmo2"  # norms after the blocks only: not in the fused decoder
-        assert (model.fused is not None) == (fusable and packed)
+        assert (model.fused is not None) == packed  # every architecture's block is in the fused decoder
     assert packed == loaded.fingerprint.parts["weights"].startswith("gguf:")
 
 

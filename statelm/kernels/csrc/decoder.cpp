@@ -1,7 +1,7 @@
 // torch.ops.statelm.decoder_layers: every decoder layer of a Llama-family model on packed weights, in one call.
 // Llama's block, and the variants' (models/variants.py) whose departures are in its arguments: Gemma's norms after
-// attention and after the MLP ("sandwich"), GeGLU, soft-capped attention scores, sliding layers with their own rope
-// table, Granite's residual multiplier.
+// attention and after the MLP ("sandwich"), OLMo 2's after them only ("post", with a QK-norm over all heads), GeGLU,
+// soft-capped attention scores, sliding layers with their own rope table, Granite's residual multiplier.
 //
 // The model's Python forward calls about ten kernels a layer, and at one decode row per sequence the Python and
 // dispatch around them cost a third of a step. This op makes exactly the same kernel calls, in the same order on
@@ -11,12 +11,13 @@
 // A model's layers are prepared once into a torch.classes.statelm.DecoderStack, whose constructor takes, per layer,
 // kLayerTensors tensors in `tensors` (an undefined one is absent):
 //   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm, router, pre_feedforward_norm, post_feedforward_norm
-// (post_norm: the pre layout's norm before the MLP, the sandwich layout's after attention) and its packed linears,
+// (post_norm: the pre layout's norm before the MLP, the others' after attention) and its packed linears,
 // each `parts[i]` consecutive block matrices of `blocks` (types in `block_types`): qkv, o, then gate_up and down; or,
 // where `experts[layer]` is not 0 (a mixture of that many experts, models/moe.py), the router (packed where the
 // router tensor is absent) and each expert's gate_up and down in expert order. `layer_kinds[layer]` is 1 for a
 // sliding layer (window dims[4], the step's local rope table where given), else 0 (window dims[3]). `dims` is
-// [num_heads, num_kv_heads, head_dim, full_window, sliding_window, experts_per_token, renormalise, sandwich, gelu].
+// [num_heads, num_kv_heads, head_dim, full_window, sliding_window, experts_per_token, renormalise, layout, gelu],
+// layout 0 for pre, 1 for sandwich, 2 for post.
 // Each step then passes the stack and what changes: the embeddings, positions, rope tables, KV caches and the
 // attention layout.
 
@@ -38,6 +39,9 @@ constexpr size_t kDims = 9;
 // What a layer's serial stretches (attention, norms, activations) give an idle core time to load at one decode row:
 // about its L2. More is evicted before it is read.
 constexpr int64_t kReadAheadBytes = 2 << 20;
+
+// VariantDecoderLayer's norm layouts: Llama's, norms before and after attention and MLP (Gemma), after only (OLMo 2).
+enum Layout : int64_t { kPre, kSandwich, kPost };
 
 enum Slot : int64_t {
   kInputNorm, kQkvBias, kOBias, kPostNorm, kQNorm, kKNorm, kRouter, kPreFeedforward, kPostFeedforward
@@ -132,9 +136,10 @@ at::Tensor attention(const at::Tensor& q, const LayerKV& cache, const at::Tensor
                  cache.v_scale, softcap);
 }
 
-// A head-wise RMSNorm of q or k [T, heads, D] (Qwen3), as the Python ops compute it: on a reshaped copy.
-at::Tensor head_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
-  return rms_norm(x.reshape({-1, x.size(2)}), weight, eps).view(x.sizes());
+// The RMSNorm of q or k [T, heads, D] per head (Qwen3, Gemma 3) or over all heads at once (OLMo 2), as the weight's
+// size says, as the Python ops compute it: on rows of the weight's size.
+at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return rms_norm(x.reshape({-1, weight.size(0)}), weight, eps).view(x.sizes());
 }
 
 // A mixture of experts' MLP (models/moe.py's MoEMLP.forward on the kernels path, the same calls in the same order):
@@ -223,7 +228,8 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<int64_t> expert_counts, kinds;
   at::Tensor final_norm;
   int64_t heads, kv_heads, head_dim, windows[2], top_k;  // windows: of full and sliding layers
-  bool renormalise, sandwich, gelu;
+  int64_t layout;  // Layout
+  bool renormalise, gelu;
   double eps, scale, softcap, residual_multiplier;
 
   DecoderStack(const c10::List<c10::optional<at::Tensor>>& tensor_list, std::vector<at::Tensor> blocks,
@@ -246,7 +252,8 @@ struct DecoderStack : torch::CustomClassHolder {
     TORCH_CHECK(blocks.size() == block_types.size(), "DecoderStack: one type per block matrix");
     TORCH_CHECK(dims.size() == kDims, "DecoderStack: dims must have ", kDims, " entries");
     heads = dims[0], kv_heads = dims[1], head_dim = dims[2], windows[0] = dims[3], windows[1] = dims[4];
-    top_k = dims[5], renormalise = dims[6] != 0, sandwich = dims[7] != 0, gelu = dims[8] != 0;
+    top_k = dims[5], renormalise = dims[6] != 0, layout = dims[7], gelu = dims[8] != 0;
+    TORCH_CHECK(layout >= kPre && layout <= kPost, "DecoderStack: layout must be 0 (pre), 1 (sandwich) or 2 (post)");
     linears.resize(parts.size());
     size_t next = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
@@ -305,7 +312,10 @@ at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const a
     const at::Tensor* w = s.tensors.data() + layer * kLayerTensors;
     const Linear* linear = s.linears.data() + s.first_linear[layer];
     at::Tensor h;
-    if (layer == 0) {
+    if (s.layout == kPost) {  // no norm before attention
+      residual = layer == 0 ? x : residual.add_(x);
+      h = residual;
+    } else if (layer == 0) {
       residual = x;
       h = rms_norm(x, w[kInputNorm], eps);
     } else {
@@ -317,8 +327,8 @@ at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const a
     at::Tensor k = qkv.narrow(1, q_size, kv_size).view({tokens, s.kv_heads, s.head_dim});
     at::Tensor v = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, s.kv_heads, s.head_dim});
     if (w[kQNorm].defined() && w[kKNorm].defined()) {
-      q = head_norm(q, w[kQNorm], eps);
-      k = head_norm(k, w[kKNorm], eps);
+      q = qk_norm(q, w[kQNorm], eps);
+      k = qk_norm(k, w[kKNorm], eps);
     }
     const bool sliding = s.kinds[layer] != 0;
     const at::Tensor& table = sliding ? local_table : rope_table;
@@ -334,8 +344,10 @@ at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const a
     at::Tensor o = matmul(out.reshape({tokens, q_size}), linear[1], w[kOBias], arithmetic);
     const bool routed = s.expert_counts[layer] != 0;
     if (!routed || !w[kRouter].defined()) read_ahead(linear[2]);  // gate_up or the packed router (experts: unknown)
-    if (s.sandwich) {  // VariantDecoderLayer's norm layouts
+    if (s.layout == kSandwich) {
       h = add_rms_norm(residual, rms_norm(o, w[kPostNorm], eps), w[kPreFeedforward], eps);
+    } else if (s.layout == kPost) {
+      h = residual.add_(rms_norm(o, w[kPostNorm], eps));
     } else {
       h = add_rms_norm(residual, s.residual_multiplier == 1.0 ? o : o * s.residual_multiplier, w[kPostNorm], eps);
     }
@@ -346,7 +358,7 @@ at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const a
       read_ahead(linear[3]);
       x = matmul(s.gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
     }
-    if (s.sandwich) {
+    if (s.layout != kPre) {
       x = rms_norm(x, w[kPostFeedforward], eps);
     } else if (s.residual_multiplier != 1.0) {
       x = x * s.residual_multiplier;
