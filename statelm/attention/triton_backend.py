@@ -137,6 +137,24 @@ def _fold_weights(m_run, m):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh, element by element: below |x| = 0.55 its odd Taylor polynomial to x^15, above it
+    (1 - e^(-2|x|)) / (1 + e^(-2|x|)) with the sign of x (as the CPU kernel computes it)."""
+    x2 = x * x
+    p = -929569.0 / 638512875.0
+    p = p * x2 + 21844.0 / 6081075.0
+    p = p * x2 - 1382.0 / 155925.0
+    p = p * x2 + 62.0 / 2835.0
+    p = p * x2 - 17.0 / 315.0
+    p = p * x2 + 2.0 / 15.0
+    p = p * x2 - 1.0 / 3.0
+    small = p * x2 * x + x
+    t = tl.exp2(tl.abs(x) * (-2.0 * 1.4426950408889634))
+    large = (1.0 - t) / (1.0 + t)
+    return tl.where(tl.abs(x) < 0.55, small, tl.where(x < 0, -large, large))
+
+
+@triton.jit
 def _partition(
     q,
     k_cache_ptr,
@@ -151,6 +169,7 @@ def _partition(
     pos,
     row_valid,
     qk_scale,
+    softcap,
     window,
     num_kv_heads,
     head_dim,
@@ -161,8 +180,10 @@ def _partition(
     PARTITION: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
-    """(max, sum, acc) of the tile's rows over the keys of one partition, in log2 units, by online softmax."""
+    """(max, sum, acc) of the tile's rows over the keys of one partition, in log2 units, by online softmax (scores
+    soft-capped, with SOFTCAP, at softcap in log2 units)."""
     start = tl.maximum(part * PARTITION, key_lo) // BLOCK_N * BLOCK_N
     end = tl.minimum((part + 1) * PARTITION, key_hi)
     d = tl.arange(0, BLOCK_D)
@@ -200,7 +221,10 @@ def _partition(
         visible = row_valid[:, None] & (keys[None, :] <= pos[:, None])
         if HAS_WINDOW:
             visible &= keys[None, :] > pos[:, None] - window
-        s = tl.where(visible, s * qk_scale, float("-inf"))
+        s = s * qk_scale
+        if SOFTCAP:
+            s = softcap * _tanh(s / softcap)
+        s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.where(m == m_new, 1.0, tl.exp2(m - m_safe))
@@ -228,6 +252,7 @@ def _attention_kernel(
     query_start_ptr,
     num_seqs,
     qk_scale,
+    softcap,
     window,
     stride_qt,
     stride_qh,
@@ -249,6 +274,7 @@ def _attention_kernel(
     SPLIT: tl.constexpr,
     DOT_F32: tl.constexpr,
     QUANTIZED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     """One tile of BLOCK_Q query tokens x GROUP heads over one KV head: all its partitions, or (SPLIT) one."""
     seq = _find_seq(query_start_ptr, tl.program_id(0), num_seqs, BLOCK_Q, True)
@@ -285,8 +311,8 @@ def _attention_kernel(
             return
         m, den, acc = _partition(
             q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, part, key_lo, key_hi, pos,
-            row_valid, qk_scale, window, num_kv_heads, head_dim,
-            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW, QUANTIZED,
+            row_valid, qk_scale, softcap, window, num_kv_heads, head_dim,
+            BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW, QUANTIZED, SOFTCAP,
         )  # fmt: skip
         index = (t * num_partitions + part) * num_heads + head  # workspace [T, partitions, heads(, BLOCK_D)]
         tl.store(ws_m_ptr + index, m, mask=row_valid)
@@ -299,8 +325,8 @@ def _attention_kernel(
         for part in range(part_lo, part_hi):
             m, den, acc = _partition(
                 q, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, table_ptr, kv_head, part, key_lo, key_hi,
-                pos, row_valid, qk_scale, window, num_kv_heads, head_dim,
-                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW, QUANTIZED,
+                pos, row_valid, qk_scale, softcap, window, num_kv_heads, head_dim,
+                BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_SIZE, PARTITION, HAS_WINDOW, QUANTIZED, SOFTCAP,
             )  # fmt: skip
             m_run, weight_run, weight = _fold_weights(m_run, m)
             den_run = tl.fma(den_run, weight_run, den * weight)
@@ -371,8 +397,9 @@ class TritonAttentionBackend:
     Output rows of padding sequences (context 0) are zeros; rows past query_start[B] are left unwritten.
     """
 
-    def __init__(self, sliding_window: int | None = None) -> None:
+    def __init__(self, sliding_window: int | None = None, softcap: float | None = None) -> None:
         self.sliding_window = sliding_window
+        self.softcap = softcap  # scores -> softcap * tanh(scores / softcap) before the softmax (Gemma 2)
         self._workspace = torch.empty(0)
         self._retired: list[torch.Tensor] = []  # outgrown workspaces a captured CUDA graph may still point at
 
@@ -426,7 +453,7 @@ class TritonAttentionBackend:
         _attention_kernel[grid](
             q, k_cache, v_cache, k_scale, v_scale, out, ws_m, ws_den, ws_acc,
             meta.block_tables, meta.seq_lens_tensor, meta.query_start_tensor,
-            num_seqs, scale * LOG2E, window,
+            num_seqs, scale * LOG2E, (self.softcap or 1.0) * LOG2E, window,
             q.stride(0), q.stride(1), out.stride(0), out.stride(1), meta.block_tables.stride(0),
             num_heads, num_kv_heads, head_dim, num_partitions,
             GROUP=group,
@@ -440,6 +467,7 @@ class TritonAttentionBackend:
             SPLIT=split,
             DOT_F32=dot_f32,
             QUANTIZED=quantized,
+            SOFTCAP=self.softcap is not None,
             num_warps=4 if block_d <= 64 else 8,
             enable_fp_fusion=False,  # no mul+add contracted to fma behind our back: both fold paths stay alike
         )  # fmt: skip

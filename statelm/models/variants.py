@@ -206,8 +206,6 @@ class VariantForCausalLM(LlamaForCausalLM):
     def unsupported_paths(self) -> dict[str, str]:
         """The compute paths this model cannot run, each with the feature the path lacks."""
         unsupported = {}
-        if self.config.attn_logit_softcapping is not None:
-            unsupported["triton"] = "attention logit soft-capping (statelm's Triton attention kernel does not soft-cap)"
         if self.config.num_experts:
             unsupported["triton"] = "mixture of experts (its routing reads the chosen experts on the host)"
         return unsupported

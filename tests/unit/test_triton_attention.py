@@ -135,6 +135,7 @@ class Sequences:
         padding_after: int | None = None,
         max_seq_len: int | None = None,
         index_dtype: torch.dtype = torch.int64,
+        softcap: float | None = None,
     ) -> list[torch.Tensor]:
         """One step over the spans (query rows [first, last) of sequence seq over keys [0, last)); outputs per span.
 
@@ -188,7 +189,8 @@ class Sequences:
         )
         q, k, v = (torch.cat([row[i] for row in rows]).to(self.device) for i in range(3))
         on_device = type(layer)(*(None if t is None else t.to(self.device) for t in layer))
-        out = TritonAttentionBackend(window).forward(q, k.to(self.dtype), v.to(self.dtype), on_device, meta, SCALE)
+        backend = TritonAttentionBackend(window, softcap)
+        out = backend.forward(q, k.to(self.dtype), v.to(self.dtype), on_device, meta, SCALE)
         assert out.dtype == self.dtype and out.shape == q.shape
         out = out.cpu()
         if padding_after is not None:
@@ -197,7 +199,7 @@ class Sequences:
             starts = [s for s in starts if s <= starts[padding_after]] + [s - 1 for s in starts[padding_after + 2 :]]
         return [out[starts[i] : starts[i + 1]] for i in range(len(spans))]
 
-    def expected(self, span: Span, window: int | None) -> torch.Tensor:
+    def expected(self, span: Span, window: int | None, softcap: float | None = None) -> torch.Tensor:
         """Float64 causal attention of the span's query rows over its sequence's keys [0, last)."""
         seq, first, last = span
         q = self.queries[seq][first:last].double()
@@ -205,6 +207,8 @@ class Sequences:
         k = self.keys[seq][:last].double().repeat_interleave(heads // kv_heads, dim=1)
         v = self.values[seq][:last].double().repeat_interleave(heads // kv_heads, dim=1)
         scores = torch.einsum("qhd,khd->hqk", q, k) * SCALE
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
         query_pos = torch.arange(first, last).view(-1, 1)
         key_pos = torch.arange(last).view(1, -1)
         visible = key_pos <= query_pos
@@ -222,8 +226,10 @@ def check_against_dense(
 ) -> list[torch.Tensor]:
     """Run the spans and compare every span's rows with float64 attention."""
     outs = seqs.run(spans, window, **run)  # type: ignore[arg-type]
+    softcap = run.get("softcap")
     for span, out in zip(spans, outs, strict=True):
-        torch.testing.assert_close(out.double(), seqs.expected(span, window), atol=atol, rtol=atol, msg=str(span))
+        expected = seqs.expected(span, window, softcap)  # type: ignore[arg-type]
+        torch.testing.assert_close(out.double(), expected, atol=atol, rtol=atol, msg=str(span))
     return outs
 
 
@@ -264,6 +270,19 @@ def test_kv_formats_and_half_precision(
     check_against_dense(seqs, MIXED, window, atol=atol)
 
 
+@pytest.mark.parametrize(
+    ("softcap", "window"),
+    [(0.4, 90), pytest.param(1.0, None, marks=COMPILED_ONLY), pytest.param(50.0, 5, marks=COMPILED_ONLY)],
+)
+def test_soft_capped_scores_match_dense_attention(device: str, mode: str, softcap: float, window: int | None) -> None:
+    """Gemma 2's cap * tanh(score / cap): scores of standard deviation ~1.2 on both sides of the tanh's switch
+    (|score / cap| = 0.55) and in its flat ends."""
+    seqs = Sequences(MIXED_LENGTHS, heads=4, kv_heads=2, device=device, seed=3)
+    capped = check_against_dense(seqs, MIXED, window, atol=1e-5, softcap=softcap)
+    uncapped = seqs.run(MIXED, window)
+    assert not all(torch.allclose(a, b, atol=1e-3) for a, b in zip(capped, uncapped, strict=True))
+
+
 @pytest.mark.parametrize(("head_dim", "block_size"), [(64, 8), (80, 16), (256, 32)])
 def test_head_dims_and_block_sizes(device: str, mode: str, head_dim: int, block_size: int) -> None:
     seqs = Sequences([150, 5], heads=4, kv_heads=1, head_dim=head_dim, block_size=block_size, device=device)
@@ -276,15 +295,21 @@ def test_int32_block_tables(device: str) -> None:
 
 
 @pytest.mark.parametrize(
-    ("dtype", "kv", "window"),
+    ("dtype", "kv", "window", "softcap"),
     [
-        (torch.float32, "float32", None),  # float32 tiles, the whole context split over partitions
-        pytest.param(torch.bfloat16, "bfloat16", 40, marks=COMPILED_ONLY),  # 16-bit tiles (their order: the same)
-        (torch.float32, "q8_0", 40),  # the quantized cache's dequantization, a window
+        (torch.float32, "float32", None, None),  # float32 tiles, the whole context split over partitions
+        pytest.param(torch.bfloat16, "bfloat16", 40, None, marks=COMPILED_ONLY),  # 16-bit tiles (their order: same)
+        (torch.float32, "q8_0", 40, None),  # the quantized cache's dequantization, a window
+        pytest.param(torch.float32, "float16", 40, 1.0, marks=COMPILED_ONLY),  # soft-capped scores
     ],
 )
 def test_a_row_is_bitwise_the_same_whatever_shares_its_step(
-    device: str, dtype: torch.dtype, kv: str, window: int | None, monkeypatch: pytest.MonkeyPatch
+    device: str,
+    dtype: torch.dtype,
+    kv: str,
+    window: int | None,
+    softcap: float | None,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     length = 150
     seqs = Sequences([length, 50, 140], heads=4, kv_heads=1, head_dim=32, dtype=dtype, kv=kv, device=device, seed=7)
@@ -293,7 +318,7 @@ def test_a_row_is_bitwise_the_same_whatever_shares_its_step(
         """Sequence 0's rows [first, last), computed in a step with other spans around it, split or folded."""
         monkeypatch.setattr(triton_backend, "SPLIT_MAX_PROGRAMS", 1 << 30 if split else 0)
         spans = [*others[:1], (0, first, last), *others[1:]]
-        return seqs.run(spans, window, padding_after=padding_after)[1 if others else 0]
+        return seqs.run(spans, window, padding_after=padding_after, softcap=softcap)[1 if others else 0]
 
     prefill = rows(0, length, split=False)
     for row in (0, 41, 63, 64, 127, 128, 149):  # decodes: tile, window and partition edges
