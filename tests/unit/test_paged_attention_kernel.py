@@ -219,7 +219,7 @@ def test_rejects_caches_of_the_old_layout_and_int8_without_scales() -> None:
 
 
 LONG = [("float16", 2100, None, None), ("q8_0", 2100, 600, None)]  # several key partitions, split decodes
-SOFT_CAPPED = [("float32", 150, 37, 1.0), ("float16", 2100, None, 1.0)]
+SOFT_CAPPED = [("float32", 150, 37, 1.0)]  # the cap bends scores before the softmax: no other path to cover
 
 
 @pytest.mark.invariance
