@@ -93,7 +93,7 @@ def ninja_text(variants: Iterable[Variant], compiler: str) -> str:
         "-std=c++20",
         *OPTIMIZE,
         # GCC 12 reads the reference counts torch's headers inline into a custom class's boxed constructor
-        # (decoder.cpp's DecoderStack) as writes past an object: false positives, past any pragma's reach
+        # (decoder.cpp's PreparedLayers) as writes past an object: false positives, past any pragma's reach
         "-Wno-stringop-overflow",
     ]
     ldflags = [

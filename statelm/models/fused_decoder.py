@@ -33,7 +33,7 @@ class FusedDecoder:
     mixture of experts), in the same order, so its hidden states are the same bit for bit; it only serves forwards
     whose rows all take one arithmetic (every step under `float32` or `int8`; under `int8-decode` or `int16-prompt`,
     steps of prompt rows only or generated rows only). The layers' weights and settings are handed to C++ once, as a
-    torch.classes.statelm.DecoderStack, so that a step converts only what changes (a mixture of experts has
+    torch.classes.statelm.PreparedLayers, so that a step converts only what changes (a mixture of experts has
     thousands of block matrices).
     """
 
@@ -64,7 +64,7 @@ class FusedDecoder:
             int(activations == {"gelu_tanh"}),
         ]
         # the layers' weights and settings, converted once (the op's per-step arguments are only what changes)
-        self.stack = torch.classes.statelm.DecoderStack(
+        self.layers = torch.classes.statelm.PreparedLayers(
             tensors,
             blocks,
             block_types,
@@ -132,7 +132,7 @@ class FusedDecoder:
         """Hidden states after the final norm, from the embeddings x [T, hidden] (sliding layers rotate by
         local_rope where given)."""
         return torch.ops.statelm.decoder_layers(
-            self.stack,
+            self.layers,
             x,
             rope.positions,
             rope.table,

@@ -8,7 +8,7 @@
 // the same tensors, from C++ (so its result is the Python forward's, bit for bit), and releases the GIL for the
 // whole model. It serves the kernels compute path on packed weights; the Python forward stays the reference.
 //
-// A model's layers are prepared once into a torch.classes.statelm.DecoderStack, whose constructor takes, per layer,
+// A model's layers are prepared once into a torch.classes.statelm.PreparedLayers, whose constructor takes, per layer,
 // kLayerTensors tensors in `tensors` (an undefined one is absent):
 //   input_norm, qkv_bias, o_bias, post_norm, q_norm, k_norm, router, pre_feedforward_norm, post_feedforward_norm
 // (post_norm: the pre layout's norm before the MLP, the others' after attention) and its packed linears,
@@ -18,7 +18,7 @@
 // sliding layer (window dims[4], the step's local rope table where given), else 0 (window dims[3]). `dims` is
 // [num_heads, num_kv_heads, head_dim, full_window, sliding_window, experts_per_token, renormalise, layout, gelu],
 // layout 0 for pre, 1 for sandwich, 2 for post.
-// Each step then passes the stack and what changes: the embeddings, positions, rope tables, KV caches and the
+// Each step then passes them and what changes: the embeddings, positions, rope tables, KV caches and the
 // attention layout.
 
 #include <ATen/ATen.h>
@@ -146,7 +146,7 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // the router's probabilities, each token's top-k experts ascending, the (token, slot) pairs grouped by expert, every
 // chosen expert's gate+up and then down projections of its tokens in one gguf_matmul_groups call each, and each
 // token's weighted sum of its experts (expert_sum).
-// The linears point into the DecoderStack's own list.
+// The linears point into the PreparedLayers's own list.
 struct Experts {
   at::Tensor router;                     // [E, H] float32, or undefined: then
   const Linear* packed_router = nullptr;  // its blocks
@@ -220,7 +220,7 @@ at::Tensor moe_mlp(const at::Tensor& h, const Experts& experts, int64_t top_k, b
 
 // A model's layers as decoder_layers runs them: what does not change between steps, converted once
 // (models/fused_decoder.py builds one per model and compute path).
-struct DecoderStack : torch::CustomClassHolder {
+struct PreparedLayers : torch::CustomClassHolder {
   std::vector<at::Tensor> tensors;  // kLayerTensors a layer, undefined where absent
   std::vector<Linear> linears;
   std::vector<int64_t> first_linear;  // each layer's linears: [first_linear[l], first_linear[l + 1])
@@ -228,11 +228,11 @@ struct DecoderStack : torch::CustomClassHolder {
   std::vector<int64_t> expert_counts, kinds;
   at::Tensor final_norm;
   int64_t heads, kv_heads, head_dim, windows[2], top_k;  // windows: of full and sliding layers
-  int64_t layout;  // Layout
+  Layout layout;
   bool renormalise, gelu;
   double eps, scale, softcap, residual_multiplier;
 
-  DecoderStack(const c10::List<c10::optional<at::Tensor>>& tensor_list, std::vector<at::Tensor> blocks,
+  PreparedLayers(const c10::List<c10::optional<at::Tensor>>& tensor_list, std::vector<at::Tensor> blocks,
                std::vector<int64_t> block_types, std::vector<int64_t> parts, at::Tensor final_norm_weight,
                std::vector<int64_t> dims, std::vector<int64_t> experts_per_layer, std::vector<int64_t> layer_kinds,
                double eps_, double scale_, double softcap_, double residual_multiplier_)
@@ -247,23 +247,24 @@ struct DecoderStack : torch::CustomClassHolder {
     tensors.reserve(tensor_list.size());
     for (const c10::optional<at::Tensor>& t : tensor_list) tensors.push_back(t.has_value() ? *t : at::Tensor());
     TORCH_CHECK(static_cast<int64_t>(tensors.size()) == layers * kLayerTensors,
-                "DecoderStack: tensors must hold ", kLayerTensors, " tensors per layer");
-    TORCH_CHECK(static_cast<int64_t>(expert_counts.size()) == layers, "DecoderStack: one expert count a layer");
-    TORCH_CHECK(blocks.size() == block_types.size(), "DecoderStack: one type per block matrix");
-    TORCH_CHECK(dims.size() == kDims, "DecoderStack: dims must have ", kDims, " entries");
+                "PreparedLayers: tensors must hold ", kLayerTensors, " tensors per layer");
+    TORCH_CHECK(static_cast<int64_t>(expert_counts.size()) == layers, "PreparedLayers: one expert count a layer");
+    TORCH_CHECK(blocks.size() == block_types.size(), "PreparedLayers: one type per block matrix");
+    TORCH_CHECK(dims.size() == kDims, "PreparedLayers: dims must have ", kDims, " entries");
     heads = dims[0], kv_heads = dims[1], head_dim = dims[2], windows[0] = dims[3], windows[1] = dims[4];
-    top_k = dims[5], renormalise = dims[6] != 0, layout = dims[7], gelu = dims[8] != 0;
-    TORCH_CHECK(layout >= kPre && layout <= kPost, "DecoderStack: layout must be 0 (pre), 1 (sandwich) or 2 (post)");
+    top_k = dims[5], renormalise = dims[6] != 0, gelu = dims[8] != 0;
+    TORCH_CHECK(dims[7] >= kPre && dims[7] <= kPost, "PreparedLayers: layout 0 (pre), 1 (sandwich) or 2 (post)");
+    layout = static_cast<Layout>(dims[7]);
     linears.resize(parts.size());
     size_t next = 0;
     for (size_t i = 0; i < parts.size(); ++i) {
       for (int64_t p = 0; p < parts[i]; ++p, ++next) {
-        TORCH_CHECK(next < blocks.size(), "DecoderStack: fewer block matrices than parts counts");
+        TORCH_CHECK(next < blocks.size(), "PreparedLayers: fewer block matrices than parts counts");
         linears[i].blocks.push_back(blocks[next]);
         linears[i].types.push_back(block_types[next]);
       }
     }
-    TORCH_CHECK(next == blocks.size(), "DecoderStack: more block matrices than parts counts");
+    TORCH_CHECK(next == blocks.size(), "PreparedLayers: more block matrices than parts counts");
     first_linear.assign(layers + 1, 0);
     experts.resize(layers);
     for (int64_t layer = 0; layer < layers; ++layer) {
@@ -271,7 +272,7 @@ struct DecoderStack : torch::CustomClassHolder {
       const int64_t count = expert_counts[layer], first = first_linear[layer] + (router.defined() ? 2 : 3);
       first_linear[layer + 1] = count ? first + 2 * count : first_linear[layer] + 4;
       TORCH_CHECK(first_linear[layer + 1] <= static_cast<int64_t>(linears.size()),
-                  "DecoderStack: parts must count each layer's linears (qkv, o, then gate_up and down, or the "
+                  "PreparedLayers: parts must count each layer's linears (qkv, o, then gate_up and down, or the "
                   "router and each expert's)");
       if (count) {
         experts[layer].router = router;
@@ -283,20 +284,20 @@ struct DecoderStack : torch::CustomClassHolder {
       }
     }
     TORCH_CHECK(first_linear[layers] == static_cast<int64_t>(linears.size()),
-                "DecoderStack: parts count more linears than the layers have");
+                "PreparedLayers: parts count more linears than the layers have");
   }
-  DecoderStack(const DecoderStack&) = delete;  // its experts point into its own linears
-  DecoderStack& operator=(const DecoderStack&) = delete;
+  PreparedLayers(const PreparedLayers&) = delete;  // its experts point into its own linears
+  PreparedLayers& operator=(const PreparedLayers&) = delete;
 };
 
-// Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer of stack.
-at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const at::Tensor& x_in,
+// Hidden states [T, H] after the final norm, from embeddings x [T, H] (float32), through every layer prepared.
+at::Tensor decoder_layers(const c10::intrusive_ptr<PreparedLayers>& prepared, const at::Tensor& x_in,
                           const at::Tensor& positions, const at::Tensor& rope_table,
                           const c10::optional<at::Tensor>& local_rope_table, at::TensorList k_caches,
                           at::TensorList v_caches, at::TensorList k_scales, at::TensorList v_scales,
                           const at::Tensor& slot_mapping, const at::Tensor& block_tables, const at::Tensor& seq_lens,
                           const at::Tensor& query_start, int64_t arithmetic, bool interleaved_rope) {
-  const DecoderStack& s = *stack;
+  const PreparedLayers& s = *prepared;
   const int64_t layers = static_cast<int64_t>(s.kinds.size());
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && v_caches.size() == k_caches.size(),
               "decoder_layers: one K and one V cache a layer");
@@ -371,12 +372,12 @@ at::Tensor decoder_layers(const c10::intrusive_ptr<DecoderStack>& stack, const a
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(statelm, m) {
-  m.class_<DecoderStack>("DecoderStack")
+  m.class_<PreparedLayers>("PreparedLayers")
       .def(torch::init<const c10::List<c10::optional<at::Tensor>>&, std::vector<at::Tensor>, std::vector<int64_t>,
                        std::vector<int64_t>, at::Tensor, std::vector<int64_t>, std::vector<int64_t>,
                        std::vector<int64_t>, double, double, double, double>());
   m.def(
-      "decoder_layers(__torch__.torch.classes.statelm.DecoderStack stack, Tensor x, Tensor positions, "
+      "decoder_layers(__torch__.torch.classes.statelm.PreparedLayers layers, Tensor x, Tensor positions, "
       "Tensor rope_table, Tensor? local_rope_table, Tensor[] k_caches, Tensor[] v_caches, Tensor[] k_scales, "
       "Tensor[] v_scales, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, Tensor query_start, "
       "int arithmetic, bool interleaved_rope) -> Tensor");

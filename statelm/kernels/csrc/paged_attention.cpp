@@ -72,6 +72,13 @@ inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm512_sub_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm512_div_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm512_max_ps(a, b); }
+inline Vec vabs(Vec x) { return _mm512_abs_ps(x); }
+inline Vec vcopysign(Vec magnitude, Vec sign) {
+  return _mm512_or_ps(magnitude, _mm512_and_ps(_mm512_set1_ps(-0.0f), sign));
+}
+inline Vec vselect_below(Vec x, float limit, Vec below, Vec otherwise) {  // lane by lane: x < limit ? below : ...
+  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(limit), _CMP_LT_OQ), otherwise, below);
+}
 inline float hmax(Vec v) { return _mm512_reduce_max_ps(v); }
 inline float hsum(Vec v) {
   const __m256 upper = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
@@ -114,6 +121,13 @@ inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
 inline Vec vsub(Vec a, Vec b) { return _mm256_sub_ps(a, b); }
 inline Vec vdiv(Vec a, Vec b) { return _mm256_div_ps(a, b); }
 inline Vec vmax(Vec a, Vec b) { return _mm256_max_ps(a, b); }
+inline Vec vabs(Vec x) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x); }
+inline Vec vcopysign(Vec magnitude, Vec sign) {
+  return _mm256_or_ps(magnitude, _mm256_and_ps(_mm256_set1_ps(-0.0f), sign));
+}
+inline Vec vselect_below(Vec x, float limit, Vec below, Vec otherwise) {
+  return _mm256_blendv_ps(otherwise, below, _mm256_cmp_ps(x, _mm256_set1_ps(limit), _CMP_LT_OQ));
+}
 inline float hmax(Vec v) {
   __m128 a = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   a = _mm_max_ps(a, _mm_movehl_ps(a, a));
@@ -159,6 +173,9 @@ inline Vec vadd(Vec a, Vec b) { return a + b; }
 inline Vec vsub(Vec a, Vec b) { return a - b; }
 inline Vec vdiv(Vec a, Vec b) { return a / b; }
 inline Vec vmax(Vec a, Vec b) { return a > b ? a : b; }
+inline Vec vabs(Vec x) { return std::fabs(x); }
+inline Vec vcopysign(Vec magnitude, Vec sign) { return std::copysign(magnitude, sign); }
+inline Vec vselect_below(Vec x, float limit, Vec below, Vec otherwise) { return x < limit ? below : otherwise; }
 inline float hmax(Vec v) { return v; }
 inline float hsum(Vec v) { return v; }
 inline Vec vexp(Vec x) { return std::exp(x); }
@@ -169,14 +186,7 @@ static_assert(kChunk % kLanes == 0 && kGroup % kLanes == 0, "a chunk is whole ve
 
 // tanh, lane by lane: below |x| = 0.55 its odd Taylor polynomial to x^15 (the next term is under 4e-8 of x there),
 // above it (1 - e^(-2|x|)) / (1 + e^(-2|x|)) with the sign of x (no cancellation: e^(-2|x|) < 1/3).
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 inline Vec vtanh(Vec x) {
-  const Vec sign_bit = vset(-0.0f);
-#if defined(__AVX512F__)
-  const Vec magnitude = _mm512_andnot_ps(sign_bit, x);
-#else
-  const Vec magnitude = _mm256_andnot_ps(sign_bit, x);
-#endif
   const Vec x2 = vmul(x, x);
   Vec p = vset(-929569.0f / 638512875.0f);
   p = vfma(p, x2, vset(21844.0f / 6081075.0f));
@@ -186,19 +196,11 @@ inline Vec vtanh(Vec x) {
   p = vfma(p, x2, vset(2.0f / 15.0f));
   p = vfma(p, x2, vset(-1.0f / 3.0f));
   const Vec small = vfma(vmul(p, x2), x, x);
+  const Vec magnitude = vabs(x);
   const Vec t = vexp(vmul(magnitude, vset(-2.0f)));
-  const Vec large = vdiv(vsub(vset(1.0f), t), vadd(vset(1.0f), t));
-#if defined(__AVX512F__)
-  const Vec signed_large = _mm512_or_ps(large, _mm512_and_ps(sign_bit, x));
-  return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(magnitude, vset(0.55f), _CMP_LT_OQ), signed_large, small);
-#else
-  const Vec signed_large = _mm256_or_ps(large, _mm256_and_ps(sign_bit, x));
-  return _mm256_blendv_ps(signed_large, small, _mm256_cmp_ps(magnitude, vset(0.55f), _CMP_LT_OQ));
-#endif
+  const Vec large = vcopysign(vdiv(vsub(vset(1.0f), t), vadd(vset(1.0f), t)), x);
+  return vselect_below(magnitude, 0.55f, small, large);
 }
-#else
-inline Vec vtanh(Vec x) { return std::tanh(x); }
-#endif
 
 inline float to_float(float x) { return x; }
 inline float to_float(at::BFloat16 x) { return static_cast<float>(x); }
@@ -586,10 +588,10 @@ void softmax_step(Scratch& s, const Problem& pb, const KB& keys, const VB& value
   float* scores = s.scores + m0 * kChunk;
   gemm(count, s.queries + m0 * pb.padded, pb.padded, keys, kChunk, pb.dim, scores, kChunk, false);
   prefetcher.issue(std::numeric_limits<int64_t>::max());
+  const Vec cap = vset(pb.softcap), inverse = vset(pb.softcap > 0.0f ? 1.0f / pb.softcap : 0.0f);
   for (int64_t m = 0; m < count; ++m) {
     float* row = scores + m * kChunk;
     if (pb.softcap > 0.0f) {
-      const Vec cap = vset(pb.softcap), inverse = vset(1.0f / pb.softcap);
       for (int v = 0; v < kChunkVecs; ++v) {
         vstore(row + v * kLanes, vmul(cap, vtanh(vmul(vload(row + v * kLanes), inverse))));
       }
