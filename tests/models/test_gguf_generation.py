@@ -43,8 +43,10 @@ def transformers_greedy(prompt_ids: dict[str, list[int]]) -> dict[str, list[int]
     transformers = pytest.importorskip("transformers")
     source = resolve_source("default")
     with pytest.MonkeyPatch.context() as patch:
-        # transformers rebuilds gguf's (pure) tensor name map once per tensor: ~6 s of the load, made once here
+        # transformers rebuilds gguf's (pure) tensor name map once per tensor (~6 s of the load) and parses the file
+        # twice, for the config and for the weights (~4 s each): both made once here
         patch.setattr(gguf, "get_tensor_name_map", functools.cache(gguf.get_tensor_name_map))
+        patch.setattr(gguf, "GGUFReader", functools.cache(gguf.GGUFReader))
         model = transformers.AutoModelForCausalLM.from_pretrained(
             source.path.parent, gguf_file=source.path.name, dtype=torch.float32
         )
