@@ -285,13 +285,22 @@ constexpr int quads_in_int16(int64_t type) {
   }
 }
 
+// The scale slots a format's DotSink keeps: a superblock's groups for the K-quants and IQ4_XS (whose builders give
+// a superblock's scales, then its blocks), else 16.
+constexpr int superblock_groups(int64_t type) {
+  switch (type) {
+    case kQ4_K: case kQ5_K: case kIQ4_XS: return 8;
+    default: return 16;  // Q6_K: 16 groups of 16 values; the block formats ask for at most four blocks' ahead
+  }
+}
+
 // The int8 arithmetic of R rows straight from decoded quads: a block's exact group sums, then its float steps.
 // kPack > 1 (AVX2, quads_in_int16): the builders deliver a block's quads of one group in order (K-quants, Q5) or
 // all in one group (4-bit formats, widened once at block_done), so kPack consecutive quads share a group.
-template <int R, bool kG16, bool kMin, int kPack = 1>
+template <int R, bool kG16, bool kMin, int kPack = 1, int kSlots = 16>
 struct DotSink {
-  static constexpr int kSlots = 16;  // scales and mins kept for a superblock's groups at most
-  static constexpr int kSlotFloats = 2 * kSlots * W;  // the caller's buffer (`slots`)
+  // kSlots: scales and mins kept (a power of two, at least a superblock's groups); a K-quant's own group count
+  // makes a group's slot a constant of the unrolled builder, not a ring position computed and kept per group
   static constexpr int64_t kSize = kG16 ? 16 : 32;
   // The rows' activations from the chunk's first block on, read through pointers taken once (the kernel's loop
   // then keeps its sums and results in registers).
@@ -342,21 +351,22 @@ struct DotSink {
     }
   }
 #endif
-  void scale(int64_t group, VF v) { store_f(scales + group % kSlots * W, v); }
-  void min(int64_t group, VF v) { store_f(scales + (kSlots + group % kSlots) * W, v); }
+  static int64_t slot(int64_t group) { return static_cast<int64_t>(static_cast<uint64_t>(group) % kSlots); }
+  void scale(int64_t group, VF v) { store_f(scales + slot(group) * W, v); }
+  void min(int64_t group, VF v) { store_f(scales + (kSlots + slot(group)) * W, v); }
   __attribute__((always_inline)) void block_done(int64_t block) {
 #if !defined(STATELM_GGUF_VNNI)
     if constexpr (kPack == 8) widen(sums[0]);
 #endif
     constexpr int64_t kGroups = kBlock / kSize;  // a block's groups
     for (int h = 0; h < kGroups; ++h) {
-      const int64_t group = kGroups * block + h, slot = group % kSlots;
-      const VF s = load_f(scales + slot * W);
+      const int64_t group = kGroups * block + h, at_slot = slot(group);
+      const VF s = load_f(scales + at_slot * W);
       for (int r = 0; r < R; ++r) {
         const int64_t at = r * (k / kSize) + group;
         const int32_t offset_sum = offset ? offset * level_sums[at] : 0;
         acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, s, dx[r * (k / kBlock) + block],
-                                  scales + (kSlots + slot) * W, kMin ? sx[at] : 0.0f);
+                                  scales + (kSlots + at_slot) * W, kMin ? sx[at] : 0.0f);
         sums[h][r] = zero();
       }
     }
@@ -668,17 +678,19 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
   const Format& f = *part.format;
-  alignas(64) float slots[DotSink<R, kG16, kMin>::kSlotFloats];  // the sink's scales and mins
+  constexpr int kSlots = superblock_groups(kType);
+  alignas(64) float slots[2 * kSlots * W];  // the sink's scales and mins
   if constexpr (kAskAhead && (R > 1 || asks_ahead_at_one_row(kType))) {  // VNNI (one row: see asks_ahead_at_one_row)
-    AskingSink<DotSink<R, kG16, kMin>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false, acc, slots);
+    AskingSink<DotSink<R, kG16, kMin, 1, kSlots>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false,
+                                                       acc, slots);
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
   } else {
 #if defined(STATELM_GGUF_VNNI)
-    DotSink<R, kG16, kMin> sink(x, first / kBlock, f.offset, false, acc, slots);
+    DotSink<R, kG16, kMin, 1, kSlots> sink(x, first / kBlock, f.offset, false, acc, slots);
 #else
-    DotSink<R, kG16, kMin, quads_in_int16(kType)> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow, acc,
-                                                       slots);
+    DotSink<R, kG16, kMin, quads_in_int16(kType), kSlots> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow,
+                                                               acc, slots);
 #endif
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
