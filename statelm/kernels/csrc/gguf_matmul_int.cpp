@@ -30,18 +30,16 @@ constexpr int kRowsPerTile = IntRows::kGroupRows;
 #if defined(STATELM_GGUF_AVX2)
 using namespace simd;
 
-// acc[r] += the float steps of block b's groups (kb in K) for R rows, in K order.
+// acc[r] += the float step of group h of block b (kb in K) for R rows; a block's groups in K order.
 template <int R, bool kG16, bool kMin>
-inline void add_groups(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t b, int64_t kb, int offset,
-                       V sums[2][R], VF acc[R]) {
-  for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
-    const int64_t size = kG16 ? 16 : 32, group = kG16 ? 2 * kb + h : kb, tile_group = kG16 ? 2 * b + h : b;
-    const VF scales = load_f(t.scales + tile_group * W);
-    for (int r = 0; r < R; ++r) {
-      const int32_t offset_sum = offset ? offset * x.sum(m0 + r, group, size) : 0;
-      acc[r] = group_step<kMin>(acc[r], sums[h][r], offset_sum, scales, x.scale(m0 + r, kb), t.mins + tile_group * W,
-                                kMin ? x.sx(m0 + r, group, size) : 0.0f);
-    }
+inline void add_group(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t b, int64_t kb, int h, int offset,
+                      const V sums[R], VF acc[R]) {
+  const int64_t size = kG16 ? 16 : 32, group = kG16 ? 2 * kb + h : kb, tile_group = kG16 ? 2 * b + h : b;
+  const VF scales = load_f(t.scales + tile_group * W);
+  for (int r = 0; r < R; ++r) {
+    const int32_t offset_sum = offset ? offset * x.sum(m0 + r, group, size) : 0;
+    acc[r] = group_step<kMin>(acc[r], sums[r], offset_sum, scales, x.scale(m0 + r, kb), t.mins + tile_group * W,
+                              kMin ? x.sx(m0 + r, group, size) : 0.0f);
   }
 }
 #endif
@@ -77,59 +75,59 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         }
       }
     }
-    add_groups<R, kG16, kMin>(t, x, m0, b, kb, t.offset, sums, a);
+    for (int h = 0; h < (kG16 ? 2 : 1); ++h) add_group<R, kG16, kMin>(t, x, m0, b, kb, h, t.offset, sums[h], a);
   }
   for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
 }
 #elif defined(STATELM_GGUF_AVX2)
 // R rows: int16 pairs with vpmaddwd; narrow uint8 levels + offset with vpmaddubsw, two quads' pair sums added in
-// int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x.
+// int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x. A block
+// of two groups (Q6_K) finishes its first group's sums and float step before the second's, so that R rows need R
+// accumulators (16 registers: two groups' 2R spilled at R = 8).
 template <int R, bool kInt16, bool kG16, bool kMin>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
   const bool wide = !kInt16 && !t.format->narrow;
   constexpr int kWords = kInt16 ? 16 : 8;  // words of a block's activations a row
+  constexpr int kGroups = kG16 ? 2 : 1;
+  constexpr int kGroupWords = kWords / kGroups;
   constexpr int64_t G = IntRows::kGroupRows;
   const int32_t* group = x.grouped.data() + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
+  const int offset = wide ? 0 : t.offset;
   VF a[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
   for (int64_t b = 0; b < t.blocks; ++b) {
     const int64_t kb = block0 + b;
     const int32_t* xs = group + kb * kWords * G;  // the rows' words of block kb: [word][G]
-    V sums[2][R];
-    for (int r = 0; r < R; ++r) sums[0][r] = sums[1][r] = zero();
-    if constexpr (kInt16) {
+    for (int h = 0; h < kGroups; ++h) {
+      V sums[R];
+      for (int r = 0; r < R; ++r) sums[r] = zero();
+      if constexpr (kInt16) {
 #pragma GCC unroll 16
-      for (int pair = 0; pair < 16; ++pair) {
-        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * 2 * W * kBlock + pair * 32));
-        const int half = kG16 && pair >= 8 ? 1 : 0;
-        for (int r = 0; r < R; ++r) {
-          const __m256i xr = _mm256_set1_epi32(xs[pair * G + r]);
-          sums[half][r] = _mm256_add_epi32(sums[half][r], _mm256_madd_epi16(w, xr));
+        for (int pair = kGroupWords * h; pair < kGroupWords * (h + 1); ++pair) {
+          const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * 2 * W * kBlock + pair * 32));
+          for (int r = 0; r < R; ++r) {
+            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(w, _mm256_set1_epi32(xs[pair * G + r])));
+          }
         }
-      }
-    } else if (wide) {
+      } else if (wide) {
 #pragma GCC unroll 8
-      for (int quad = 0; quad < 8; ++quad) {
-        const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
-        const int half = kG16 && quad >= 4 ? 1 : 0;
-        for (int r = 0; r < R; ++r) {
-          sums[half][r] = dot_wide(sums[half][r], w, xs[quad * G + r]);
+        for (int quad = kGroupWords * h; quad < kGroupWords * (h + 1); ++quad) {
+          const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
+          for (int r = 0; r < R; ++r) sums[r] = dot_wide(sums[r], w, xs[quad * G + r]);
         }
-      }
-    } else {
+      } else {
 #pragma GCC unroll 4
-      for (int quad = 0; quad < 8; quad += 2) {
-        const uint8_t* w = t.levels + b * W * kBlock + quad * 32;
-        const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
-        const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
-        const int half = kG16 && quad >= 4 ? 1 : 0;
-        for (int r = 0; r < R; ++r) {
-          sums[half][r] = widen_pairs(sums[half][r], add16(pair_sums(w0, xs[quad * G + r]),
-                                                           pair_sums(w1, xs[(quad + 1) * G + r])));
+        for (int quad = kGroupWords * h; quad < kGroupWords * (h + 1); quad += 2) {
+          const uint8_t* w = t.levels + b * W * kBlock + quad * 32;
+          const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
+          const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
+          for (int r = 0; r < R; ++r) {
+            sums[r] = widen_pairs(sums[r], add16(pair_sums(w0, xs[quad * G + r]), pair_sums(w1, xs[(quad + 1) * G + r])));
+          }
         }
       }
+      add_group<R, kG16, kMin>(t, x, m0, b, kb, h, offset, sums, a);
     }
-    add_groups<R, kG16, kMin>(t, x, m0, b, kb, wide ? 0 : t.offset, sums, a);
   }
   for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
 }
