@@ -17,6 +17,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from statelm.api.errors import APIError
 from statelm.server.errors import error_response
+from statelm.server.http_middleware import HttpMiddleware
 from statelm.sessions.ownership import LOCAL, Principal, acting_as
 
 log = logging.getLogger(__name__)
@@ -103,7 +104,7 @@ def presented_key(headers: Mapping[bytes, bytes]) -> str | None:
     return key or None
 
 
-class AuthMiddleware:
+class AuthMiddleware(HttpMiddleware):
     """Serves each request as the principal of its key; 401 for a protected route without an accepted key.
 
     Without a key ring every request acts as the one local user.
@@ -112,16 +113,13 @@ class AuthMiddleware:
     def __init__(
         self, app: ASGIApp, keys: KeyRing | None, public_paths: frozenset[str], public_prefixes: tuple[str, ...] = ()
     ) -> None:
-        self.app = app
+        super().__init__(app)
         self.keys = keys
         self.public_paths = public_paths
         self.public_prefixes = public_prefixes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Run the request as its caller, or answer 401."""
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
         principal = self._principal(scope)
         if principal is None:
             await self._refuse(scope, receive, send)

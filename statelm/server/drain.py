@@ -18,6 +18,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from statelm.api.errors import APIError
 from statelm.server.errors import error_response
+from statelm.server.http_middleware import HttpMiddleware
 
 log = logging.getLogger(__name__)
 
@@ -35,17 +36,17 @@ class DrainGate:
         return str(max(1, math.ceil(self.timeout_s)))
 
 
-class DrainMiddleware:
+class DrainMiddleware(HttpMiddleware):
     """Answers 503 with Retry-After once the gate drains (except on exempt paths) and counts requests in flight."""
 
     def __init__(self, app: ASGIApp, gate: DrainGate, exempt_paths: frozenset[str]) -> None:
-        self.app = app
+        super().__init__(app)
         self.gate = gate
         self.exempt_paths = exempt_paths
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on, counted, or turn it away while draining."""
-        if scope["type"] != "http" or scope["path"] in self.exempt_paths:
+        if scope["path"] in self.exempt_paths:
             await self.app(scope, receive, send)
             return
         if self.gate.draining:

@@ -13,6 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from statelm.api.errors import APIError
 from statelm.api.limits import GenerationLimits
 from statelm.server.errors import error_response
+from statelm.server.http_middleware import HttpMiddleware
 
 CAPPED_PATHS = frozenset(  # generation bodies
     {
@@ -52,19 +53,16 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
     return b"".join(chunks)
 
 
-class RequestLimitMiddleware:
+class RequestLimitMiddleware(HttpMiddleware):
     """Reads each request body up to max_body_bytes (413 past it) and checks capped routes' bodies against limits."""
 
     def __init__(self, app: ASGIApp, max_body_bytes: int, limits: GenerationLimits) -> None:
-        self.app = app
+        super().__init__(app)
         self.max_body_bytes = max_body_bytes
         self.limits = limits
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Pass the request on with its body buffered, or answer with the limit it breaks."""
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
         try:
             body = await self._read_body(scope, receive)
             if len(body) > OFF_LOOP_BYTES:  # parsing a large body would hold up every other request

@@ -5,8 +5,10 @@ from __future__ import annotations
 from prometheus_client import Counter
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from statelm.server.http_middleware import HttpMiddleware
 
-class ResponseCountMiddleware:
+
+class ResponseCountMiddleware(HttpMiddleware):
     """Adds one to `counter` (labels: the matched route's path or `unmatched`, the status) per HTTP response.
 
     Starlette's function middleware (`@app.middleware("http")`) would pass every streamed chunk through a task and
@@ -14,14 +16,11 @@ class ResponseCountMiddleware:
     """
 
     def __init__(self, app: ASGIApp, counter: Counter) -> None:
-        self.app = app
+        super().__init__(app)
         self.counter = counter
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         """Serve the request, counting its response when it starts."""
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
 
         async def counting_send(message: Message) -> None:
             if message["type"] == "http.response.start":
