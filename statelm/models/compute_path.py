@@ -12,6 +12,7 @@ and the fused linears of its weight map (`linear_groups`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
@@ -130,6 +131,8 @@ def install_packed(model: LlamaForCausalLM, packed: dict[str, PackedWeight]) -> 
     if embed is not None:
         model.embed_tokens = PackedEmbedding(embed)
     head = packed.get("lm_head.weight", embed if model.lm_head is None else None)
+    if head is not None and head is embed:  # tied: the lookups keep reading the file's rows the head copies
+        head = type(head)([dataclasses.replace(part, read_in_place=True) for part in head.parts])
     if head is not None:
         model.packed_head = PackedLinear(head, None, model.chunking)
         model.lm_head = None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from statelm.config import EngineConfig
-from statelm.engine.builder import create_engine
+from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel, load_model, resolve_source
@@ -83,3 +83,16 @@ def test_batched_and_alone_agree(
 ) -> None:
     alone = {rid: generate(engine, {rid: ids}, GREEDY)[rid] for rid, ids in prompt_ids.items()}
     assert batched == alone
+
+
+def test_the_tied_head_is_copied_and_the_lookups_rows_stay_cached() -> None:
+    """SmolLM2 ties its LM head to the embedding: packed, the head reads an interleaved copy, and the file's rows it
+    was copied from, which the embedding lookups still read, are only unmapped (kept in the page cache: tests/unit/
+    test_mapped_pages.py), not reclaimed."""
+    config = EngineConfig(kv_cache_memory=8 << 20)
+    model = create_engine(load_engine_model(config), config).runner.model
+    assert model.compute_path == "kernels" and model.packed_head is not None
+    head, embedding = model.packed_head.weight.parts, model.embed_tokens.weight.parts
+    assert all(part.interleaved is not None and part.read_in_place for part in head)
+    assert [part.data.data_ptr() for part in head] == [part.data.data_ptr() for part in embedding]
+    assert not any(part.read_in_place for part in embedding)
