@@ -37,7 +37,6 @@ BLOCK_TYPES = frozenset(
 )
 ARITHMETICS = {"float32": 0, "int8": 1, "int16": 2}  # the kernel's codes
 _LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_MADV_DONTNEED = 4
 _MADV_PAGEOUT = 21  # Linux 5.4+; older kernels refuse it and keep the pages
 INTERLEAVED_TYPE = 1 << 8  # a type id with this bit names an interleaved block matrix (csrc/gguf_tiles.h)
 QUANTIZE_TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization of float checkpoints
@@ -52,7 +51,6 @@ class BlockMatrix:
     in_features: int
     interleaved: torch.Tensor | None = None  # the same blocks in the kernel's interleaved layout, if made
     mapped: bool = False  # data views a mapped file: once interleaved, its pages are handed back to the OS
-    read_in_place: bool = False  # its rows are also read from data (a tied embedding's lookups): keep them cached
 
     @classmethod
     def of(
@@ -92,7 +90,7 @@ class BlockMatrix:
         if not interleaved.numel():
             return self
         if self.mapped:
-            release_pages(self.data, keep_cached=self.read_in_place)
+            release_pages(self.data)
         return dataclasses.replace(self, interleaved=interleaved)
 
     def kernel_argument(self) -> tuple[torch.Tensor, int]:
@@ -157,11 +155,10 @@ class PackedWeight:
         return torch.cat([torch.ops.statelm.gguf_dequantize(p.data, int(p.qtype), None) for p in self.parts])
 
     def embedding(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows ids [T] of the matrix, dequantized to float32 [T, in]."""
+        """Rows ids [T] of the matrix, dequantized to float32 [T, in] (from the interleaved copy where made)."""
         load_kernels()
         if len(self.parts) == 1:
-            part = self.parts[0]
-            return torch.ops.statelm.gguf_dequantize(part.data, int(part.qtype), ids)
+            return torch.ops.statelm.gguf_dequantize(*self.parts[0].kernel_argument(), ids)
         return self.dequantize()[ids]
 
     def row_slice(self, start: int, end: int) -> PackedWeight:
@@ -195,17 +192,15 @@ def matmul_groups(calls: Sequence[tuple[torch.Tensor, PackedWeight, str]]) -> li
     return list(torch.ops.statelm.gguf_matmul_groups(xs, data, types, parts, arithmetics))
 
 
-def release_pages(tensor: torch.Tensor, keep_cached: bool = False) -> None:
-    """Ask the OS to take back the resident pages wholly inside a tensor viewing a mapped file, so that a copy made of
-    it does not count twice (a hint). MADV_PAGEOUT reclaims them: what is read again comes back from the disk.
-    keep_cached (the tensor's rows are still read, as a tied embedding's are): MADV_DONTNEED only unmaps them, so a
-    row read again is a minor fault served from the page cache (measured: 19 us against 188 us a new row)."""
+def release_pages(tensor: torch.Tensor) -> None:
+    """Ask the OS to take back the resident pages wholly inside a tensor viewing a mapped file (MADV_PAGEOUT, a hint:
+    what is read again later comes back from the disk), so that a copy made of it does not count twice. Nothing
+    reads them again: lookups of a tied embedding read the copy (PackedEmbedding)."""
     page = mmap.PAGESIZE
     start = -(-tensor.data_ptr() // page) * page
     end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
     if end > start and hasattr(_LIBC, "madvise"):
-        advice = _MADV_DONTNEED if keep_cached else _MADV_PAGEOUT
-        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice)  # failure: pages stay
+        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)  # failure: pages stay
 
 
 def quantize(weight: torch.Tensor, kind: str) -> PackedWeight:

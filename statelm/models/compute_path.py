@@ -12,7 +12,6 @@ and the fused linears of its weight map (`linear_groups`).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import importlib.util
 from collections.abc import Callable
@@ -128,11 +127,9 @@ def install_packed(model: LlamaForCausalLM, packed: dict[str, PackedWeight]) -> 
                 if name in packed:
                     model.copy_weight(name, packed[name].dequantize())
     embed = packed.get("model.embed_tokens.weight")
-    if embed is not None:
-        model.embed_tokens = PackedEmbedding(embed)
     head = packed.get("lm_head.weight", embed if model.lm_head is None else None)
-    if head is not None and head is embed:  # tied: the lookups keep reading the file's rows the head copies
-        head = type(head)([dataclasses.replace(part, read_in_place=True) for part in head.parts])
     if head is not None:
         model.packed_head = PackedLinear(head, None, model.chunking)
         model.lm_head = None
+    if embed is not None:
+        model.embed_tokens = PackedEmbedding(embed, model.packed_head if head is embed else None)

@@ -107,11 +107,23 @@ def kernel_matmuls(
 
 
 class PackedEmbedding(nn.Module):
-    """Token embeddings read out of a packed weight (often shared with the LM head)."""
+    """Token embeddings read out of a packed weight, or out of the LM head's that it is tied to.
 
-    def __init__(self, weight: PackedWeight) -> None:
+    Tied, the lookups read whatever the head reads (its interleaved copy once made, whose file pages are then handed
+    back): reading the file's rows instead would bring every new token's page back from the disk, and the rows into
+    resident memory a second time.
+    """
+
+    def __init__(self, weight: PackedWeight, tied_head: PackedLinear | None = None) -> None:
         super().__init__()
-        self.weight = weight
+        self._own = weight
+        self._tied = (tied_head,)  # in a tuple: not registered as a second owner of the head's module
+
+    @property
+    def weight(self) -> PackedWeight:
+        """The packed weight the lookups read."""
+        head = self._tied[0]
+        return self._own if head is None else head.weight
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows of the embedding matrix for ids [T], dequantized to float32."""

@@ -85,14 +85,10 @@ def test_batched_and_alone_agree(
     assert batched == alone
 
 
-def test_the_tied_head_is_copied_and_the_lookups_rows_stay_cached() -> None:
-    """SmolLM2 ties its LM head to the embedding: packed, the head reads an interleaved copy, and the file's rows it
-    was copied from, which the embedding lookups still read, are only unmapped (kept in the page cache: tests/unit/
-    test_mapped_pages.py), not reclaimed."""
+def test_the_tied_embedding_looks_up_the_head_s_interleaved_copy() -> None:
+    """SmolLM2 ties its LM head to the embedding: packed, the head reads an interleaved copy (the file's pages
+    handed back) and the lookups read that copy too (tests/unit/test_mapped_pages.py)."""
     config = EngineConfig(kv_cache_memory=8 << 20)
     model = create_engine(load_engine_model(config), config).runner.model
     assert model.compute_path == "kernels" and model.packed_head is not None
-    head, embedding = model.packed_head.weight.parts, model.embed_tokens.weight.parts
-    assert all(part.interleaved is not None and part.read_in_place for part in head)
-    assert [part.data.data_ptr() for part in head] == [part.data.data_ptr() for part in embedding]
-    assert not any(part.read_in_place for part in embedding)
+    assert model.embed_tokens.weight is model.packed_head.weight and model.packed_head.weight.interleaved

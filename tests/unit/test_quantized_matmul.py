@@ -145,6 +145,8 @@ def test_interleaved_blocks_give_the_bits_of_the_blocks_in_place(qtype: Q) -> No
     again = interleaved.interleave()  # an interleaved matrix is not copied again
     assert all(a.interleaved is b.interleaved for a, b in zip(again.parts, interleaved.parts, strict=True))
     assert torch.equal(interleaved.dequantize(), dense)
+    ids = torch.tensor([44, 0, 8, 7, 40, 8])  # the padded last tile, tile edges, a repeat
+    assert torch.equal(interleaved.embedding(ids), dense[ids])  # lookups gather rows back out of the copy
     x = torch.randn(37, weight.in_features, generator=torch.Generator().manual_seed(12))
     for arithmetic in ARITHMETICS:
         alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(37)])

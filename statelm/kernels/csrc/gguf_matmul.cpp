@@ -310,14 +310,20 @@ std::vector<at::Tensor> gguf_matmul_groups(at::TensorList xs, at::TensorList wei
   return ys;
 }
 
-// Rows (all, or those listed) of one block matrix as float32, w = S*q (+ O) exactly as gguf-py dequantizes.
+// Rows (all, or those listed) of one block matrix as float32, w = S*q (+ O) exactly as gguf-py dequantizes; `type`
+// with kInterleavedType: the matrix in gguf_interleave's layout, each row gathered back into the file's bytes.
 at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, const c10::optional<at::Tensor>& rows) {
-  const Format* f = find_format(type);
+  const bool interleaved = (type & kInterleavedType) != 0;
+  const Format* f = find_format(type & ~kInterleavedType);
   TORCH_CHECK(f != nullptr, "gguf_dequantize: ggml type ", type, " is not a supported block format");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
               "gguf_dequantize: weight must be uint8 [rows, row bytes] with contiguous rows");
-  TORCH_CHECK(weight.size(1) % f->bytes == 0, "gguf_dequantize: rows are not whole ", f->name, " blocks");
-  const int64_t k = weight.size(1) / f->bytes * f->values;
+  const int64_t row_bytes = interleaved ? file_row_bytes(*f, weight.size(1)) : weight.size(1);
+  TORCH_CHECK(!interleaved || (interleavable(*f, row_bytes) && interleaved_row_bytes(*f, row_bytes) == weight.size(1) &&
+                               weight.stride(0) == weight.size(1)),
+              "gguf_dequantize: not a contiguous interleaved ", f->name, " matrix here");
+  TORCH_CHECK(row_bytes % f->bytes == 0, "gguf_dequantize: rows are not whole ", f->name, " blocks");
+  const int64_t k = row_bytes / f->bytes * f->values;
   at::Tensor index = rows.has_value() ? rows->to(at::kLong).contiguous() : at::arange(weight.size(0), at::kLong);
   const int64_t count = index.numel();
   const int64_t* ids = index.data_ptr<int64_t>();
@@ -330,8 +336,13 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, const c10::op
   statelm::parallel_for(count, std::max<int64_t>(1, 65536 / k), [&](int64_t begin, int64_t end) {
     int8_t q[kMaxBlockValues];
     float scales[kMaxBlockValues / 16], mins[kMaxBlockValues / 16];
+    std::vector<uint8_t> gathered(interleaved ? row_bytes : 0);
     for (int64_t i = begin; i < end; ++i) {
       const uint8_t* row = data + ids[i] * weight.stride(0);
+      if (interleaved) {
+        gather_row(*f, data, ids[i], row_bytes, gathered.data());
+        row = gathered.data();
+      }
       for (int64_t b = 0; b < k / f->values; ++b) {
         f->decode(row + b * f->bytes, q, scales, mins);
         float* w = dst + i * k + b * f->values;

@@ -874,6 +874,34 @@ int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes) {
   return row_bytes / f.bytes * stored_block(f.type).stored;
 }
 
+int64_t file_row_bytes(const Format& f, int64_t interleaved_bytes) {
+  const int64_t stored = stored_block(f.type).stored;
+  return stored == 0 ? 0 : interleaved_bytes / stored * f.bytes;
+}
+
+void gather_row(const Format& f, const uint8_t* tiles, int64_t row, int64_t row_bytes, uint8_t* out) {
+  const StoredBlock layout = stored_block(f.type);
+  const int64_t words = row_bytes / f.bytes * layout.stored / 4, lane = row % W;
+  const uint8_t* tile = tiles + row / W * W * words * 4;
+  std::vector<uint8_t> stored(words * 4);
+  for (int64_t j = 0; j < words; ++j) std::memcpy(stored.data() + 4 * j, tile + (j * W + lane) * 4, 4);
+  const int64_t bytes = layout.bytes;
+  for (int64_t at = 0; at < row_bytes; at += layout.unit()) {  // store_row's copies, reversed
+    uint8_t* unit = out + at;
+    const uint8_t* in = stored.data() + at / layout.unit() * layout.unit_stored();
+    if (layout.paired) {
+      std::memcpy(unit, in, 2);
+      std::memcpy(unit + bytes, in + 2, 2);
+      std::memcpy(unit + 2, in + 4, bytes - 2);
+      std::memcpy(unit + bytes + 2, in + 2 + bytes, bytes - 2);
+    } else {
+      const int64_t head = bytes - layout.tail, padding = layout.stored - bytes;
+      std::memcpy(unit + head, in, layout.tail);
+      std::memcpy(unit, in + layout.tail + padding, head);
+    }
+  }
+}
+
 // One row in the stored layout (StoredBlock): its units field by field, padding zeroed.
 void store_row(const StoredBlock& layout, const uint8_t* row, int64_t row_bytes, uint8_t* stored) {
   const int64_t bytes = layout.bytes;

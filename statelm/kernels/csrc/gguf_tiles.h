@@ -56,6 +56,10 @@ bool interleavable(const Format& f, int64_t row_bytes);
 // The bytes of an interleaved part's chunk (empty for a part in place).
 Ahead chunk_bytes(const Part& part, int64_t column, int64_t first, int64_t values);
 int64_t interleaved_row_bytes(const Format& f, int64_t row_bytes);
+// The bytes a row of the file holds whose interleaved row holds interleaved_bytes (0 for a format never interleaved).
+int64_t file_row_bytes(const Format& f, int64_t interleaved_bytes);
+// Row `row` of an interleaved block matrix (tiles: its first byte) as the file stores it: row_bytes bytes into out.
+void gather_row(const Format& f, const uint8_t* tiles, int64_t row, int64_t row_bytes, uint8_t* out);
 void interleave_blocks(const Format& f, const uint8_t* rows, int64_t count, int64_t row_bytes, int64_t stride,
                        uint8_t* out);
 
