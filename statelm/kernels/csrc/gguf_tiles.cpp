@@ -879,46 +879,45 @@ int64_t file_row_bytes(const Format& f, int64_t interleaved_bytes) {
   return stored == 0 ? 0 : interleaved_bytes / stored * f.bytes;
 }
 
+// Calls move(file offset, stored offset, bytes) for each run of a unit's bytes that lies together in the file's
+// layout and in the stored one (StoredBlock): store_row moves a row's units one way, gather_row back.
+template <class Move>
+void unit_runs(const StoredBlock& layout, Move&& move) {
+  const int64_t bytes = layout.bytes;
+  if (layout.paired) {  // d0, d1 | qs0 | qs1
+    move(0, 0, 2);
+    move(bytes, 2, 2);
+    move(2, 4, bytes - 2);
+    move(bytes + 2, 2 + bytes, bytes - 2);
+  } else {  // the block's last `tail` bytes, padding, the rest
+    const int64_t head = bytes - layout.tail;
+    move(head, 0, layout.tail);
+    move(0, layout.stored - head, head);
+  }
+}
+
+// One row in the stored layout: its units field by field, padding zeroed.
+void store_row(const StoredBlock& layout, const uint8_t* row, int64_t row_bytes, uint8_t* stored) {
+  std::memset(stored, 0, row_bytes / layout.unit() * layout.unit_stored());
+  for (int64_t at = 0; at < row_bytes; at += layout.unit()) {
+    uint8_t* out = stored + at / layout.unit() * layout.unit_stored();
+    unit_runs(layout, [&](int64_t file, int64_t kept, int64_t count) {
+      std::memcpy(out + kept, row + at + file, count);
+    });
+  }
+}
+
 void gather_row(const Format& f, const uint8_t* tiles, int64_t row, int64_t row_bytes, uint8_t* out) {
   const StoredBlock layout = stored_block(f.type);
   const int64_t words = row_bytes / f.bytes * layout.stored / 4, lane = row % W;
   const uint8_t* tile = tiles + row / W * W * words * 4;
   std::vector<uint8_t> stored(words * 4);
   for (int64_t j = 0; j < words; ++j) std::memcpy(stored.data() + 4 * j, tile + (j * W + lane) * 4, 4);
-  const int64_t bytes = layout.bytes;
-  for (int64_t at = 0; at < row_bytes; at += layout.unit()) {  // store_row's copies, reversed
-    uint8_t* unit = out + at;
-    const uint8_t* in = stored.data() + at / layout.unit() * layout.unit_stored();
-    if (layout.paired) {
-      std::memcpy(unit, in, 2);
-      std::memcpy(unit + bytes, in + 2, 2);
-      std::memcpy(unit + 2, in + 4, bytes - 2);
-      std::memcpy(unit + bytes + 2, in + 2 + bytes, bytes - 2);
-    } else {
-      const int64_t head = bytes - layout.tail, padding = layout.stored - bytes;
-      std::memcpy(unit + head, in, layout.tail);
-      std::memcpy(unit, in + layout.tail + padding, head);
-    }
-  }
-}
-
-// One row in the stored layout (StoredBlock): its units field by field, padding zeroed.
-void store_row(const StoredBlock& layout, const uint8_t* row, int64_t row_bytes, uint8_t* stored) {
-  const int64_t bytes = layout.bytes;
   for (int64_t at = 0; at < row_bytes; at += layout.unit()) {
-    const uint8_t* unit = row + at;
-    uint8_t* out = stored + at / layout.unit() * layout.unit_stored();
-    if (layout.paired) {
-      std::memcpy(out, unit, 2);
-      std::memcpy(out + 2, unit + bytes, 2);
-      std::memcpy(out + 4, unit + 2, bytes - 2);
-      std::memcpy(out + 2 + bytes, unit + bytes + 2, bytes - 2);
-    } else {
-      const int64_t head = bytes - layout.tail, padding = layout.stored - bytes;
-      std::memcpy(out, unit + head, layout.tail);
-      std::memset(out + layout.tail, 0, padding);
-      std::memcpy(out + layout.tail + padding, unit, head);
-    }
+    const uint8_t* in = stored.data() + at / layout.unit() * layout.unit_stored();
+    unit_runs(layout, [&](int64_t file, int64_t kept, int64_t count) {
+      std::memcpy(out + at + file, in + kept, count);
+    });
   }
 }
 
