@@ -290,7 +290,7 @@ constexpr int quads_in_int16(int64_t type) {
 constexpr int superblock_groups(int64_t type) {
   switch (type) {
     case kQ4_K: case kQ5_K: case kIQ4_XS: return 8;
-    default: return 16;  // Q6_K: 16 groups of 16 values; the block formats ask for at most four blocks' ahead
+    default: return 16;  // Q6_K: 16 groups of 16 values; the block formats give at most four blocks' scales ahead
   }
 }
 
@@ -911,10 +911,10 @@ void gather_row(const Format& f, const uint8_t* tiles, int64_t row, int64_t row_
   const StoredBlock layout = stored_block(f.type);
   const int64_t words = row_bytes / f.bytes * layout.stored / 4, lane = row % W;
   const uint8_t* tile = tiles + row / W * W * words * 4;
-  std::vector<uint8_t> stored(words * 4);
-  for (int64_t j = 0; j < words; ++j) std::memcpy(stored.data() + 4 * j, tile + (j * W + lane) * 4, 4);
+  uint8_t* stored = scratch<uint8_t, 8>(words * 4);  // the row in the stored layout
+  for (int64_t j = 0; j < words; ++j) std::memcpy(stored + 4 * j, tile + (j * W + lane) * 4, 4);
   for (int64_t at = 0; at < row_bytes; at += layout.unit()) {
-    const uint8_t* in = stored.data() + at / layout.unit() * layout.unit_stored();
+    const uint8_t* in = stored + at / layout.unit() * layout.unit_stored();
     unit_runs(layout, [&](int64_t file, int64_t kept, int64_t count) {
       std::memcpy(out + at + file, in + kept, count);
     });
