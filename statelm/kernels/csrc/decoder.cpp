@@ -146,7 +146,7 @@ at::Tensor qk_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 // the router's probabilities, each token's top-k experts ascending, the (token, slot) pairs grouped by expert, every
 // chosen expert's gate+up and then down projections of its tokens in one gguf_matmul_groups call each, and each
 // token's weighted sum of its experts (expert_sum).
-// The linears point into the PreparedLayers's own list.
+// The linears point into the PreparedLayers' own list.
 struct Experts {
   at::Tensor router;                     // [E, H] float32, or undefined: then
   const Linear* packed_router = nullptr;  // its blocks
@@ -233,9 +233,9 @@ struct PreparedLayers : torch::CustomClassHolder {
   double eps, scale, softcap, residual_multiplier;
 
   PreparedLayers(const c10::List<c10::optional<at::Tensor>>& tensor_list, std::vector<at::Tensor> blocks,
-               std::vector<int64_t> block_types, std::vector<int64_t> parts, at::Tensor final_norm_weight,
-               std::vector<int64_t> dims, std::vector<int64_t> experts_per_layer, std::vector<int64_t> layer_kinds,
-               double eps_, double scale_, double softcap_, double residual_multiplier_)
+                 std::vector<int64_t> block_types, std::vector<int64_t> parts, at::Tensor final_norm_weight,
+                 std::vector<int64_t> dims, std::vector<int64_t> experts_per_layer, std::vector<int64_t> layer_kinds,
+                 double eps_, double scale_, double softcap_, double residual_multiplier_)
       : expert_counts(std::move(experts_per_layer)),
         kinds(std::move(layer_kinds)),
         final_norm(std::move(final_norm_weight)),
