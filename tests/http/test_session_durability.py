@@ -6,6 +6,7 @@ Crashes themselves (SIGKILL of a real server) are in tests/e2e/test_crash_recove
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import time
 from pathlib import Path
@@ -96,9 +97,19 @@ def test_spill_and_off_write_no_journal(tiny_model: Path, tmp_path: Path, durabi
 
 
 def crashed(state: Path, into: Path) -> Path:
-    """What a crash would leave now: the state dir as it is while the server runs, copied before any graceful save."""
-    shutil.copytree(state, into)
+    """What a crash would leave now: the state dir as it is while the server runs, copied before any graceful save.
+
+    A file the server removes while the copy runs (a deleted chain's journal) is left out, as a crash after its
+    removal would leave it.
+    """
+    shutil.copytree(state, into, copy_function=_copy_unless_removed)
     return into
+
+
+def _copy_unless_removed(source: str, target: str) -> None:
+    """Copy one file of the state dir, or nothing if the running server removed it since it was listed."""
+    with contextlib.suppress(FileNotFoundError):
+        shutil.copy2(source, target)
 
 
 @pytest.mark.parametrize("durability", ["turn", "spill"])
