@@ -147,9 +147,10 @@ class EngineConfig:
     activations: str = setting(
         "auto",
         help="Packed (quantized) matmuls, prompt tokens' rows / generated tokens' rows: auto (int8 for models of about"
-        " 1B parameters and up, int16-prompt below) | int8 (both quantized per 32 values, as llama.cpp computes: about"
-        " 3% of next tokens differ from float32's) | int16-prompt (int16 / int8: float32's next tokens in 99.9% of"
-        " positions, prompts at about half int8's rate) | int8-decode (float32 / int8) | float32 (both).",
+        " 1B parameters and up, int16-prompt below) | int8 (both quantized per 32 values, per 256 on K-quant blocks,"
+        " as llama.cpp computes: about 3% of next tokens differ from float32's) | int16-prompt (int16 / int8:"
+        " float32's next tokens in 99.9% of positions, prompts at about half int8's rate) | int8-decode (float32 /"
+        " int8) | float32 (both).",
     )
     repack: bool = setting(
         True,

@@ -7,9 +7,10 @@ columns' rows side by side, word by word, as llama.cpp's CPU back end repacks it
 results are bit-identical either way. The kernel (csrc/gguf_matmul*.cpp) decodes the blocks of a
 few output columns at a time into a small per-thread buffer and multiplies them with one of three arithmetics
 (`ARITHMETICS`): `float32` (the float model's: the weights as gguf-py dequantizes them, times float32
-activations), `int8` (activations quantized per row and block of 32 values, as llama.cpp's CPU kernels do, every
-group's dot product exact in integers) or `int16` (the same with 16-bit activations: within float rounding of
-`float32`, at near-int8 speed). Every arithmetic gives a row the same bits whatever the batch and the CPU class.
+activations), `int8` (activations quantized per row and block of 32 values, of 256 for the K-quants and IQ4_XS, as
+llama.cpp's CPU kernels do, every group's dot product exact in integers and a superblock's groups summed in
+integers) or `int16` (the same with 16-bit activations: within float rounding of `float32`, at near-int8 speed).
+Every arithmetic gives a row the same bits whatever the batch and the CPU class.
 
 Formats read natively: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS
 (`BLOCK_TYPES`). A float checkpoint quantized at load (`--quantization int8|int4`) becomes Q8_0 or Q4_1 blocks,

@@ -89,9 +89,9 @@ AUTO_INT8_WEIGHTS = 500_000_000
 
 def use_activations(model: LlamaForCausalLM, activations: str) -> int:
     """How packed linears on the kernels path treat activations, prompt rows and generated rows (a key of
-    ACTIVATIONS: `float32`, `int8` per 32 values, `int8-decode` or `int16-prompt`, or `auto`: int8 from
-    AUTO_INT8_WEIGHTS weights on, else int16-prompt; model.activations says which); returns how many packed linears
-    there are (none: the setting changes nothing)."""
+    ACTIVATIONS: `float32`, `int8` (per 32 values, 256 on K-quant blocks), `int8-decode` or `int16-prompt`, or
+    `auto`: int8 from AUTO_INT8_WEIGHTS weights on, else int16-prompt; model.activations says which); returns how
+    many packed linears there are (none: the setting changes nothing)."""
     if activations != "auto" and activations not in ACTIVATIONS:
         raise ValueError(f"unknown activations {activations!r}; choose auto, {', '.join(ACTIVATIONS)}")
     packed = [module for module in model.modules() if isinstance(module, PackedLinear)]

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from gguf.quants import quantize as gguf_quantize
@@ -40,11 +41,12 @@ def matrix(qtype: Q, rows: int, cols: int, seed: int) -> tuple[PackedWeight, tor
     return PackedWeight([BlockMatrix.of(qtype, raw, (rows, cols))]), torch.from_numpy(dense)
 
 
-def seen_activations(x: torch.Tensor, arithmetic: str) -> torch.Tensor:
-    """x as the kernel multiplies it, in float64: per row and block of 32, round(x * L / amax) * (amax / L)."""
+def seen_activations(x: torch.Tensor, arithmetic: str, span: int = 32) -> torch.Tensor:
+    """x as the kernel multiplies it, in float64: per row and span of values (32; int8 on a 256-value format, 256),
+    round(x * L / amax) * (amax / L)."""
     if arithmetic == "float32":
         return x.double()
-    blocks = x.view(x.shape[0], -1, 32)
+    blocks = x.view(x.shape[0], -1, span if arithmetic == "int8" else 32)
     amax = blocks.abs().amax(dim=-1, keepdim=True)
     inverse = torch.where(amax > 0, LIMITS[arithmetic] / amax, torch.zeros_like(amax))
     levels = torch.round(blocks * inverse)  # half to even, as the kernel rounds
@@ -52,13 +54,19 @@ def seen_activations(x: torch.Tensor, arithmetic: str) -> torch.Tensor:
 
 
 def assert_matmul_close(weight: PackedWeight, dense: torch.Tensor, x: torch.Tensor) -> None:
-    """Every arithmetic against a float64 matmul of what it multiplies: only float rounding may differ; against x
-    itself, int8 within what 8-bit activations cost and int16 within 1e-4 (relative to the products' sizes)."""
+    """Every arithmetic against a float64 matmul of what it multiplies (each part's activations as its format's
+    arithmetic quantizes them): only float rounding may differ; against x itself, int8 within what 8-bit
+    activations cost and int16 within 1e-4 (relative to the products' sizes)."""
+    magnitude = (x.double().abs() @ dense.double().abs().T).max()
     for arithmetic in ARITHMETICS:
         result = weight.matmul(x, arithmetic).double()
-        seen = seen_activations(x, arithmetic)
-        magnitude = (x.double().abs() @ dense.double().abs().T).max()
-        assert float((result - seen @ dense.double().T).abs().max() / magnitude) < 1e-6, arithmetic
+        first = 0
+        for part in weight.parts:
+            columns = slice(first, first + part.data.shape[0])
+            seen = seen_activations(x, arithmetic, GGML_QUANT_SIZES[part.qtype][0])
+            error = (result[:, columns] - seen @ dense[columns].double().T).abs().max()
+            assert float(error / magnitude) < 1e-6, (arithmetic, part.qtype.name)
+            first = columns.stop
         bound = {"float32": 1e-6, "int16": 1e-4, "int8": 0.01}[arithmetic]
         assert float((result - x.double() @ dense.double().T).abs().max() / magnitude) < bound, arithmetic
 

@@ -29,7 +29,7 @@ inline void nibbles(const uint8_t* qs, int8_t* q, int bias) {
 }
 
 // Q4_K and Q5_K: eight 6-bit scales and mins packed into 12 bytes.
-inline void scale_min_k4(const uint8_t* s, int j, int* scale, int* min) {
+inline void scale_min_k4(const uint8_t* s, int j, int32_t* scale, int32_t* min) {
   if (j < 4) {
     *scale = s[j] & 63;
     *min = s[j + 4] & 63;
@@ -77,12 +77,13 @@ void decode_q8_0(const uint8_t* b, int8_t* q, float* scales, float*) {  // d, qs
 }
 
 // Q2_K: scales[16] (4-bit scale, 4-bit min per 16 values), qs[64] (2 bits a value), d, dmin.
-void decode_q2_k(const uint8_t* b, int8_t* q, float* scales, float* mins) {
+void decode_q2_k(const uint8_t* b, int8_t* q, SuperblockScales* out) {
   const uint8_t* qs = b + 16;
-  const float d = half(b + 80), dmin = half(b + 82);
+  out->d = half(b + 80);
+  out->dmin = half(b + 82);
   for (int s = 0; s < 16; ++s) {
-    scales[s] = d * static_cast<float>(b[s] & 0x0F);
-    mins[s] = -(dmin * static_cast<float>(b[s] >> 4));
+    out->scales[s] = b[s] & 0x0F;
+    out->mins[s] = b[s] >> 4;
   }
   for (int h = 0; h < 2; ++h) {
     for (int shift = 0; shift < 4; ++shift) {
@@ -92,15 +93,15 @@ void decode_q2_k(const uint8_t* b, int8_t* q, float* scales, float* mins) {
 }
 
 // Q3_K: hmask[32] (high bit, set meaning no -4), qs[64] (low 2 bits), scales[12] (16 6-bit, minus 32), d.
-void decode_q3_k(const uint8_t* b, int8_t* q, float* scales, float*) {
+void decode_q3_k(const uint8_t* b, int8_t* q, SuperblockScales* out) {
   const uint8_t* hmask = b;
   const uint8_t* qs = b + 32;
   const uint8_t* packed = b + 96;
-  const float d = half(b + 108);
+  out->d = half(b + 108);
   for (int s = 0; s < 16; ++s) {
     const int low = (s < 8 ? packed[s] : packed[s - 8] >> 4) & 0x0F;
     const int high = (packed[8 + s % 4] >> (2 * (s / 4))) & 3;
-    scales[s] = d * static_cast<float>((low | (high << 4)) - 32);
+    out->scales[s] = (low | (high << 4)) - 32;
   }
   for (int h = 0; h < 2; ++h) {
     for (int shift = 0; shift < 4; ++shift) {
@@ -114,16 +115,17 @@ void decode_q3_k(const uint8_t* b, int8_t* q, float* scales, float*) {
   }
 }
 
+// Q4_K and Q5_K: d, dmin, then eight 6-bit scales and mins in 12 bytes.
+inline void k4_header(const uint8_t* b, SuperblockScales* out) {
+  out->d = half(b);
+  out->dmin = half(b + 2);
+  for (int j = 0; j < 8; ++j) scale_min_k4(b + 4, j, &out->scales[j], &out->mins[j]);
+}
+
 // Q4_K: d, dmin, scales[12], qs[128]: bytes 32c..32c+31 hold sub-block 2c (low nibbles) and 2c+1 (high).
-void decode_q4_k(const uint8_t* b, int8_t* q, float* scales, float* mins) {
-  const float d = half(b), dmin = half(b + 2);
+void decode_q4_k(const uint8_t* b, int8_t* q, SuperblockScales* out) {
+  k4_header(b, out);
   const uint8_t* qs = b + 16;
-  for (int j = 0; j < 8; ++j) {
-    int scale, min;
-    scale_min_k4(b + 4, j, &scale, &min);
-    scales[j] = d * static_cast<float>(scale);
-    mins[j] = -(dmin * static_cast<float>(min));
-  }
   for (int c = 0; c < 4; ++c) {
     for (int i = 0; i < 32; ++i) {
       q[64 * c + i] = static_cast<int8_t>(qs[32 * c + i] & 0x0F);
@@ -133,16 +135,10 @@ void decode_q4_k(const uint8_t* b, int8_t* q, float* scales, float* mins) {
 }
 
 // Q5_K: Q4_K's fields, then qh[32] (bit j of byte i: fifth bit of sub-block j's value i), then qs[128].
-void decode_q5_k(const uint8_t* b, int8_t* q, float* scales, float* mins) {
-  const float d = half(b), dmin = half(b + 2);
+void decode_q5_k(const uint8_t* b, int8_t* q, SuperblockScales* out) {
+  k4_header(b, out);
   const uint8_t* qh = b + 16;
   const uint8_t* qs = b + 48;
-  for (int j = 0; j < 8; ++j) {
-    int scale, min;
-    scale_min_k4(b + 4, j, &scale, &min);
-    scales[j] = d * static_cast<float>(scale);
-    mins[j] = -(dmin * static_cast<float>(min));
-  }
   for (int c = 0; c < 4; ++c) {
     for (int i = 0; i < 32; ++i) {
       q[64 * c + i] = static_cast<int8_t>((qs[32 * c + i] & 0x0F) | (((qh[i] >> (2 * c)) & 1) << 4));
@@ -153,12 +149,12 @@ void decode_q5_k(const uint8_t* b, int8_t* q, float* scales, float* mins) {
 
 // Q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8, per 16 values), d. Value 128h + 32s + i
 // takes its low bits from ql[64h + 32(s % 2) + i] (low nibble for s < 2) and its high bits from qh[32h + i].
-void decode_q6_k(const uint8_t* b, int8_t* q, float* scales, float*) {
+void decode_q6_k(const uint8_t* b, int8_t* q, SuperblockScales* out) {
   const uint8_t* ql = b;
   const uint8_t* qh = b + 128;
   const int8_t* sc = reinterpret_cast<const int8_t*>(b + 192);
-  const float d = half(b + 208);
-  for (int s = 0; s < 16; ++s) scales[s] = d * static_cast<float>(sc[s]);
+  out->d = half(b + 208);
+  for (int s = 0; s < 16; ++s) out->scales[s] = sc[s];
   for (int h = 0; h < 2; ++h) {
     for (int s = 0; s < 4; ++s) {
       for (int i = 0; i < 32; ++i) {
@@ -186,14 +182,25 @@ void decode_iq4_nl(const uint8_t* b, int8_t* q, float* scales, float*) {  // d, 
 }
 
 // IQ4_XS: d, scales_h (16 bits: 2 high bits per sub-block), scales_l[4] (4 low bits), qs[128] (16 per sub-block).
-void decode_iq4_xs(const uint8_t* b, int8_t* q, float* scales, float*) {
-  const float d = half(b);
+void decode_iq4_xs(const uint8_t* b, int8_t* q, SuperblockScales* out) {
+  out->d = half(b);
   uint16_t high;
   std::memcpy(&high, b + 2, sizeof(high));
   for (int j = 0; j < 8; ++j) {
     const int low = (b[4 + j / 2] >> (4 * (j % 2))) & 0x0F;
-    scales[j] = d * static_cast<float>((low | (((high >> (2 * j)) & 3) << 4)) - 32);
+    out->scales[j] = (low | (((high >> (2 * j)) & 3) << 4)) - 32;
     iq4_levels(b + 8 + 16 * j, q + 32 * j);
+  }
+}
+
+// A superblock format's float scales and mins from its integer ones: S = d*s, O = -(dmin*m).
+template <DecodeSuperblock kDecode, int kGroups, bool kMin>
+void decode_scaled(const uint8_t* b, int8_t* q, float* scales, float* mins) {
+  SuperblockScales sb;
+  kDecode(b, q, &sb);
+  for (int g = 0; g < kGroups; ++g) {
+    scales[g] = sb.d * static_cast<float>(sb.scales[g]);
+    if constexpr (kMin) mins[g] = -(sb.dmin * static_cast<float>(sb.mins[g]));
   }
 }
 
@@ -203,13 +210,13 @@ constexpr Format kFormats[] = {
     {kQ5_0, "Q5_0", 32, 22, 32, false, 16, true, decode_q5_0},
     {kQ5_1, "Q5_1", 32, 24, 32, true, 0, true, decode_q5_1},
     {kQ8_0, "Q8_0", 32, 34, 32, false, 128, false, decode_q8_0},
-    {kQ2_K, "Q2_K", 256, 84, 16, true, 0, true, decode_q2_k},
-    {kQ3_K, "Q3_K", 256, 110, 16, false, 4, true, decode_q3_k},
-    {kQ4_K, "Q4_K", 256, 144, 32, true, 0, true, decode_q4_k},
-    {kQ5_K, "Q5_K", 256, 176, 32, true, 0, true, decode_q5_k},
-    {kQ6_K, "Q6_K", 256, 210, 16, false, 32, true, decode_q6_k},
+    {kQ2_K, "Q2_K", 256, 84, 16, true, 0, true, decode_scaled<decode_q2_k, 16, true>, decode_q2_k},
+    {kQ3_K, "Q3_K", 256, 110, 16, false, 4, true, decode_scaled<decode_q3_k, 16, false>, decode_q3_k},
+    {kQ4_K, "Q4_K", 256, 144, 32, true, 0, true, decode_scaled<decode_q4_k, 8, true>, decode_q4_k},
+    {kQ5_K, "Q5_K", 256, 176, 32, true, 0, true, decode_scaled<decode_q5_k, 8, true>, decode_q5_k},
+    {kQ6_K, "Q6_K", 256, 210, 16, false, 32, true, decode_scaled<decode_q6_k, 16, false>, decode_q6_k},
     {kIQ4_NL, "IQ4_NL", 32, 18, 32, false, 128, false, decode_iq4_nl},
-    {kIQ4_XS, "IQ4_XS", 256, 136, 32, false, 128, false, decode_iq4_xs},
+    {kIQ4_XS, "IQ4_XS", 256, 136, 32, false, 128, false, decode_scaled<decode_iq4_xs, 8, false>, decode_iq4_xs},
 };
 
 }  // namespace

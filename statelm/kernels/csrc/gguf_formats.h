@@ -35,6 +35,17 @@ constexpr int64_t kMaxBlockValues = 256;
 // One block: levels q[values], scales[values / group] and, with `min`, mins[values / group].
 using DecodeBlock = void (*)(const uint8_t* block, int8_t* q, float* scales, float* mins);
 
+// A superblock's scales as its fields hold them (the 256-value formats): per group a small integer s (and with
+// `min`, m) and per superblock d (and dmin), so that S = d*s and O = -(dmin*m); the int8 matmul sums a
+// superblock's groups in integers with them (gguf_matmul.h).
+struct SuperblockScales {
+  int32_t scales[16];
+  int32_t mins[16];
+  float d;
+  float dmin;
+};
+using DecodeSuperblock = void (*)(const uint8_t* block, int8_t* q, SuperblockScales* out);
+
 struct Format {
   int64_t type;
   const char* name;
@@ -45,6 +56,7 @@ struct Format {
   int offset;      // q + offset lies in [0, 255] for every level the format can hold
   bool narrow;     // q + offset <= 63 (two int8 x uint8 pair sums add without overflowing int16)
   DecodeBlock decode;
+  DecodeSuperblock superblock = nullptr;  // the 256-value formats: their integer scales
 };
 
 // The format of a ggml type id, or nullptr when it is not one of the block formats above.

@@ -54,15 +54,34 @@ Part staged_tile(const Part& part, int64_t column, int64_t k) {
   return {buffer, row_bytes, part.format, count, part.first_column + column};
 }
 
-// One block of 32 values: q = round(x * limit / amax) (half to even, the default rounding of every build), its two
-// halves' level sums; returns dx = amax / limit. The vector builds make the same float steps as the scalar one.
-template <typename T>
-inline float quantize_block(const float* values, int32_t limit, T* q, int32_t halves[2]) {
+// The largest magnitude of a block of 32 values.
+inline float block_amax(const float* values) {
 #if defined(__AVX512F__)
   const __m512 a = _mm512_loadu_ps(values), b = _mm512_loadu_ps(values + 16);
-  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
-  const __m512 inverse = _mm512_set1_ps(amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f);
-  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, inverse)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, inverse));
+  return _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+#elif defined(STATELM_GGUF_AVX2)
+  __m256 m = _mm256_setzero_ps();
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int i = 0; i < 4; ++i) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(values + 8 * i)));
+  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
+  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
+  return _mm256_cvtss_f32(m);
+#else
+  float amax = 0.0f;
+  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
+  return amax;
+#endif
+}
+
+// One block of 32 values: q = round(x * inverse) (half to even, the default rounding of every build) and its two
+// halves' level sums. The vector builds make the same float steps as the scalar one.
+template <typename T>
+inline void quantize_block(const float* values, float inverse, T* q, int32_t halves[2]) {
+#if defined(__AVX512F__)
+  const __m512 scale = _mm512_set1_ps(inverse);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(values), scale));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(values + 16), scale));
   halves[0] = _mm512_reduce_add_epi32(qa);
   halves[1] = _mm512_reduce_add_epi32(qb);
   if constexpr (sizeof(T) == 1) {
@@ -73,20 +92,9 @@ inline float quantize_block(const float* values, int32_t limit, T* q, int32_t ha
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), _mm512_cvtepi32_epi16(qb));
   }
 #elif defined(STATELM_GGUF_AVX2)
-  __m256 v[4];
-  __m256 m = _mm256_setzero_ps();
-  const __m256 sign = _mm256_set1_ps(-0.0f);
-  for (int i = 0; i < 4; ++i) {
-    v[i] = _mm256_loadu_ps(values + 8 * i);
-    m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i]));
-  }
-  m = _mm256_max_ps(m, _mm256_permute2f128_ps(m, m, 1));
-  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0x4E));
-  m = _mm256_max_ps(m, _mm256_shuffle_ps(m, m, 0xB1));
-  const float amax = _mm256_cvtss_f32(m);
-  const __m256 inverse = _mm256_set1_ps(amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f);
+  const __m256 scale = _mm256_set1_ps(inverse);
   __m256i levels[4];
-  for (int i = 0; i < 4; ++i) levels[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+  for (int i = 0; i < 4; ++i) levels[i] = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(values + 8 * i), scale));
   for (int h = 0; h < 2; ++h) {
     __m256i sum = _mm256_add_epi32(levels[2 * h], levels[2 * h + 1]);
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
@@ -104,9 +112,6 @@ inline float quantize_block(const float* values, int32_t limit, T* q, int32_t ha
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + 16), high);
   }
 #else
-  float amax = 0.0f;
-  for (int64_t i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(values[i]));
-  const float inverse = amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f;
   halves[0] = halves[1] = 0;
   for (int64_t i = 0; i < kBlock; ++i) {
     const int32_t v = static_cast<int32_t>(std::nearbyint(values[i] * inverse));
@@ -114,22 +119,26 @@ inline float quantize_block(const float* values, int32_t limit, T* q, int32_t ha
     halves[i / 16] += v;
   }
 #endif
-  return amax / static_cast<float>(limit);
 }
 
-// Per row and block of 32: the block's levels and dx (quantize_block); sums of the levels per 16 and per 32 values,
-// and dx times them; where `tiles` (a tile kernel will read the rows), IntRows::grouped too.
+// Per row and span of values (32, or a superblock's 256): amax, dx = amax / limit, and each block of 32's levels
+// (quantize_block); sums of the levels per 16 and per 32 values, and dx times them; where `tiles` (a tile kernel
+// will read the rows), IntRows::grouped too.
 template <typename T>
-void quantize_rows(const at::Tensor& x, int32_t limit, bool tiles, std::vector<T>& levels, IntRows& out) {
-  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock;
+void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles, std::vector<T>& levels,
+                   IntRows& out) {
+  const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock, per_span = span / kBlock;
   out.k = k;
   out.rows = rows;
+  out.span = span;
   levels.resize(rows * k);
   out.dx.resize(rows * blocks);
   out.sums16.resize(rows * blocks * 2);
   out.sums32.resize(rows * blocks);
   out.sx16.resize(rows * blocks * 2);
   out.sx32.resize(rows * blocks);
+  out.pairs16.resize(span == kSuperblock ? rows * blocks : 0);
+  out.pairs32.resize(span == kSuperblock ? rows * blocks / 2 : 0);
 #if defined(STATELM_GGUF_AVX2)
   // IntRows::grouped: word w of row m at [m / G][w][m % G] (resize zeroes the rows past M)
   constexpr int64_t G = IntRows::kGroupRows;
@@ -140,17 +149,32 @@ void quantize_rows(const at::Tensor& x, int32_t limit, bool tiles, std::vector<T
   const int64_t grain = std::max<int64_t>(1, 8192 / k);
   statelm::parallel_for(rows, grain, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m) {
-      for (int64_t b = 0; b < blocks; ++b) {
-        int32_t halves[2];
-        const float dx = quantize_block(in + m * stride + b * kBlock, limit, levels.data() + m * k + b * kBlock, halves);
-        const int64_t at = m * blocks + b;
-        out.dx[at] = dx;
-        for (int h = 0; h < 2; ++h) {
-          out.sums16[2 * at + h] = halves[h];
-          out.sx16[2 * at + h] = dx * static_cast<float>(halves[h]);
+      for (int64_t b0 = 0; b0 < blocks; b0 += per_span) {
+        float amax = 0.0f;
+        for (int64_t b = b0; b < b0 + per_span; ++b) amax = std::max(amax, block_amax(in + m * stride + b * kBlock));
+        const float inverse = amax > 0.0f ? static_cast<float>(limit) / amax : 0.0f;
+        const float dx = amax / static_cast<float>(limit);
+        for (int64_t b = b0; b < b0 + per_span; ++b) {
+          int32_t halves[2];
+          quantize_block(in + m * stride + b * kBlock, inverse, levels.data() + m * k + b * kBlock, halves);
+          const int64_t at = m * blocks + b;
+          out.dx[at] = dx;
+          for (int h = 0; h < 2; ++h) {
+            out.sums16[2 * at + h] = halves[h];
+            out.sx16[2 * at + h] = dx * static_cast<float>(halves[h]);
+          }
+          out.sums32[at] = halves[0] + halves[1];
+          out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
         }
-        out.sums32[at] = halves[0] + halves[1];
-        out.sx32[at] = dx * static_cast<float>(halves[0] + halves[1]);
+      }
+      if (span == kSuperblock) {
+        const auto pair = [](int32_t low, int32_t high) {
+          return static_cast<int32_t>((static_cast<uint32_t>(low) & 0xFFFF) | (static_cast<uint32_t>(high) << 16));
+        };
+        for (int64_t b = 0; b < blocks; ++b) {
+          out.pairs16[m * blocks + b] = pair(out.sums16[2 * (m * blocks + b)], out.sums16[2 * (m * blocks + b) + 1]);
+          if (b % 2) out.pairs32[m * (blocks / 2) + b / 2] = pair(out.sums32[m * blocks + b - 1], out.sums32[m * blocks + b]);
+        }
       }
 #if defined(STATELM_GGUF_AVX2)
       if (tiles) {
@@ -191,9 +215,13 @@ struct Group {
   std::vector<Part> parts;
   Arithmetic kind;
   int64_t rows, k, n;
-  IntRows quantized;
+  IntRows quantized;        // int8 (for the 32-value formats) or int16
+  IntRows superblock_rows;  // int8 for the 256-value formats
   FloatRows floats;
   at::Tensor y;
+  const IntRows& int_rows(const Part& part) const {
+    return kind == Arithmetic::kInt8 && sums_superblocks(*part.format) ? superblock_rows : quantized;
+  }
 };
 
 Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef types, int64_t arithmetic) {
@@ -201,15 +229,24 @@ Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ty
   TORCH_CHECK(arithmetic >= 0 && arithmetic <= 2, "arithmetic must be 0 (float32), 1 (int8) or 2 (int16)");
   const int64_t rows = x.size(0), k = x.size(1);
   TORCH_CHECK(k % kBlock == 0, "K must be a multiple of 32");
-  Group g{parts_of(weights, types, k), static_cast<Arithmetic>(arithmetic), rows, k, 0, {}, {}, {}};
+  Group g{parts_of(weights, types, k), static_cast<Arithmetic>(arithmetic), rows, k, 0, {}, {}, {}, {}};
   for (const Part& part : g.parts) g.n += part.rows;
   g.y = at::empty({rows, g.n}, x.options());
   if (rows == 0 || g.n == 0) return g;
   // int8 rows few enough for stream_int8_rows skip the tile kernels where every part's format streams
   const bool tiles = g.kind == Arithmetic::kInt16 || rows > kStreamRows ||
                      !std::all_of(g.parts.begin(), g.parts.end(), [](const Part& p) { return streams(*p.format); });
-  if (g.kind == Arithmetic::kInt8) quantize_rows(x, 127, tiles, g.quantized.q8, g.quantized);
-  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, tiles, g.quantized.q16, g.quantized);
+  // int8 on a 256-value format sums its superblocks in integers, of x quantized per 256 values (each part's
+  // arithmetic is its format's, whatever it is stacked with)
+  const auto any_part = [&](bool superblocks) {
+    return std::any_of(g.parts.begin(), g.parts.end(),
+                       [&](const Part& p) { return sums_superblocks(*p.format) == superblocks; });
+  };
+  if (g.kind == Arithmetic::kInt8 && any_part(false)) quantize_rows(x, 127, kBlock, tiles, g.quantized.q8, g.quantized);
+  if (g.kind == Arithmetic::kInt8 && any_part(true)) {
+    quantize_rows(x, 127, kSuperblock, tiles, g.superblock_rows.q8, g.superblock_rows);
+  }
+  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, kBlock, tiles, g.quantized.q16, g.quantized);
   g.floats = {x.data_ptr<float>(), x.stride(0), rows};
   return g;
 }
@@ -261,7 +298,7 @@ void multiply(std::vector<Group>& groups) {
         if (g.kind == Arithmetic::kFloat) {
           float_tile_chunk(part, column, first, values, g.floats, acc);
         } else {
-          int_tile_chunk(part, column, first, values, g.quantized, g.kind == Arithmetic::kInt16,
+          int_tile_chunk(part, column, first, values, g.int_rows(home), g.kind == Arithmetic::kInt16,
                          spread ? ahead : Ahead{}, acc);
         }
       }

@@ -10,9 +10,14 @@
 // - float (x in float32): w = S*q (+ O) as gguf-py dequantizes it, then four chains per output element, chain i
 //   summing fma(w_k, x_k) over k = i mod 4 in K order, and (c0 + c1) + (c2 + c3) at the end.
 // - int8 / int16 (x quantized per row and block of 32 values: q = round(x * L / amax), dx = amax / L with L = 127
-//   or 32767): per group g of the format (16 or 32 values) the integer I_g = sum_k q_w * q_x is exact, and in K
-//   order   acc = fma(float(I_g), S_g * dx, acc),   then with a minimum   acc = fma(O_g, sx_g, acc)
-//   where sx_g = dx * float(sum of q_x over the group).
+//   or 32767): per group g of the format
+//   (16 or 32 values) the integer I_g = sum_k q_w * q_x is exact, and in K order
+//   acc = fma(float(I_g), S_g * dx, acc),   then with a minimum   acc = fma(O_g, sx_g, acc)
+//   where sx_g = dx * float(X_g), X_g the sum of q_x over the group;
+// - int8 on a 256-value format (the K-quants, IQ4_XS: S_g = d * s_g and O_g = -(dmin * m_g), s_g and m_g small
+//   integers), x quantized per row and 256 values (one amax and dx a superblock): per superblock the integers T = sum_g s_g * I_g and, with a minimum, M = sum_g m_g * X_g, exact in
+//   int32, then   acc = fma(float(T), d * dx, acc),   with a minimum   acc = fma(float(M), -dmin * dx, acc)
+//   (one float step a superblock instead of one a group, as llama.cpp's K-quant dot products take);
 // so a row's result is the same in any batch, and the same on every CPU class.
 
 #pragma once
@@ -54,6 +59,10 @@ struct Part {
   bool interleaved = false;
 };
 
+// Whether the int8 arithmetic sums the format's superblocks in integers (gguf_matmul.h's second int8 form).
+inline bool sums_superblocks(const Format& f) { return f.superblock != nullptr; }
+constexpr int64_t kSuperblock = 256;
+
 // A type id with this bit names an interleaved block matrix of that format.
 constexpr int64_t kInterleavedType = 1 << 8;
 
@@ -61,6 +70,7 @@ constexpr int64_t kInterleavedType = 1 << 8;
 struct IntRows {
   int64_t k = 0;
   int64_t rows = 0;
+  int64_t span = 32;  // values sharing one amax: 32, or 256 (every block of a superblock then has its dx)
   std::vector<int8_t> q8;
   std::vector<int16_t> q16;
   std::vector<float> dx;        // [M, K/32]
@@ -68,6 +78,12 @@ struct IntRows {
   std::vector<int32_t> sums32;  // [M, K/32]
   std::vector<float> sx16;      // [M, K/16]: dx * float(sums16)
   std::vector<float> sx32;      // [M, K/32]
+  // span 256: sums16 and sums32 two by two, each pair one word of two int16 (the first low): [M, K/32], [M, K/64]
+  std::vector<int32_t> pairs16;
+  std::vector<int32_t> pairs32;
+  const int32_t* level_pairs(int64_t m, int64_t group, int64_t size) const {
+    return size == 16 ? &pairs16[m * (k / 32) + group / 2] : &pairs32[m * (k / 64) + group / 2];
+  }
   // SIMD builds: the levels again as 32-bit words (4 int8 or 2 int16 values) by groups of kGroupRows rows, word by
   // word ([M / kGroupRows][word][kGroupRows], rows past M zero), so that a tile's rows read one pointer at fixed
   // offsets (rows_tile).
@@ -88,12 +104,6 @@ struct FloatRows {
   int64_t stride;
   int64_t rows;
 };
-
-// The levels, scales and mins of `count` columns of part from column `column`, values [first, first + values)
-// of each: levels [kTileColumns, values], scales and mins [kTileColumns, values / group]. Columns past the part's
-// last are zero.
-void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
-                    float* mins);
 
 // Values per chunk of K that a tile is decoded for at a time (a multiple of every format's block).
 constexpr int64_t kChunkValues = 512;

@@ -10,7 +10,9 @@
 // SIMD builds read the rows' activations from IntRows::grouped (8 rows' words side by side): one pointer, fixed
 // offsets.
 // Levels stored with an offset give sum((q + offset) * x) = I + offset * sum(x): the group's activation sum
-// times the offset is subtracted, so every build reaches the same exact I.
+// times the offset is subtracted, so every build reaches the same exact I. int8 on a 256-value format (kSuper) sums
+// a superblock's groups times their integer scales (AVX2: in the vpmaddwd that widens the pair sums; VNNI: a
+// vpmulld a group) and takes its float steps once, after its last block (close_superblock).
 
 #include <algorithm>
 #include <cmath>
@@ -42,11 +44,40 @@ inline void add_group(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t b
                               kMin ? x.sx(m0 + r, group, size) : 0.0f);
   }
 }
+
+// The slot (scale_slot) of a 256-value format's group g of the tile: its integer scale, or with kMins its min.
+template <bool kMins = false>
+inline V tile_slot(const Int8Tile& t, int64_t g) {
+  return scale_slot(load((kMins ? t.sub_mins : t.sub_scales) + g * W));
+}
+
+// Closes superblock s of the tile (superblock in K) for R rows (close_superblock).
+template <int R, bool kG16, bool kMin>
+inline void close_tile_superblock(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t s, int64_t superblock,
+                                  int offset, V total[R], VF acc[R]) {
+  constexpr int kGroups = kG16 ? 16 : 8;
+  constexpr int64_t size = kG16 ? 16 : 32;
+  V scale_slots[kGroups], min_slots[kMin ? kGroups : 1];
+  for (int g = 0; g < kGroups; ++g) {
+    scale_slots[g] = tile_slot(t, kGroups * s + g);
+    if constexpr (kMin) min_slots[g] = tile_slot<true>(t, kGroups * s + g);
+  }
+  close_superblock<R, kGroups, kMin>(reinterpret_cast<const uint8_t*>(scale_slots),
+                                     reinterpret_cast<const uint8_t*>(min_slots), load_f(t.d + s * W),
+                                     kMin ? load_f(t.neg_dmin + s * W) : set_f(0.0f), offset,
+                                     x.level_pairs(m0, superblock * kGroups, size), x.k / size / 2,
+                                     x.dx.data() + m0 * (x.k / kBlock) + superblock * (kSuperblock / kBlock),
+                                     x.k / kBlock, total, acc);
+}
+
+// Whether block kb (in K) is its superblock's last.
+inline bool ends_superblock(int64_t kb) { return kb % (kSuperblock / kBlock) == kSuperblock / kBlock - 1; }
 #endif
 
 #if defined(STATELM_GGUF_VNNI)
-// R rows: one vpdpbusd (uint8 levels + offset) or vpdpwssd (int16 pairs) per quad or pair and row.
-template <int R, bool kInt16, bool kG16, bool kMin>
+// R rows: one vpdpbusd (uint8 levels + offset) or vpdpwssd (int16 pairs) per quad or pair and row; kSuper (int8 on
+// a 256-value format): each group's sums times its integer scale into the superblock's total.
+template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
   constexpr int kSteps = kInt16 ? 16 : 8;  // words of a block's activations a row
   constexpr int64_t kBlockBytes = kInt16 ? 2 * W * kBlock : W * kBlock;
@@ -54,7 +85,8 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
   const int64_t words = x.k / kBlock * kSteps;
   const int32_t* group = x.grouped.data() + m0 * words;  // m0: a multiple of G (run_rows)
   VF a[R];
-  for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
+  V total[R];
+  for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W), total[r] = zero();
   const Ahead::Shares shares = ahead.shares(t.blocks);
   for (int64_t b = 0; b < t.blocks; ++b) {
     shares.ask(b);
@@ -75,7 +107,17 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         }
       }
     }
-    for (int h = 0; h < (kG16 ? 2 : 1); ++h) add_group<R, kG16, kMin>(t, x, m0, b, kb, h, t.offset, sums[h], a);
+    for (int h = 0; h < (kG16 ? 2 : 1); ++h) {
+      if constexpr (kSuper) {
+        const V s = tile_slot(t, kG16 ? 2 * b + h : b);
+        for (int r = 0; r < R; ++r) total[r] = add32(total[r], mul32(sums[h][r], s));
+      } else {
+        add_group<R, kG16, kMin>(t, x, m0, b, kb, h, t.offset, sums[h], a);
+      }
+    }
+    if (kSuper && ends_superblock(kb)) {
+      close_tile_superblock<R, kG16, kMin>(t, x, m0, b / 8, kb / 8, t.offset, total, a);
+    }
   }
   for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
 }
@@ -83,8 +125,9 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 // R rows: int16 pairs with vpmaddwd; narrow uint8 levels + offset with vpmaddubsw, two quads' pair sums added in
 // int16 (2 * 2 * 63 * 127 < 32768); wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x. A block
 // of two groups (Q6_K) finishes its first group's sums and float step before the second's, so that R rows need R
-// accumulators (16 registers: two groups' 2R spilled at R = 8).
-template <int R, bool kInt16, bool kG16, bool kMin>
+// accumulators (16 registers: two groups' 2R spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
+// multiplies the pair sums by the group's integer scale as it widens them into the superblock's total.
+template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
   const bool wide = !kInt16 && !t.format->narrow;
   constexpr int kWords = kInt16 ? 16 : 8;  // words of a block's activations a row
@@ -94,13 +137,15 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
   const int32_t* group = x.grouped.data() + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
   const int offset = wide ? 0 : t.offset;
   VF a[R];
-  for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W);
+  V total[R];
+  for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W), total[r] = zero();
   for (int64_t b = 0; b < t.blocks; ++b) {
     const int64_t kb = block0 + b;
     const int32_t* xs = group + kb * kWords * G;  // the rows' words of block kb: [word][G]
     for (int h = 0; h < kGroups; ++h) {
       V sums[R];
       for (int r = 0; r < R; ++r) sums[r] = zero();
+      const V slot = kSuper ? tile_slot(t, kG16 ? 2 * b + h : b) : zero();
       if constexpr (kInt16) {
 #pragma GCC unroll 16
         for (int pair = kGroupWords * h; pair < kGroupWords * (h + 1); ++pair) {
@@ -113,7 +158,14 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 #pragma GCC unroll 8
         for (int quad = kGroupWords * h; quad < kGroupWords * (h + 1); ++quad) {
           const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
-          for (int r = 0; r < R; ++r) sums[r] = dot_wide(sums[r], w, xs[quad * G + r]);
+          for (int r = 0; r < R; ++r) {
+            const V xr = set32(xs[quad * G + r]);
+            if constexpr (kSuper) {
+              total[r] = dot_wide_scaled(total[r], w, xr, slot);
+            } else {
+              sums[r] = dot_wide(sums[r], w, xr);
+            }
+          }
         }
       } else {
 #pragma GCC unroll 4
@@ -122,24 +174,32 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
           const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w));
           const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + 32));
           for (int r = 0; r < R; ++r) {
-            sums[r] = widen_pairs(sums[r], add16(pair_sums(w0, xs[quad * G + r]), pair_sums(w1, xs[(quad + 1) * G + r])));
+            const V pairs = add16(pair_sums(w0, set32(xs[quad * G + r])), pair_sums(w1, set32(xs[(quad + 1) * G + r])));
+            if constexpr (kSuper) {
+              total[r] = widen_scaled(total[r], pairs, slot);
+            } else {
+              sums[r] = widen_pairs(sums[r], pairs);
+            }
           }
         }
       }
-      add_group<R, kG16, kMin>(t, x, m0, b, kb, h, offset, sums, a);
+      if constexpr (!kSuper) add_group<R, kG16, kMin>(t, x, m0, b, kb, h, offset, sums, a);
     }
+    if (kSuper && ends_superblock(kb)) close_tile_superblock<R, kG16, kMin>(t, x, m0, b / 8, kb / 8, offset, total, a);
   }
   for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
 }
 #else
-// The scalar build: signed levels [W, values] as decoded.
-template <bool kInt16, bool kG16, bool kMin>
+// The scalar build: signed levels [W, values] as decoded; kSuper: per superblock, T and M (gguf_matmul.h).
+template <bool kInt16, bool kG16, bool kMin, bool kSuper>
 void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc) {
   const int8_t* levels = reinterpret_cast<const int8_t*>(t.levels);
   const int64_t values = t.blocks * kBlock, size = kG16 ? 16 : 32, groups = values / size;
+  const int64_t per_superblock = kSuperblock / size;
   for (int64_t r = 0; r < x.rows; ++r) {
     for (int64_t c = 0; c < W; ++c) {
       float a = acc[r * W + c];
+      int32_t superblock_total = 0, superblock_mins = 0;
       for (int64_t g = 0; g < groups; ++g) {
         const int64_t k0 = block0 * kBlock + g * size, group = k0 / size;
         int32_t total = 0;
@@ -147,8 +207,20 @@ void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc
           const int32_t xq = kInt16 ? x.q16[r * x.k + k0 + i] : x.q8[r * x.k + k0 + i];
           total += levels[c * values + g * size + i] * xq;
         }
-        a = std::fma(static_cast<float>(total), t.scales[g * W + c] * x.scale(r, k0 / kBlock), a);
-        if constexpr (kMin) a = std::fma(t.mins[g * W + c], x.sx(r, group, size), a);
+        if constexpr (kSuper) {
+          superblock_total += t.sub_scales[g * W + c] * total;
+          if constexpr (kMin) superblock_mins += t.sub_mins[g * W + c] * x.sum(r, group, size);
+          if (g % per_superblock == per_superblock - 1) {
+            const int64_t s = g / per_superblock;
+            const float dx = x.scale(r, k0 / kBlock);
+            a = std::fma(static_cast<float>(superblock_total), t.d[s * W + c] * dx, a);
+            if constexpr (kMin) a = std::fma(static_cast<float>(superblock_mins), t.neg_dmin[s * W + c] * dx, a);
+            superblock_total = superblock_mins = 0;
+          }
+        } else {
+          a = std::fma(static_cast<float>(total), t.scales[g * W + c] * x.scale(r, k0 / kBlock), a);
+          if constexpr (kMin) a = std::fma(t.mins[g * W + c], x.sx(r, group, size), a);
+        }
       }
       acc[r * W + c] = a;
     }
@@ -156,13 +228,13 @@ void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc
 }
 #endif
 
-template <bool kInt16, bool kG16, bool kMin>
+template <bool kInt16, bool kG16, bool kMin, bool kSuper>
 void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& ahead, float* acc) {
 #if defined(STATELM_GGUF_AVX2)
   for (int64_t m0 = 0; m0 < x.rows; m0 += kRowsPerTile) {
     const Ahead& asked = m0 == 0 ? ahead : Ahead{};  // once, by the first rows
     const auto tile = [&](auto rows) {
-      rows_tile<decltype(rows)::value, kInt16, kG16, kMin>(t, x, m0, block0, asked, acc);
+      rows_tile<decltype(rows)::value, kInt16, kG16, kMin, kSuper>(t, x, m0, block0, asked, acc);
     };
     switch (std::min<int64_t>(kRowsPerTile, x.rows - m0)) {
       case 8: tile(std::integral_constant<int, 8>()); break;
@@ -177,24 +249,27 @@ void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& 
   }
 #else
   (void)ahead;
-  rows_scalar<kInt16, kG16, kMin>(t, x, block0, acc);
+  rows_scalar<kInt16, kG16, kMin, kSuper>(t, x, block0, acc);
 #endif
 }
 
 template <bool kInt16>
 void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& ahead, float* acc) {
   const Format& f = *t.format;
-  if (f.group == 16) {
-    if (f.min) {
-      run_rows<kInt16, true, true>(t, x, block0, ahead, acc);
+  const auto run = [&]<bool kG16, bool kMin, bool kSuper>() {
+    run_rows<kInt16, kG16, kMin, kSuper>(t, x, block0, ahead, acc);
+  };
+  const auto run_kind = [&]<bool kSuper>() {
+    if (f.group == 16) {
+      f.min ? run.template operator()<true, true, kSuper>() : run.template operator()<true, false, kSuper>();
     } else {
-      run_rows<kInt16, true, false>(t, x, block0, ahead, acc);
+      f.min ? run.template operator()<false, true, kSuper>() : run.template operator()<false, false, kSuper>();
     }
-  } else if (f.min) {
-    run_rows<kInt16, false, true>(t, x, block0, ahead, acc);
-  } else {
-    run_rows<kInt16, false, false>(t, x, block0, ahead, acc);
+  };
+  if constexpr (!kInt16) {  // int8 sums a 256-value format's superblocks in integers (its x quantized per 256)
+    if (sums_superblocks(f)) return run_kind.template operator()<true>();
   }
+  run_kind.template operator()<false>();
 }
 
 }  // namespace

@@ -7,15 +7,8 @@
 
 #if defined(STATELM_GGUF_AVX2)
 
-#include <cstring>
-
 namespace statelm::gguf::simd {
 
-inline int32_t load32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
-}
 
 #if defined(STATELM_GGUF_VNNI)
 using V = __m512i;
@@ -82,8 +75,22 @@ __attribute__((always_inline)) inline void transpose(V r[16]) {
   }
 }
 
-// sum + the exact dot products of 4 uint8 levels by 4 int8 activations, per 32-bit lane.
-inline V dot_quad(V sum, V levels, int32_t x, bool) { return _mm512_dpbusd_epi32(sum, levels, _mm512_set1_epi32(x)); }
+// The 32-bit word at p in every lane, loaded as such (a word read into a general register first costs a one-row
+// loop two instructions a quad).
+inline V broadcast32(const void* p) { return _mm512_broadcastd_epi32(_mm_loadu_si32(p)); }
+
+// sum + the exact dot products of 4 uint8 levels by 4 int8 activations (x: their word in every lane), per lane.
+inline V dot_quad(V sum, V levels, V x, bool) { return _mm512_dpbusd_epi32(sum, levels, x); }
+
+inline V add32(V a, V b) { return _mm512_add_epi32(a, b); }
+inline V mul32(V a, V b) { return _mm512_mullo_epi32(a, b); }
+// A 256-value format's integer scale or min per lane as the int8 kernels keep it (a slot): here the integer itself,
+// which multiplies a group's int32 sums (mul32).
+inline V scale_slot(V s) { return s; }
+// Two groups' slots as one lane of two int16 (the even group's low), and sum + their products by a word of two
+// int16 sums of activation levels (x: in every lane).
+inline V pair_of(V even, V odd) { return vor(vand(even, set32(0xFFFF)), sll(odd, 16)); }
+inline V pair_dot(V sum, V pair, V x) { return _mm512_dpwssd_epi32(sum, pair, x); }
 #else
 using V = __m256i;
 using VF = __m256;
@@ -145,7 +152,7 @@ __attribute__((always_inline)) inline void transpose(V r[8]) {
 
 // Narrow levels (uint8 below 64) times 4 int8 activations per 32-bit lane: vpmaddubsw's sums of pairs in int16,
 // which a few quads may add in int16 while no sum reaches 32768, then widened into int32 sums by vpmaddwd.
-inline V pair_sums(V levels, int32_t x) { return _mm256_maddubs_epi16(levels, _mm256_set1_epi32(x)); }
+inline V pair_sums(V levels, V x) { return _mm256_maddubs_epi16(levels, x); }
 inline V add16(V a, V b) { return _mm256_add_epi16(a, b); }
 inline V widen_pairs(V sum, V pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
 
@@ -159,15 +166,33 @@ inline WideQuad wide_quad(V stored) {
   const V w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
   return {_mm256_sign_epi8(w, w), w};
 }
-inline V dot_wide(V sum, const WideQuad& w, int32_t x) {
-  return widen_pairs(sum, _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(_mm256_set1_epi32(x), w.levels)));
+inline V dot_wide(V sum, const WideQuad& w, V x) {
+  return widen_pairs(sum, _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(x, w.levels)));
 }
 
-// sum + the exact dot products of 4 levels by 4 int8 activations, per 32-bit lane: uint8 levels below 64 (narrow
-// formats), or wide ones.
-inline V dot_quad(V sum, V levels, int32_t x, bool wide) {
+// The 32-bit word at p in every lane, loaded as such (a word read into a general register first costs a one-row
+// loop two instructions a quad).
+inline V broadcast32(const void* p) { return _mm256_broadcastd_epi32(_mm_loadu_si32(p)); }
+
+// sum + the exact dot products of 4 levels by 4 int8 activations (x: their word in every lane), per 32-bit lane:
+// uint8 levels below 64 (narrow formats), or wide ones.
+inline V dot_quad(V sum, V levels, V x, bool wide) {
   if (wide) return dot_wide(sum, wide_quad(levels), x);
   return widen_pairs(sum, pair_sums(levels, x));
+}
+
+inline V add32(V a, V b) { return _mm256_add_epi32(a, b); }
+inline V mul32(V a, V b) { return _mm256_mullo_epi32(a, b); }
+// A 256-value format's integer scale or min per lane as the int8 kernels keep it (a slot): the integer in both
+// 16-bit halves of its lane, so that vpmaddwd multiplies int16 pair sums by it as it widens them (widen_scaled).
+inline V scale_slot(V s) { return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s, 16)); }
+// Two groups' slots as one lane of two int16 (the even group's low), and sum + their products by a word of two
+// int16 sums of activation levels (x: in every lane).
+inline V pair_of(V even, V odd) { return _mm256_blend_epi16(even, odd, 0xAA); }
+inline V pair_dot(V sum, V pair, V x) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pair, x)); }
+inline V widen_scaled(V sum, V pairs, V slot) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, slot)); }
+inline V dot_wide_scaled(V sum, const WideQuad& w, V x, V slot) {
+  return widen_scaled(sum, _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(x, w.levels)), slot);
 }
 #endif
 
@@ -182,6 +207,41 @@ inline VF group_step(VF acc, V total, int32_t offset_sum, VF scales, float dx, c
   acc = fma(to_float(total), mul(scales, set_f(dx)), acc);
   if constexpr (kMin) acc = fma(load_f(mins), set_f(sx), acc);
   return acc;
+}
+
+// The float steps closing a superblock of a 256-value format for R rows (gguf_matmul.h): total[r] (the sum over its
+// groups of s_g times the group sums of levels + offset) less offset * sum(s_g X_g), times d * dx, and with a
+// minimum M = sum(m_g X_g) times -dmin * dx. The superblock's slots (scale_slot) at scale_slots / min_slots +
+// g * kVecBytes; row r's X_g two by two (IntRows::level_pairs) at level_pairs[r * pairs_stride + g / 2], its dx at
+// dx[r * dx_stride]. total[r] is zeroed for the next superblock.
+template <int R, int kGroups, bool kMin>
+__attribute__((always_inline)) inline void close_superblock(const uint8_t* scale_slots, const uint8_t* min_slots,
+                                                            VF d, VF neg_dmin, int offset, const int32_t* level_pairs,
+                                                            int64_t pairs_stride, const float* dx, int64_t dx_stride,
+                                                            V total[R], VF acc[R]) {
+  constexpr int kPairs = kGroups / 2;
+  V scale_pairs[kPairs], min_pairs[kPairs];  // formed once for the R rows
+  for (int j = 0; j < kPairs; ++j) {
+    if (offset) scale_pairs[j] = pair_of(load(scale_slots + 2 * j * kVecBytes), load(scale_slots + (2 * j + 1) * kVecBytes));
+    if constexpr (kMin) min_pairs[j] = pair_of(load(min_slots + 2 * j * kVecBytes), load(min_slots + (2 * j + 1) * kVecBytes));
+  }
+  for (int r = 0; r < R; ++r) {
+    const int32_t* xs = level_pairs + r * pairs_stride;
+    V t = total[r];
+    if (offset) {
+      V o = zero();
+      for (int j = 0; j < kPairs; ++j) o = pair_dot(o, scale_pairs[j], broadcast32(xs + j));
+      t = sub32(t, mul32(o, set32(offset)));
+    }
+    const VF dxr = set_f(dx[r * dx_stride]);
+    acc[r] = fma(to_float(t), mul(d, dxr), acc[r]);
+    if constexpr (kMin) {
+      V m = zero();
+      for (int j = 0; j < kPairs; ++j) m = pair_dot(m, min_pairs[j], broadcast32(xs + j));
+      acc[r] = fma(to_float(m), mul(neg_dmin, dxr), acc[r]);
+    }
+    total[r] = zero();
+  }
 }
 
 }  // namespace statelm::gguf::simd

@@ -26,6 +26,10 @@ struct TileBuffers {
   uint8_t* levels;
   float* scales;
   float* mins;
+  int32_t* sub_scales;  // 256-value formats (Int8Tile)
+  int32_t* sub_mins;
+  float* d;
+  float* neg_dmin;
 };
 
 // The chunk's first block in each column's row: base + c * stride. Columns past the part's last read the last
@@ -108,19 +112,54 @@ TileStart tile_start_of(const Part& part, int64_t column, int64_t first) {
   return {part.data + column * part.row_stride, first / part.format->values * part.format->bytes};
 }
 
-// The generic path: decode block by block, then interleave (and shift by the offset in SIMD builds).
-Int8Tile decoded_tile(const Part& part, int64_t column, int64_t first, int64_t values, TileBuffers out) {
-  const Format& f = *part.format;
-  const int64_t groups = values / f.group;
-  int8_t* levels = scratch<int8_t, 0>(W * values);
-  float* decoded = scratch<float, 1>(2 * W * groups);
-  decode_columns(part, column, first, values, levels, decoded, decoded + W * groups);
-  for (int64_t c = 0; c < W; ++c) {
-    for (int64_t g = 0; g < groups; ++g) {
-      out.scales[g * W + c] = decoded[c * groups + g];
-      out.mins[g * W + c] = decoded[(W + c) * groups + g];
+// One column's blocks decoded into the tile's scales, mins and (256-value formats) integer scales and d's: column
+// c of [groups][W] and [superblocks][W]; q [values].
+void decode_column(const Format& f, const uint8_t* row, int64_t values, int64_t c, int8_t* q, const TileBuffers& out) {
+  const int64_t per_block = f.values / f.group;
+  for (int64_t b = 0; b < values / f.values; ++b) {
+    if (f.superblock) {
+      SuperblockScales sb;
+      f.superblock(row + b * f.bytes, q + b * f.values, &sb);
+      out.d[b * W + c] = sb.d;
+      out.neg_dmin[b * W + c] = f.min ? 0.0f - sb.dmin : 0.0f;  // as the SIMD builders' negate()
+      for (int64_t j = 0; j < per_block; ++j) {
+        const int64_t g = b * per_block + j;
+        out.sub_scales[g * W + c] = sb.scales[j];
+        out.scales[g * W + c] = sb.d * static_cast<float>(sb.scales[j]);
+        out.sub_mins[g * W + c] = f.min ? sb.mins[j] : 0;
+        out.mins[g * W + c] = f.min ? -(sb.dmin * static_cast<float>(sb.mins[j])) : 0.0f;
+      }
+    } else {
+      float scales[kMaxBlockValues / 16], mins[kMaxBlockValues / 16];
+      f.decode(row + b * f.bytes, q + b * f.values, scales, mins);
+      for (int64_t j = 0; j < per_block; ++j) {
+        out.scales[(b * per_block + j) * W + c] = scales[j];
+        out.mins[(b * per_block + j) * W + c] = f.min ? mins[j] : 0.0f;
+      }
     }
   }
+}
+
+// The generic path: decode block by block, then interleave (and shift by the offset in SIMD builds). Columns past
+// the part's last are zero.
+Int8Tile decoded_tile(const Part& part, int64_t column, int64_t first, int64_t values, const TileBuffers& out) {
+  const Format& f = *part.format;
+  const int64_t groups = values / f.group, superblocks = f.superblock ? values / f.values : 0;
+  int8_t* levels = scratch<int8_t, 0>(W * values);
+  for (int64_t c = 0; c < W; ++c) {
+    if (column + c < part.rows) {
+      decode_column(f, part.data + (column + c) * part.row_stride + first / f.values * f.bytes, values, c,
+                    levels + c * values, out);
+      continue;
+    }
+    std::fill(levels + c * values, levels + (c + 1) * values, int8_t{0});
+    for (int64_t g = 0; g < groups; ++g) {
+      out.scales[g * W + c] = out.mins[g * W + c] = 0.0f;
+      if (superblocks) out.sub_scales[g * W + c] = out.sub_mins[g * W + c] = 0;
+    }
+    for (int64_t b = 0; b < superblocks; ++b) out.d[b * W + c] = out.neg_dmin[b * W + c] = 0.0f;
+  }
+  const int64_t blocks = values / kBlock;
 #if defined(STATELM_GGUF_AVX2)
   for (int64_t c = 0; c < W; ++c) {
     for (int64_t u = 0; u < values / 4; ++u) {
@@ -129,9 +168,10 @@ Int8Tile decoded_tile(const Part& part, int64_t column, int64_t first, int64_t v
       }
     }
   }
-  return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
+  return {out.levels, out.scales, out.mins, &f, f.offset, blocks, out.sub_scales, out.sub_mins, out.d, out.neg_dmin};
 #else
-  return {reinterpret_cast<const uint8_t*>(levels), out.scales, out.mins, &f, 0, values / kBlock};
+  return {reinterpret_cast<const uint8_t*>(levels), out.scales, out.mins, &f, 0, blocks, out.sub_scales, out.sub_mins,
+          out.d, out.neg_dmin};
 #endif
 }
 
@@ -262,14 +302,29 @@ __attribute__((always_inline)) inline void words_of_runs(const Rows& rows, int64
 // S) and min(group, O) calls (possibly those of a few blocks ahead), then its eight quad(block, q, levels) calls
 // (levels + offset of values 4q..4q+3 of every column, quads in any order) and block_done(block). StoreSink lays
 // them out as the tile; DotSink multiplies them at once.
+// The 256-value formats' builders give instead a superblock(s, d, dmin) call, then its groups' integer scales
+// sub_scale(group, s) and mins sub_min(group, m) (S = d*s, O = -(dmin*m)).
 struct StoreSink {
-  uint8_t* levels;
-  float* scales;
-  float* mins;
+  TileBuffers out;
+  VF d = set_f(0.0f), dmin = set_f(0.0f);  // the current superblock's
 
-  void quad(int64_t block, int q, V v) { store(levels + (block * 8 + q) * W * 4, v); }
-  void scale(int64_t group, VF v) { store_f(scales + group * W, v); }
-  void min(int64_t group, VF v) { store_f(mins + group * W, v); }
+  void quad(int64_t block, int q, V v) { store(out.levels + (block * 8 + q) * W * 4, v); }
+  void scale(int64_t group, VF v) { store_f(out.scales + group * W, v); }
+  void min(int64_t group, VF v) { store_f(out.mins + group * W, v); }
+  void superblock(int64_t s, VF d_of, VF dmin_of) {
+    d = d_of;
+    dmin = dmin_of;
+    store_f(out.d + s * W, d);
+    store_f(out.neg_dmin + s * W, negate(dmin));
+  }
+  void sub_scale(int64_t group, V s) {
+    store(out.sub_scales + group * W, s);
+    scale(group, mul(d, to_float(s)));
+  }
+  void sub_min(int64_t group, V m) {
+    store(out.sub_mins + group * W, m);
+    min(group, negate(mul(dmin, to_float(m))));
+  }
   void block_done(int64_t) {}
 };
 
@@ -297,24 +352,33 @@ constexpr int superblock_groups(int64_t type) {
 // The int8 arithmetic of R rows straight from decoded quads: a block's exact group sums, then its float steps.
 // kPack > 1 (AVX2, quads_in_int16): the builders deliver a block's quads of one group in order (K-quants, Q5) or
 // all in one group (4-bit formats, widened once at block_done), so kPack consecutive quads share a group.
-template <int R, bool kG16, bool kMin, int kPack = 1, int kSlots = 16>
+// kSuper (the 256-value formats): the group sums go into the superblock's integer total as they are scaled (AVX2:
+// while vpmaddwd widens them), and the superblock's float steps come after its last block (close_superblock).
+template <int R, bool kG16, bool kMin, int kPack = 1, int kSlots = 16, bool kSuper = false>
 struct DotSink {
   // kSlots: scales and mins kept (a power of two, at least a superblock's groups); a K-quant's own group count
   // makes a group's slot a constant of the unrolled builder, not a ring position computed and kept per group
   static constexpr int64_t kSize = kG16 ? 16 : 32;
+  static constexpr int kSuperGroups = static_cast<int>(kSuperblock / kSize);
+  static_assert(!kSuper || kSlots == kSuperGroups, "a superblock's groups, one slot each");
   // The rows' activations from the chunk's first block on, read through pointers taken once (the kernel's loop
   // then keeps its sums and results in registers).
   const int8_t* q8;
   const float* dx;
   const int32_t* level_sums;  // per group of kSize
   const float* sx;            // per group of kSize
+  const int32_t* level_pairs;  // kSuper: level sums two by two
   int64_t k;
   int offset;
   bool wide;
-  float* scales;  // [kSlots][W], then mins [kSlots][W]: the caller's (a buffer apart keeps this sink in registers)
+  // [kSlots][W] scales, then mins [kSlots][W]: the caller's (a buffer apart keeps this sink in registers); kSuper:
+  // their slots (scale_slot)
+  float* scales;
   VF acc[R];
   V sums[2][R];
   V pairs[R];  // kPack > 1: the int16 pair sums of the quads not yet widened
+  V total[R];  // kSuper: the superblock's
+  VF d, neg_dmin;
 
   DotSink(const IntRows& x, int64_t first_block, int level_offset, bool wide_levels, const float* running,
           float* slots)
@@ -322,43 +386,83 @@ struct DotSink {
         dx(x.dx.data() + first_block),
         level_sums((kG16 ? x.sums16.data() : x.sums32.data()) + first_block * kBlock / kSize),
         sx((kG16 ? x.sx16.data() : x.sx32.data()) + first_block * kBlock / kSize),
+        level_pairs(kSuper ? x.level_pairs(0, first_block * kBlock / kSize, kSize) : nullptr),
         k(x.k),
         offset(level_offset),
         wide(wide_levels),
-        scales(slots) {
+        scales(slots),
+        d(set_f(0.0f)),
+        neg_dmin(set_f(0.0f)) {
     for (int r = 0; r < R; ++r) {
       acc[r] = load_f(running + r * W);
-      sums[0][r] = sums[1][r] = pairs[r] = zero();
+      sums[0][r] = sums[1][r] = pairs[r] = total[r] = zero();
     }
   }
+  static int64_t group_of(int64_t block, int q) { return kG16 ? 2 * block + (q >= 4 ? 1 : 0) : block; }
+  V slot_of(int64_t group) const { return load(scales + slot(group) * W); }
   __attribute__((always_inline)) void quad(int64_t block, int q, V v) {
     V* sum = sums[kG16 && q >= 4 ? 1 : 0];
     const int8_t* at = q8 + block * kBlock + 4 * q;
 #if !defined(STATELM_GGUF_VNNI)
     if constexpr (kPack > 1) {
-      for (int r = 0; r < R; ++r) pairs[r] = add16(pairs[r], pair_sums(v, load32(at + r * k)));
-      if (kPack < 8 && q % kPack == kPack - 1) widen(sum);
+      for (int r = 0; r < R; ++r) pairs[r] = add16(pairs[r], pair_sums(v, broadcast32(at + r * k)));
+      if (kPack < 8 && q % kPack == kPack - 1) widen(sum, group_of(block, q));
+      return;
+    }
+    if constexpr (kSuper) {  // wide levels (IQ4_XS), each quad widened at once
+      const WideQuad w = wide_quad(v);
+      const V s = slot_of(group_of(block, q));
+      for (int r = 0; r < R; ++r) total[r] = dot_wide_scaled(total[r], w, broadcast32(at + r * k), s);
       return;
     }
 #endif
-    for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, load32(at + r * k), wide);
+    for (int r = 0; r < R; ++r) sum[r] = dot_quad(sum[r], v, broadcast32(at + r * k), wide);
   }
 #if !defined(STATELM_GGUF_VNNI)
-  __attribute__((always_inline)) void widen(V* sum) {
-    for (int r = 0; r < R; ++r) {
-      sum[r] = widen_pairs(sum[r], pairs[r]);
-      pairs[r] = zero();
+  __attribute__((always_inline)) void widen(V* sum, int64_t group) {
+    if constexpr (kSuper) {
+      const V s = slot_of(group);
+      for (int r = 0; r < R; ++r) total[r] = widen_scaled(total[r], pairs[r], s);
+    } else {
+      for (int r = 0; r < R; ++r) sum[r] = widen_pairs(sum[r], pairs[r]);
     }
+    for (int r = 0; r < R; ++r) pairs[r] = zero();
   }
 #endif
   static int64_t slot(int64_t group) { return static_cast<int64_t>(static_cast<uint64_t>(group) % kSlots); }
   void scale(int64_t group, VF v) { store_f(scales + slot(group) * W, v); }
   void min(int64_t group, VF v) { store_f(scales + (kSlots + slot(group)) * W, v); }
+  void superblock(int64_t, VF d_of, VF dmin_of) {
+    d = d_of;
+    neg_dmin = negate(dmin_of);
+  }
+  void sub_scale(int64_t group, V s) { store(scales + slot(group) * W, scale_slot(s)); }
+  void sub_min(int64_t group, V m) { store(scales + (kSlots + slot(group)) * W, scale_slot(m)); }
   __attribute__((always_inline)) void block_done(int64_t block) {
 #if !defined(STATELM_GGUF_VNNI)
-    if constexpr (kPack == 8) widen(sums[0]);
+    if constexpr (kPack == 8) widen(sums[0], block);
 #endif
     constexpr int64_t kGroups = kBlock / kSize;  // a block's groups
+    if constexpr (kSuper) {
+#if defined(STATELM_GGUF_VNNI)
+      for (int h = 0; h < kGroups; ++h) {
+        const V s = slot_of(kGroups * block + h);
+        for (int r = 0; r < R; ++r) {
+          total[r] = add32(total[r], mul32(sums[h][r], s));
+          sums[h][r] = zero();
+        }
+      }
+#endif
+      constexpr uint64_t kBlocks = kSuperblock / kBlock;  // a superblock's; chunks start on one
+      if (static_cast<uint64_t>(block) % kBlocks == kBlocks - 1) {
+        const auto superblock = static_cast<int64_t>(static_cast<uint64_t>(block) / kBlocks);
+        close_superblock<R, kSuperGroups, kMin>(reinterpret_cast<const uint8_t*>(scales),
+                                                reinterpret_cast<const uint8_t*>(scales + kSlots * W), d, neg_dmin,
+                                                offset, level_pairs + superblock * kSuperGroups / 2, k / kSize / 2,
+                                                dx + superblock * kBlocks, k / kBlock, total, acc);
+      }
+      return;
+    }
     for (int h = 0; h < kGroups; ++h) {
       const int64_t group = kGroups * block + h, at_slot = slot(group);
       const VF s = load_f(scales + at_slot * W);
@@ -522,10 +626,11 @@ __attribute__((always_inline)) inline void k_nibbles(const Source& rows, int64_t
     }
   }
 }
-// Q4_K / Q5_K scales and mins from the header words (d | dmin, then the 12 bytes of 6-bit fields).
+// Q4_K / Q5_K superblock s's d, dmin and integer scales and mins from the header words (d | dmin, then the 12
+// bytes of 6-bit fields).
 template <class Sink>
-inline void k4_scales(const V h[4], int64_t group0, Sink& sink) {
-  const VF d = half_low(h[0]), dmin = half_high(h[0]);
+inline void k4_scales(const V h[4], int64_t s, Sink& sink) {
+  sink.superblock(s, half_low(h[0]), half_high(h[0]));
   const V six = set32(63), four = set32(15), two = set32(3);
   for (int j = 0; j < 8; ++j) {
     V scale, min;
@@ -537,8 +642,8 @@ inline void k4_scales(const V h[4], int64_t group0, Sink& sink) {
       scale = vor(vand(srl(h[3], 8 * i), four), sll(vand(srl(h[1], 8 * i + 6), two), 4));
       min = vor(vand(srl(h[3], 8 * i + 4), four), sll(vand(srl(h[2], 8 * i + 6), two), 4));
     }
-    sink.scale(group0 + j, mul(d, to_float(scale)));
-    sink.min(group0 + j, negate(mul(dmin, to_float(min))));
+    sink.sub_scale(8 * s + j, scale);
+    sink.sub_min(8 * s + j, min);
   }
 }
 
@@ -548,7 +653,7 @@ void build_q4_k(const Source& rows, int64_t superblocks, Sink& sink) {
     const auto at = rows.at(s * 144);
     V header[4];
     field_run(at, 0, 4, header);
-    k4_scales(header, 8 * s, sink);
+    k4_scales(header, s, sink);
     k_nibbles(at, 16, 8 * s, nullptr, sink);
   }
 }
@@ -559,7 +664,7 @@ void build_q5_k(const Source& rows, int64_t superblocks, Sink& sink) {
     const auto at = rows.at(s * 176);
     V header[4], qh[W];
     field_run(at, 0, 4, header);
-    k4_scales(header, 8 * s, sink);
+    k4_scales(header, s, sink);
     field_run(at, 16, 8, qh);  // words 0..7: qh
     k_nibbles(at, 48, 8 * s, qh, sink);
   }
@@ -575,8 +680,8 @@ void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
     V scales[4], d_word[4];
     field_run(at, 192, 4, scales);  // the 16 int8 scales
     four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half
-    const VF d = half_high(d_word[3]);
-    for (int g = 0; g < 16; ++g) sink.scale(16 * s + g, mul(d, to_float(sra(sll(scales[g / 4], 24 - 8 * (g % 4)), 24))));
+    sink.superblock(s, half_high(d_word[3]), set_f(0.0f));
+    for (int g = 0; g < 16; ++g) sink.sub_scale(16 * s + g, sra(sll(scales[g / 4], 24 - 8 * (g % 4)), 24));
     V qh[2 * W];  // word 8h + t: qh bytes 32h + 4t..
     for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 128 + load_at, qh + load_at / 4);
     for (int h = 0; h < 2; ++h) {
@@ -606,11 +711,11 @@ void build_iq4_xs(const Source& rows, int64_t superblocks, Sink& sink) {
     const auto at = rows.at(s * 136);
     V header[4];
     field_run(at, 0, 4, header);
-    const VF d = half_low(header[0]);
+    sink.superblock(s, half_low(header[0]), set_f(0.0f));
     const V high = srl(header[0], 16), low = header[1];
     for (int j = 0; j < 8; ++j) {
       const V ls = vor(vand(srl(low, 4 * j), set32(15)), sll(vand(srl(high, 2 * j), set32(3)), 4));
-      sink.scale(8 * s + j, mul(d, to_float(sub32(ls, set32(32)))));
+      sink.sub_scale(8 * s + j, sub32(ls, set32(32)));
     }
     for (int64_t load_at = 0; load_at < 128; load_at += kVecBytes) {
       V v[W];
@@ -677,20 +782,21 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
                                              const IntRows& x, const Ahead& ahead, float* acc) {
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
+  constexpr bool kSuper = kType == kQ4_K || kType == kQ5_K || kType == kQ6_K || kType == kIQ4_XS;  // 256 values
   const Format& f = *part.format;
   constexpr int kSlots = superblock_groups(kType);
   alignas(64) float slots[2 * kSlots * W];  // the sink's scales and mins
   if constexpr (kAskAhead && (R > 1 || asks_ahead_at_one_row(kType))) {  // VNNI (one row: see asks_ahead_at_one_row)
-    AskingSink<DotSink<R, kG16, kMin, 1, kSlots>> sink(ahead, values / kBlock, x, first / kBlock, f.offset, false,
-                                                       acc, slots);
+    AskingSink<DotSink<R, kG16, kMin, 1, kSlots, kSuper>> sink(ahead, values / kBlock, x, first / kBlock, f.offset,
+                                                               false, acc, slots);
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
   } else {
 #if defined(STATELM_GGUF_VNNI)
-    DotSink<R, kG16, kMin, 1, kSlots> sink(x, first / kBlock, f.offset, false, acc, slots);
+    DotSink<R, kG16, kMin, 1, kSlots, kSuper> sink(x, first / kBlock, f.offset, false, acc, slots);
 #else
-    DotSink<R, kG16, kMin, quads_in_int16(kType), kSlots> sink(x, first / kBlock, f.narrow ? f.offset : 0, !f.narrow,
-                                                               acc, slots);
+    DotSink<R, kG16, kMin, quads_in_int16(kType), kSlots, kSuper> sink(x, first / kBlock, f.narrow ? f.offset : 0,
+                                                                       !f.narrow, acc, slots);
 #endif
     build_blocks<kType>(f, rows, values, sink);
     sink.finish(acc);
@@ -707,37 +813,22 @@ bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t va
 
 }  // namespace
 
-void decode_columns(const Part& part, int64_t column, int64_t first, int64_t values, int8_t* levels, float* scales,
-                    float* mins) {
-  const Format& f = *part.format;
-  const int64_t groups = values / f.group, blocks = values / f.values, groups_per_block = f.values / f.group;
-  for (int64_t c = 0; c < kTileColumns; ++c) {
-    int8_t* q = levels + c * values;
-    float* s = scales + c * groups;
-    float* m = mins + c * groups;
-    if (column + c >= part.rows) {
-      std::memset(q, 0, values);
-      std::fill(s, s + groups, 0.0f);
-      std::fill(m, m + groups, 0.0f);
-      continue;
-    }
-    const uint8_t* row = part.data + (column + c) * part.row_stride + first / f.values * f.bytes;
-    for (int64_t b = 0; b < blocks; ++b) {
-      f.decode(row + b * f.bytes, q + b * f.values, s + b * groups_per_block, m + b * groups_per_block);
-    }
-  }
-}
-
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values) {
   const Format& f = *part.format;
-  const int64_t groups = values / f.group;
-  TileBuffers out{scratch<uint8_t, 3>(W * values), scratch<float, 2>(2 * W * groups), nullptr};
-  out.mins = out.scales + W * groups;
+  const int64_t groups = values / f.group, superblocks = values / kSuperblock;
+  float* scales = scratch<float, 2>(2 * W * groups);
+  int32_t* sub_scales = scratch<int32_t, 9>(2 * W * groups);
+  float* d = scratch<float, 10>(2 * W * superblocks);
+  const TileBuffers out{scratch<uint8_t, 3>(W * values), scales, scales + W * groups, sub_scales,
+                        sub_scales + W * groups, d, d + W * superblocks};
 #if defined(STATELM_GGUF_AVX2)
-  StoreSink sink{out.levels, out.scales, out.mins};
+  StoreSink sink{out};
   const bool built = part.interleaved ? build(f, tile_start_of(part, column, first), values, sink)
                                       : build(f, rows_of(part, column, first), values, sink);
-  if (built) return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock};
+  if (built) {
+    return {out.levels, out.scales, out.mins, &f, f.offset, values / kBlock, out.sub_scales, out.sub_mins, out.d,
+            out.neg_dmin};
+  }
 #endif
   return decoded_tile(part, column, first, values, out);
 }

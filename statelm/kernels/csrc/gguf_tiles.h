@@ -11,6 +11,8 @@ namespace statelm::gguf {
 
 // SIMD builds: levels as uint8 q + offset in [block][8 quads][kTileColumns][4] (a block is 32 values along K, a
 // quad 4 of them); the scalar build: signed q in [kTileColumns][values]. Scales and mins: [groups][kTileColumns].
+// A 256-value format's tile also holds its integer scales s_g and mins m_g ([groups][kTileColumns]) and each
+// superblock's d and -dmin ([superblocks][kTileColumns]), which its int8 arithmetic takes.
 struct Int8Tile {
   const uint8_t* levels;
   const float* scales;
@@ -18,6 +20,10 @@ struct Int8Tile {
   const Format* format;
   int offset;  // levels hold q + offset (0 in the scalar build)
   int64_t blocks;
+  const int32_t* sub_scales = nullptr;
+  const int32_t* sub_mins = nullptr;
+  const float* d = nullptr;
+  const float* neg_dmin = nullptr;
 };
 
 // The tile of columns [column, column + kTileColumns) of part, values [first, first + values) along K, in this
