@@ -130,7 +130,6 @@ void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles,
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock, per_span = span / kBlock;
   out.k = k;
   out.rows = rows;
-  out.span = span;
   levels.resize(rows * k);
   out.dx.resize(rows * blocks);
   out.sums16.resize(rows * blocks * 2);

@@ -66,11 +66,11 @@ constexpr int64_t kSuperblock = 256;
 // A type id with this bit names an interleaved block matrix of that format.
 constexpr int64_t kInterleavedType = 1 << 8;
 
-// x quantized per row and block of 32 (int8 or int16 values) with its per-block scales and per-group sums.
+// x quantized per row and block of 32 (int8 or int16 values) with its per-block scales and per-group sums; for the
+// 256-value formats' int8 arithmetic, per 256 values (each block of a superblock then holds the superblock's dx).
 struct IntRows {
   int64_t k = 0;
   int64_t rows = 0;
-  int64_t span = 32;  // values sharing one amax: 32, or 256 (every block of a superblock then has its dx)
   std::vector<int8_t> q8;
   std::vector<int16_t> q16;
   std::vector<float> dx;        // [M, K/32]

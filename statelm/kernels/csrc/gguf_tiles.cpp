@@ -365,8 +365,8 @@ struct DotSink {
   // then keeps its sums and results in registers).
   const int8_t* q8;
   const float* dx;
-  const int32_t* level_sums;  // per group of kSize
-  const float* sx;            // per group of kSize
+  const int32_t* level_sums;   // per group of kSize
+  const float* sx;             // per group of kSize
   const int32_t* level_pairs;  // kSuper: level sums two by two
   int64_t k;
   int offset;
