@@ -283,6 +283,7 @@ for name, (raw, qtype) in data["weights"].items():
             outputs[f"{name}-{arithmetic}-interleaved-few"] = torch.ops.statelm.gguf_matmul(x[:1], *args)
 for name, (x, weight) in data["float"].items():
     outputs[f"float-{name}"] = torch.ops.statelm.float_linear(x, weight)
+outputs["silu_mul"] = torch.ops.statelm.silu_mul(data["gate_up"])
 torch.save(outputs, sys.argv[2])
 """
 
@@ -291,7 +292,8 @@ torch.save(outputs, sys.argv[2])
 def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: Path) -> None:
     """The library of each lower class (loaded as built, no compiler) computes this machine's library's bits, for
     every block format and arithmetic, in many rows (tiles) and in few (rows alone, and three together), from the
-    blocks in place and (SIMD classes) interleaved in its own layout; and float_linear's."""
+    blocks in place and (SIMD classes) interleaved in its own layout; and float_linear's and silu_mul's (its
+    exponential vectorised for each class)."""
     capped, own = select_variant(cpu_flags(), capability), cpu_variant()
     if capped is None or own is None or capped == own:
         pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
@@ -300,7 +302,9 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
     generator = torch.Generator().manual_seed(9)
     x = {q.name: torch.randn(37, random_columns(q), generator=generator) for q in FORMATS}  # every row tile kind
     floats = {k: (torch.randn(7, k, generator=generator), torch.randn(24, k, generator=generator)) for k in (100, 2048)}
-    torch.save({"x": x, "weights": weights, "float": floats}, tmp_path / "in.pt")
+    # gate values over the whole range, past the exponential's clamp at both ends, and the ordinary ones
+    gate_up = torch.cat([torch.linspace(-120, 120, 4099).repeat(2, 2), torch.randn(5, 8198, generator=generator) * 4])
+    torch.save({"x": x, "weights": weights, "float": floats, "gate_up": gate_up}, tmp_path / "in.pt")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": capability}
     if capability in ONEDNN_ISA:
         env["ONEDNN_MAX_CPU_ISA"] = ONEDNN_ISA[capability]
@@ -321,6 +325,7 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
                 assert torch.equal(expected[:1], outputs[f"{name}-{arithmetic}-interleaved-few"]), (name, arithmetic)
     for k, (x_float, weight_float) in floats.items():  # the float32 router's linear
         assert torch.equal(torch.ops.statelm.float_linear(x_float, weight_float), outputs[f"float-{k}"]), k
+    assert torch.equal(torch.ops.statelm.silu_mul(gate_up), outputs["silu_mul"])
 
 
 @pytest.mark.invariance
