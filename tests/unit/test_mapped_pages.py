@@ -59,7 +59,7 @@ def test_a_tied_embedding_looks_rows_up_in_the_head_s_copy_and_the_file_pages_st
     assert mapped_pages(file_rows) > 0
     head = PackedLinear(weight, None, RowChunking())
     embedding = PackedEmbedding(weight, tied_head=head)
-    assert embedding.weight is head.weight and embedding not in list(head.modules())
+    assert embedding.weight is head.weight and head not in list(embedding.modules())
     head.use(kernel=True)  # interleaves the head, handing the file's pages back
     assert head.weight.interleaved and embedding.weight is head.weight
     assert mapped_pages(file_rows) == 0  # the copy alone counts in resident memory

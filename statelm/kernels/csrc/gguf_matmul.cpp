@@ -170,9 +170,9 @@ void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles,
         const auto pair = [](int32_t low, int32_t high) {
           return static_cast<int32_t>((static_cast<uint32_t>(low) & 0xFFFF) | (static_cast<uint32_t>(high) << 16));
         };
-        for (int64_t b = 0; b < blocks; ++b) {
-          out.pairs16[m * blocks + b] = pair(out.sums16[2 * (m * blocks + b)], out.sums16[2 * (m * blocks + b) + 1]);
-          if (b % 2) out.pairs32[m * (blocks / 2) + b / 2] = pair(out.sums32[m * blocks + b - 1], out.sums32[m * blocks + b]);
+        for (int64_t at = m * blocks; at < (m + 1) * blocks; ++at) {
+          out.pairs16[at] = pair(out.sums16[2 * at], out.sums16[2 * at + 1]);
+          if (at % 2) out.pairs32[at / 2] = pair(out.sums32[at - 1], out.sums32[at]);
         }
       }
 #if defined(STATELM_GGUF_AVX2)

@@ -10,13 +10,13 @@
 // - float (x in float32): w = S*q (+ O) as gguf-py dequantizes it, then four chains per output element, chain i
 //   summing fma(w_k, x_k) over k = i mod 4 in K order, and (c0 + c1) + (c2 + c3) at the end.
 // - int8 / int16 (x quantized per row and block of 32 values: q = round(x * L / amax), dx = amax / L with L = 127
-//   or 32767): per group g of the format
-//   (16 or 32 values) the integer I_g = sum_k q_w * q_x is exact, and in K order
-//   acc = fma(float(I_g), S_g * dx, acc),   then with a minimum   acc = fma(O_g, sx_g, acc)
+//   or 32767): per group g of the format (16 or 32 values) the integer I_g = sum_k q_w * q_x is exact, and in K
+//   order   acc = fma(float(I_g), S_g * dx, acc),   then with a minimum   acc = fma(O_g, sx_g, acc)
 //   where sx_g = dx * float(X_g), X_g the sum of q_x over the group;
 // - int8 on a 256-value format (the K-quants, IQ4_XS: S_g = d * s_g and O_g = -(dmin * m_g), s_g and m_g small
-//   integers), x quantized per row and 256 values (one amax and dx a superblock): per superblock the integers T = sum_g s_g * I_g and, with a minimum, M = sum_g m_g * X_g, exact in
-//   int32, then   acc = fma(float(T), d * dx, acc),   with a minimum   acc = fma(float(M), -dmin * dx, acc)
+//   integers), x quantized per row and 256 values (one amax and dx a superblock): per superblock the integers
+//   T = sum_g s_g * I_g and, with a minimum, M = sum_g m_g * X_g, exact in int32, then
+//   acc = fma(float(T), d * dx, acc),   with a minimum   acc = fma(float(M), -dmin * dx, acc)
 //   (one float step a superblock instead of one a group, as llama.cpp's K-quant dot products take);
 // so a row's result is the same in any batch, and the same on every CPU class.
 

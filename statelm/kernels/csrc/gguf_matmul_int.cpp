@@ -57,9 +57,9 @@ inline void close_tile_superblock(const Int8Tile& t, const IntRows& x, int64_t m
                                   int offset, V total[R], VF acc[R]) {
   constexpr int kGroups = kG16 ? 16 : 8;
   constexpr int64_t size = kG16 ? 16 : 32;
-  V scale_slots[kGroups], min_slots[kMin ? kGroups : 1];
+  V scale_slots[kGroups], min_slots[kMin ? kGroups : 1];  // scales: read only to take an offset out
   for (int g = 0; g < kGroups; ++g) {
-    scale_slots[g] = tile_slot(t, kGroups * s + g);
+    if (offset) scale_slots[g] = tile_slot(t, kGroups * s + g);
     if constexpr (kMin) min_slots[g] = tile_slot<true>(t, kGroups * s + g);
   }
   close_superblock<R, kGroups, kMin>(reinterpret_cast<const uint8_t*>(scale_slots),
@@ -123,9 +123,10 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 }
 #elif defined(STATELM_GGUF_AVX2)
 // R rows: int16 pairs with vpmaddwd; narrow uint8 levels + offset with vpmaddubsw, four quads' pair sums added in
-// int16 where levels are below 32 (4 * 2 * 31 * 127 < 32768: 1.1x at 256 rows of Q4_K), else two; wide levels (Q8_0, IQ4: + 128) back to signed, their sign moved to x. A block
-// of two groups (Q6_K) finishes its first group's sums and float step before the second's, so that R rows need R
-// accumulators (16 registers: two groups' 2R spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
+// int16 where levels are below 32 (4 * 2 * 31 * 127 < 32768: 1.1x at 256 rows of Q4_K), else two; wide levels
+// (Q8_0, IQ4: + 128) back to signed, their sign moved to x. A block of two groups (Q6_K) finishes its first group's
+// sums and float step before the second's, so that R rows need R accumulators (16 registers: two groups' 2R
+// spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
 // multiplies the pair sums by the group's integer scale as it widens them into the superblock's total.
 template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
 void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
@@ -162,7 +163,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
           for (int r = 0; r < R; ++r) {
             const V xr = set32(xs[quad * G + r]);
             if constexpr (kSuper) {
-              total[r] = dot_wide_scaled(total[r], w, xr, slot);
+              total[r] = dot16(total[r], wide_pair_sums(w, xr), slot);
             } else {
               sums[r] = dot_wide(sums[r], w, xr);
             }
@@ -181,7 +182,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
                                          pair_sums(w3, set32(xs[(quad + 3) * G + r]))));
             }
             if constexpr (kSuper) {
-              total[r] = widen_scaled(total[r], pairs, slot);
+              total[r] = dot16(total[r], pairs, slot);
             } else {
               sums[r] = widen_pairs(sums[r], pairs);
             }

@@ -9,7 +9,6 @@
 
 namespace statelm::gguf::simd {
 
-
 #if defined(STATELM_GGUF_VNNI)
 using V = __m512i;
 using VF = __m512;
@@ -87,10 +86,10 @@ inline V mul32(V a, V b) { return _mm512_mullo_epi32(a, b); }
 // A 256-value format's integer scale or min per lane as the int8 kernels keep it (a slot): here the integer itself,
 // which multiplies a group's int32 sums (mul32).
 inline V scale_slot(V s) { return s; }
-// Two groups' slots as one lane of two int16 (the even group's low), and sum + their products by a word of two
-// int16 sums of activation levels (x: in every lane).
+// Two groups' slots as one lane of two int16 (the even group's low).
 inline V pair_of(V even, V odd) { return vor(vand(even, set32(0xFFFF)), sll(odd, 16)); }
-inline V pair_dot(V sum, V pair, V x) { return _mm512_dpwssd_epi32(sum, pair, x); }
+// sum + a . b per lane, a and b two int16 each (vpdpwssd).
+inline V dot16(V sum, V a, V b) { return _mm512_dpwssd_epi32(sum, a, b); }
 #else
 using V = __m256i;
 using VF = __m256;
@@ -154,7 +153,9 @@ __attribute__((always_inline)) inline void transpose(V r[8]) {
 // which a few quads may add in int16 while no sum reaches 32768, then widened into int32 sums by vpmaddwd.
 inline V pair_sums(V levels, V x) { return _mm256_maddubs_epi16(levels, x); }
 inline V add16(V a, V b) { return _mm256_add_epi16(a, b); }
-inline V widen_pairs(V sum, V pairs) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1))); }
+// sum + a . b per lane, a and b two int16 each (vpmaddwd, then an add).
+inline V dot16(V sum, V a, V b) { return _mm256_add_epi32(sum, _mm256_madd_epi16(a, b)); }
+inline V widen_pairs(V sum, V pairs) { return dot16(sum, pairs, _mm256_set1_epi16(1)); }
 
 // Wide levels (Q8_0, IQ4: signed, stored + 128) as vpmaddubsw takes them: magnitudes (|-128| reads as 128), and the
 // signed levels whose signs move to the activations.
@@ -166,9 +167,11 @@ inline WideQuad wide_quad(V stored) {
   const V w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
   return {_mm256_sign_epi8(w, w), w};
 }
-inline V dot_wide(V sum, const WideQuad& w, V x) {
-  return widen_pairs(sum, _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(x, w.levels)));
+// The int16 pair sums of wide levels times 4 int8 activations (x: their word in every lane).
+inline V wide_pair_sums(const WideQuad& w, V x) {
+  return _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(x, w.levels));
 }
+inline V dot_wide(V sum, const WideQuad& w, V x) { return widen_pairs(sum, wide_pair_sums(w, x)); }
 
 // The 32-bit word at p in every lane, loaded as such (a word read into a general register first costs a one-row
 // loop two instructions a quad).
@@ -184,16 +187,10 @@ inline V dot_quad(V sum, V levels, V x, bool wide) {
 inline V add32(V a, V b) { return _mm256_add_epi32(a, b); }
 inline V mul32(V a, V b) { return _mm256_mullo_epi32(a, b); }
 // A 256-value format's integer scale or min per lane as the int8 kernels keep it (a slot): the integer in both
-// 16-bit halves of its lane, so that vpmaddwd multiplies int16 pair sums by it as it widens them (widen_scaled).
-inline V scale_slot(V s) { return _mm256_or_si256(_mm256_and_si256(s, _mm256_set1_epi32(0xFFFF)), _mm256_slli_epi32(s, 16)); }
-// Two groups' slots as one lane of two int16 (the even group's low), and sum + their products by a word of two
-// int16 sums of activation levels (x: in every lane).
+// 16-bit halves of its lane, so that dot16 multiplies int16 pair sums by it as it widens them.
+inline V scale_slot(V s) { return vor(vand(s, set32(0xFFFF)), sll(s, 16)); }
+// Two groups' slots as one lane of two int16 (the even group's low).
 inline V pair_of(V even, V odd) { return _mm256_blend_epi16(even, odd, 0xAA); }
-inline V pair_dot(V sum, V pair, V x) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pair, x)); }
-inline V widen_scaled(V sum, V pairs, V slot) { return _mm256_add_epi32(sum, _mm256_madd_epi16(pairs, slot)); }
-inline V dot_wide_scaled(V sum, const WideQuad& w, V x, V slot) {
-  return widen_scaled(sum, _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(x, w.levels)), slot);
-}
 #endif
 
 constexpr int kWords = kVecBytes / 4;  // 32-bit lanes: one per tile column
@@ -220,24 +217,27 @@ __attribute__((always_inline)) inline void close_superblock(const uint8_t* scale
                                                             int64_t pairs_stride, const float* dx, int64_t dx_stride,
                                                             V total[R], VF acc[R]) {
   constexpr int kPairs = kGroups / 2;
+  const auto pair = [](const uint8_t* slots, int j) __attribute__((always_inline)) {
+    return pair_of(load(slots + 2 * j * kVecBytes), load(slots + (2 * j + 1) * kVecBytes));
+  };
   V scale_pairs[kPairs], min_pairs[kPairs];  // formed once for the R rows
   for (int j = 0; j < kPairs; ++j) {
-    if (offset) scale_pairs[j] = pair_of(load(scale_slots + 2 * j * kVecBytes), load(scale_slots + (2 * j + 1) * kVecBytes));
-    if constexpr (kMin) min_pairs[j] = pair_of(load(min_slots + 2 * j * kVecBytes), load(min_slots + (2 * j + 1) * kVecBytes));
+    if (offset) scale_pairs[j] = pair(scale_slots, j);
+    if constexpr (kMin) min_pairs[j] = pair(min_slots, j);
   }
   for (int r = 0; r < R; ++r) {
     const int32_t* xs = level_pairs + r * pairs_stride;
     V t = total[r];
     if (offset) {
       V o = zero();
-      for (int j = 0; j < kPairs; ++j) o = pair_dot(o, scale_pairs[j], broadcast32(xs + j));
+      for (int j = 0; j < kPairs; ++j) o = dot16(o, scale_pairs[j], broadcast32(xs + j));
       t = sub32(t, mul32(o, set32(offset)));
     }
     const VF dxr = set_f(dx[r * dx_stride]);
     acc[r] = fma(to_float(t), mul(d, dxr), acc[r]);
     if constexpr (kMin) {
       V m = zero();
-      for (int j = 0; j < kPairs; ++j) m = pair_dot(m, min_pairs[j], broadcast32(xs + j));
+      for (int j = 0; j < kPairs; ++j) m = dot16(m, min_pairs[j], broadcast32(xs + j));
       acc[r] = fma(to_float(m), mul(neg_dmin, dxr), acc[r]);
     }
     total[r] = zero();

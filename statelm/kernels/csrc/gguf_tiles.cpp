@@ -340,14 +340,14 @@ constexpr int quads_in_int16(int64_t type) {
   }
 }
 
-// The scale slots a format's DotSink keeps: a superblock's groups for the K-quants and IQ4_XS (whose builders give
-// a superblock's scales, then its blocks), else 16.
-constexpr int superblock_groups(int64_t type) {
-  switch (type) {
-    case kQ4_K: case kQ5_K: case kIQ4_XS: return 8;
-    default: return 16;  // Q6_K: 16 groups of 16 values; the block formats give at most four blocks' scales ahead
-  }
+// Whether a format with a builder is a 256-value one (its int8 arithmetic sums superblocks: Format::superblock).
+constexpr bool superblock_type(int64_t type) {
+  return type == kQ4_K || type == kQ5_K || type == kQ6_K || type == kIQ4_XS;
 }
+
+// The scale slots a format's DotSink keeps: a superblock's groups for the 256-value formats (whose builders give a
+// superblock's scales, then its blocks), else 16 (the block formats give at most four blocks' scales ahead).
+constexpr int superblock_groups(int64_t type) { return superblock_type(type) && type != kQ6_K ? 8 : 16; }
 
 // The int8 arithmetic of R rows straight from decoded quads: a block's exact group sums, then its float steps.
 // kPack > 1 (AVX2, quads_in_int16): the builders deliver a block's quads of one group in order (K-quants, Q5) or
@@ -412,7 +412,7 @@ struct DotSink {
     if constexpr (kSuper) {  // wide levels (IQ4_XS), each quad widened at once
       const WideQuad w = wide_quad(v);
       const V s = slot_of(group_of(block, q));
-      for (int r = 0; r < R; ++r) total[r] = dot_wide_scaled(total[r], w, broadcast32(at + r * k), s);
+      for (int r = 0; r < R; ++r) total[r] = dot16(total[r], wide_pair_sums(w, broadcast32(at + r * k)), s);
       return;
     }
 #endif
@@ -422,7 +422,7 @@ struct DotSink {
   __attribute__((always_inline)) void widen(V* sum, int64_t group) {
     if constexpr (kSuper) {
       const V s = slot_of(group);
-      for (int r = 0; r < R; ++r) total[r] = widen_scaled(total[r], pairs[r], s);
+      for (int r = 0; r < R; ++r) total[r] = dot16(total[r], pairs[r], s);
     } else {
       for (int r = 0; r < R; ++r) sum[r] = widen_pairs(sum[r], pairs[r]);
     }
@@ -782,7 +782,7 @@ __attribute__((noinline)) void stream_blocks(const Part& part, const Source& row
                                              const IntRows& x, const Ahead& ahead, float* acc) {
   constexpr bool kG16 = kType == kQ6_K;  // the formats with builders whose groups are 16 values, and with mins
   constexpr bool kMin = kType == kQ4_1 || kType == kQ5_1 || kType == kQ4_K || kType == kQ5_K;
-  constexpr bool kSuper = kType == kQ4_K || kType == kQ5_K || kType == kQ6_K || kType == kIQ4_XS;  // 256 values
+  constexpr bool kSuper = superblock_type(kType);
   const Format& f = *part.format;
   constexpr int kSlots = superblock_groups(kType);
   alignas(64) float slots[2 * kSlots * W];  // the sink's scales and mins
