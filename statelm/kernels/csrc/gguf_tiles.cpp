@@ -87,29 +87,37 @@ constexpr StoredBlock stored_block(int64_t type) {
 }
 
 // The same columns of an interleaved part, as a format's builder reads them: the tile's words [word][kTileColumns]
-// and the chunk's first byte in each column's row (in the file's layout; stored() maps it to the tile's).
+// from the stored unit where the builder's offsets start (offsets in the file's layout; stored() maps one to the
+// tile's). A builder's offsets are then constants of its unrolled loops, and so are their places in the tile (found
+// at run time from the chunk's start, a one-row loop's address arithmetic and branches cost Q6_K a fifth of its rate).
 template <int64_t kType>
 struct TileWords {
   static constexpr StoredBlock kBlockLayout = stored_block(kType);
   const uint8_t* tile;
-  int64_t start;
-  TileWords at(int64_t offset) const { return {tile, start + offset}; }
-  static int64_t stored(int64_t at) {
+  // The words from `offset` on, a whole number of units (a K-quant's superblock).
+  TileWords at(int64_t offset) const { return {tile + offset / kBlockLayout.unit() * kBlockLayout.unit_stored() * W}; }
+  static constexpr int64_t stored(int64_t at) {
     if constexpr (!kBlockLayout.paired && kBlockLayout.stored == kBlockLayout.bytes) return at;
     return kBlockLayout.offset(at);
   }
 };
 
-// An interleaved tile before its format is known: as<type>() gives the format's TileWords.
+// An interleaved tile before its format is known: as<type>() gives the format's TileWords from the chunk's first
+// block (a chunk starts on a unit: kChunkValues is a whole number of paired blocks).
 struct TileStart {
   const uint8_t* tile;
-  int64_t start;
+  int64_t first_block;
   template <int64_t kType>
-  TileWords<kType> as() const { return {tile, start}; }
+  TileWords<kType> as() const {
+    constexpr StoredBlock layout = stored_block(kType);
+    return {tile + first_block * layout.bytes / layout.unit() * layout.unit_stored() * W};
+  }
 };
 
+static_assert(kChunkValues / kBlock % 2 == 0, "a chunk starts on a pair of blocks");
+
 TileStart tile_start_of(const Part& part, int64_t column, int64_t first) {
-  return {part.data + column * part.row_stride, first / part.format->values * part.format->bytes};
+  return {part.data + column * part.row_stride, first / part.format->values};
 }
 
 // One column's blocks decoded into the tile's scales, mins and (256-value formats) integer scales and d's: column
@@ -212,7 +220,7 @@ __attribute__((always_inline)) inline void four_words(const Rows& rows, int64_t 
 // even, so a field is 0 or 2 bytes past a word: then the high half of one word and the low half of the next.
 template <int64_t kType>
 __attribute__((always_inline)) inline V word_at(const TileWords<kType>& rows, int64_t offset) {
-  const int64_t at = TileWords<kType>::stored(rows.start + offset), word = at / 4;
+  const int64_t at = TileWords<kType>::stored(offset), word = at / 4;
   const V low = load(rows.tile + word * W * 4);
   if (at % 4 == 0) return low;
   const unsigned shift = static_cast<unsigned>(8 * (at % 4));
@@ -224,7 +232,7 @@ __attribute__((always_inline)) inline V word_at(const TileWords<kType>& rows, in
 template <int64_t kType>
 __attribute__((always_inline)) inline void field_words(const TileWords<kType>& rows, int64_t offset, int64_t count,
                                                        V* out) {
-  const int64_t at = TileWords<kType>::stored(rows.start + offset);
+  const int64_t at = TileWords<kType>::stored(offset);
   if (at % 4 == 0) {
     for (int64_t j = 0; j < count; ++j) out[j] = load(rows.tile + (at / 4 + j) * W * 4);
   } else {
@@ -274,6 +282,20 @@ __attribute__((always_inline)) inline void field_run(const Rows& rows, int64_t o
     words(rows, offset, out);
   }
 }
+
+// Asks for the lines of an interleaved tile's unit at once, ahead of their words' loads (file rows: nothing). The
+// AVX2 build's one-row Q6_K loop loads its words as it works on them, so that a superblock's lines arrived one
+// after another: asked at the superblock's start, the 1B Q4_K_M file's Q6_K parts (193 MB) took 5.5-6.3 ms of a
+// step at two threads instead of 7.0-8.1. The VNNI build asks the next chunk ahead instead (kAskAhead); asking here
+// too only lost, and Q4_K (whose words come eight at a time) gained nothing.
+template <int64_t kType>
+__attribute__((always_inline)) inline void ask_unit(const TileWords<kType>& rows) {
+  if constexpr (!kAskAhead) {
+    constexpr int64_t kBytes = TileWords<kType>::kBlockLayout.unit_stored() * W;
+    for (int64_t at = 0; at < kBytes; at += 64) __builtin_prefetch(rows.tile + at, 0, 3);
+  }
+}
+inline void ask_unit(const Rows&) {}
 
 // Words of `present` (of kVecBytes / size) runs of `size` bytes per column, the p-th at offset + p * step.
 __attribute__((always_inline)) inline void words_of_runs(const Rows& rows, int64_t offset, int64_t step, int64_t size,
@@ -422,7 +444,10 @@ struct DotSink {
   __attribute__((always_inline)) void widen(V* sum, int64_t group) {
     if constexpr (kSuper) {
       const V s = slot_of(group);
-      for (int r = 0; r < R; ++r) total[r] = dot16(total[r], pairs[r], s);
+      for (int r = 0; r < R; ++r) {
+        total[r] = dot16(total[r], pairs[r], s);
+        asm("" : "+x"(total[r]));  // one running sum: reassociated, the AVX2 build's partial sums were spilled
+      }
     } else {
       for (int r = 0; r < R; ++r) sum[r] = widen_pairs(sum[r], pairs[r]);
     }
@@ -436,8 +461,16 @@ struct DotSink {
     d = d_of;
     neg_dmin = negate(dmin_of);
   }
-  void sub_scale(int64_t group, V s) { store(scales + slot(group) * W, scale_slot(s)); }
-  void sub_min(int64_t group, V m) { store(scales + (kSlots + slot(group)) * W, scale_slot(m)); }
+  // A slot is stored, then read where it is used (the compiler barrier): kept in registers from here, a
+  // superblock's slots crowded out the words and sums the AVX2 build works on, and were spilled.
+  void sub_scale(int64_t group, V s) {
+    store(scales + slot(group) * W, scale_slot(s));
+    asm volatile("" ::: "memory");
+  }
+  void sub_min(int64_t group, V m) {
+    store(scales + (kSlots + slot(group)) * W, scale_slot(m));
+    asm volatile("" ::: "memory");
+  }
   __attribute__((always_inline)) void block_done(int64_t block) {
 #if !defined(STATELM_GGUF_VNNI)
     if constexpr (kPack == 8) widen(sums[0], block);
@@ -456,8 +489,12 @@ struct DotSink {
       constexpr uint64_t kBlocks = kSuperblock / kBlock;  // a superblock's; chunks start on one
       if (static_cast<uint64_t>(block) % kBlocks == kBlocks - 1) {
         const auto superblock = static_cast<int64_t>(static_cast<uint64_t>(block) / kBlocks);
-        close_superblock<R, kSuperGroups, kMin>(reinterpret_cast<const uint8_t*>(scales),
-                                                reinterpret_cast<const uint8_t*>(scales + kSlots * W), d, neg_dmin,
+        // the slots read afresh through a pointer the compiler cannot follow: merged with widen()'s loads of the
+        // same slots, the loaded values were kept from there to here (and spilled)
+        const float* slots = scales;
+        asm("" : "+r"(slots));
+        close_superblock<R, kSuperGroups, kMin>(reinterpret_cast<const uint8_t*>(slots),
+                                                reinterpret_cast<const uint8_t*>(slots + kSlots * W), d, neg_dmin,
                                                 offset, level_pairs + superblock * kSuperGroups / 2, k / kSize / 2,
                                                 dx + superblock * kBlocks, k / kBlock, total, acc);
       }
@@ -677,6 +714,7 @@ void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
   const V mask = set8(0x0F), high_bits = set8(0x30);
   for (int64_t s = 0; s < superblocks; ++s) {
     const auto at = rows.at(s * 210);
+    ask_unit(at);
     V scales[4], d_word[4];
     field_run(at, 192, 4, scales);  // the 16 int8 scales
     four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half

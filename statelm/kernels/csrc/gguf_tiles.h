@@ -36,8 +36,8 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
 constexpr int64_t kStreamRows = 4;
 // Whether one streamed row asks ahead (in the VNNI build, which asks from two rows on): only Q6_K, whose one-row
 // arithmetic (six-bit levels from two fields, a scale every 16 values) takes as long as its bytes take to arrive,
-// so that memory idles unless asked (1.25-1.5x at one row); the others are bound by memory and only lose by it, and
-// the AVX2 build's Q6_K (8 GB/s a thread, bound by its arithmetic alone) gained nothing.
+// so that memory idles unless asked (1.25-1.5x at one row); the others are bound by memory and only lose by it. The
+// AVX2 build asks for each Q6_K superblock's lines at its start instead (ask_unit in gguf_tiles.cpp).
 constexpr bool asks_ahead_at_one_row(int64_t type) { return kAskAhead && type == kQ6_K; }
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x,
                       const Ahead& ahead, float* acc);
