@@ -163,9 +163,9 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
           for (int r = 0; r < R; ++r) {
             const V xr = set32(xs[quad * G + r]);
             if constexpr (kSuper) {
-              total[r] = dot16(total[r], wide_pair_sums(w, xr), slot);
+              total[r] = running(dot16(total[r], wide_pair_sums(w, xr), slot));
             } else {
-              sums[r] = dot_wide(sums[r], w, xr);
+              sums[r] = running(dot_wide(sums[r], w, xr));
             }
           }
         }
@@ -182,9 +182,9 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
                                          pair_sums(w3, set32(xs[(quad + 3) * G + r]))));
             }
             if constexpr (kSuper) {
-              total[r] = dot16(total[r], pairs, slot);
+              total[r] = running(dot16(total[r], pairs, slot));
             } else {
-              sums[r] = widen_pairs(sums[r], pairs);
+              sums[r] = running(widen_pairs(sums[r], pairs));
             }
           }
         }

@@ -444,10 +444,7 @@ struct DotSink {
   __attribute__((always_inline)) void widen(V* sum, int64_t group) {
     if constexpr (kSuper) {
       const V s = slot_of(group);
-      for (int r = 0; r < R; ++r) {
-        total[r] = dot16(total[r], pairs[r], s);
-        asm("" : "+x"(total[r]));  // one running sum: reassociated, the AVX2 build's partial sums were spilled
-      }
+      for (int r = 0; r < R; ++r) total[r] = running(dot16(total[r], pairs[r], s));
     } else {
       for (int r = 0; r < R; ++r) sum[r] = widen_pairs(sum[r], pairs[r]);
     }
