@@ -458,14 +458,12 @@ struct DotSink {
     d = d_of;
     neg_dmin = negate(dmin_of);
   }
+  void sub_scale(int64_t group, V s) { keep_slot(slot(group), s); }
+  void sub_min(int64_t group, V m) { keep_slot(kSlots + slot(group), m); }
   // A slot is stored, then read where it is used (the compiler barrier): kept in registers from here, a
   // superblock's slots crowded out the words and sums the AVX2 build works on, and were spilled.
-  void sub_scale(int64_t group, V s) {
-    store(scales + slot(group) * W, scale_slot(s));
-    asm volatile("" ::: "memory");
-  }
-  void sub_min(int64_t group, V m) {
-    store(scales + (kSlots + slot(group)) * W, scale_slot(m));
+  void keep_slot(int64_t at, V v) {
+    store(scales + at * W, scale_slot(v));
     asm volatile("" ::: "memory");
   }
   __attribute__((always_inline)) void block_done(int64_t block) {
