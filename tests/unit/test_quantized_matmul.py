@@ -145,21 +145,23 @@ PAIRED = (Q.Q4_0, Q.IQ4_NL, Q.Q8_0)  # interleaved two blocks a unit, both d's f
 @pytest.mark.invariance
 @pytest.mark.parametrize("qtype", FORMATS, ids=lambda q: q.name)
 def test_interleaved_blocks_give_the_bits_of_the_blocks_in_place(qtype: Q) -> None:
-    # 45 rows: the last tile is partly padding; 37 rows of x cross the few-row and tile paths
-    weight, dense = matrix(qtype, 45, random_columns(qtype), seed=11)
+    # 141 rows: the last tile is partly padding; 37 rows of x cross the few-row and tile paths, and at one thread
+    # the AVX2 build's panels (32 rows or more: 18 tiles in panels of four, its int16 pairs two tiles at a time)
+    weight, dense = matrix(qtype, 141, random_columns(qtype), seed=11)
     interleaved = weight.interleave()
     simd = cpu_variant() is not None and cpu_variant().name != "x86-64-v2"
     assert interleaved.interleaved == (simd and qtype not in NO_TILE_BUILDER)
     again = interleaved.interleave()  # an interleaved matrix is not copied again
     assert all(a.interleaved is b.interleaved for a, b in zip(again.parts, interleaved.parts, strict=True))
     assert torch.equal(interleaved.dequantize(), dense)
-    ids = torch.tensor([44, 0, 8, 7, 40, 8])  # the padded last tile, tile edges, a repeat
+    ids = torch.tensor([140, 0, 8, 7, 136, 8])  # the padded last tile, tile edges, a repeat
     assert torch.equal(interleaved.embedding(ids), dense[ids])  # lookups gather rows back out of the copy
     x = torch.randn(37, weight.in_features, generator=torch.Generator().manual_seed(12))
     for arithmetic in ARITHMETICS:
         alone = torch.cat([weight.matmul(x[i : i + 1], arithmetic) for i in range(37)])
         for count in (1, 2, 3, 4, 5, 9, 17, 37):
-            assert torch.equal(interleaved.matmul(x[:count], arithmetic), alone[:count]), (arithmetic, count)
+            with kernel_threads(1):
+                assert torch.equal(interleaved.matmul(x[:count], arithmetic), alone[:count]), (arithmetic, count)
     assert not interleaved.in_place().interleaved and torch.equal(interleaved.in_place().matmul(x), weight.matmul(x))
 
 
@@ -266,6 +268,7 @@ import sys, torch
 from statelm.kernels.build import load_kernels, loaded_library
 from statelm.kernels.quant import ARITHMETICS, INTERLEAVED_TYPE
 load_kernels()
+torch.ops.statelm.set_num_threads(2)  # the AVX2 build's panels of two tiles (the test's weights)
 print("library:", loaded_library())
 data = torch.load(sys.argv[1])
 outputs = {}
@@ -298,9 +301,11 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
     if capped is None or own is None or capped == own:
         pytest.skip(f"this machine runs the {own and own.name} kernels: no wider library to compare with")
     rng = np.random.default_rng(8)
-    weights = {q.name: (torch.from_numpy(random_blocks(q, 45, random_columns(q), rng)), int(q)) for q in FORMATS}
+    # 141 output columns: 18 AVX2 tiles, the last partly padding, which 37 rows of x (every row tile kind) pass over
+    # in panels of two tiles at the child's two threads (the AVX2 build's panels: 32 rows or more, four a thread)
+    weights = {q.name: (torch.from_numpy(random_blocks(q, 141, random_columns(q), rng)), int(q)) for q in FORMATS}
     generator = torch.Generator().manual_seed(9)
-    x = {q.name: torch.randn(37, random_columns(q), generator=generator) for q in FORMATS}  # every row tile kind
+    x = {q.name: torch.randn(37, random_columns(q), generator=generator) for q in FORMATS}
     floats = {k: (torch.randn(7, k, generator=generator), torch.randn(24, k, generator=generator)) for k in (100, 2048)}
     # gate values over the whole range, past the exponential's clamp at both ends, and the ordinary ones
     gate_up = torch.cat([torch.linspace(-120, 120, 4099).repeat(2, 2), torch.randn(5, 8198, generator=generator) * 4])
@@ -315,7 +320,7 @@ def test_every_cpu_class_library_gives_the_same_bits(capability: str, tmp_path: 
     assert f"library: {library}" in child.stdout, f"not the built {capped.name} library (run `make kernels`)\n{child}"
     outputs = torch.load(tmp_path / "out.pt")
     for name, (raw, qtype) in weights.items():
-        weight = PackedWeight([BlockMatrix.of(Q(qtype), raw, (45, x[name].shape[1]))])
+        weight = PackedWeight([BlockMatrix.of(Q(qtype), raw, (141, x[name].shape[1]))])
         for arithmetic in ARITHMETICS:
             expected = weight.matmul(x[name], arithmetic)
             assert torch.equal(expected, outputs[f"{name}-{arithmetic}"]), (name, arithmetic)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "gguf_matmul.h"
+#include "gguf_simd.h"
 #include "gguf_tiles.h"
 #include "huge_pages.h"
 #include "parallel.h"
@@ -121,11 +122,30 @@ inline void quantize_block(const float* values, float inverse, T* q, int32_t hal
 #endif
 }
 
+#if defined(STATELM_GGUF_AVX2) && !defined(STATELM_GGUF_VNNI)
+// IntRows::grouped_pairs of rows [m0, m0 + G) (rows past M zero): 8 rows' 16 levels widened to int16, 8 words a
+// row, transposed into [word][G].
+void group_pairs(const int8_t* levels, int64_t m0, int64_t rows, int64_t k, int32_t* out) {
+  constexpr int64_t G = IntRows::kGroupRows;
+  int32_t* into = out + m0 * (k / 2);
+  for (int64_t v = 0; v < k; v += 16) {
+    simd::V words[G];
+    for (int64_t r = 0; r < G; ++r) {
+      words[r] = m0 + r < rows ? _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(
+                                     levels + (m0 + r) * k + v)))
+                               : simd::zero();
+    }
+    simd::transpose(words);
+    for (int64_t w = 0; w < G; ++w) simd::store(into + (v / 2 + w) * G, words[w]);
+  }
+}
+#endif
+
 // Per row and span of values (32, or a superblock's 256): amax, dx = amax / limit, and each block of 32's levels
-// (quantize_block); sums of the levels per 16 and per 32 values, and dx times them; where `tiles` (a tile kernel
-// will read the rows), IntRows::grouped too.
+// (quantize_block); sums of the levels per 16 and per 32 values, and dx times them; where `quads` (a tile kernel
+// will read the rows), IntRows::grouped too, and where `pairs` (int8 levels only) IntRows::grouped_pairs.
 template <typename T>
-void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles, std::vector<T>& levels,
+void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool quads, bool pairs, std::vector<T>& levels,
                    IntRows& out) {
   const int64_t rows = x.size(0), k = x.size(1), stride = x.stride(0), blocks = k / kBlock, per_span = span / kBlock;
   out.k = k;
@@ -142,7 +162,7 @@ void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles,
   // IntRows::grouped: word w of row m at [m / G][w][m % G] (resize zeroes the rows past M)
   constexpr int64_t G = IntRows::kGroupRows;
   const int64_t words = k * static_cast<int64_t>(sizeof(T)) / 4;
-  if (tiles) out.grouped.resize((rows + G - 1) / G * G * words);
+  if (quads) out.grouped.resize((rows + G - 1) / G * G * words);
 #endif
   const float* in = x.data_ptr<float>();
   const int64_t grain = std::max<int64_t>(1, 8192 / k);
@@ -176,7 +196,7 @@ void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles,
         }
       }
 #if defined(STATELM_GGUF_AVX2)
-      if (tiles) {
+      if (quads) {
         int32_t* into = out.grouped.data() + m / G * G * words + m % G;
         const auto* row = reinterpret_cast<const uint8_t*>(levels.data() + m * k);
         for (int64_t w = 0; w < words; ++w) std::memcpy(into + w * G, row + 4 * w, 4);
@@ -184,6 +204,18 @@ void quantize_rows(const at::Tensor& x, int32_t limit, int64_t span, bool tiles,
 #endif
     }
   });
+#if defined(STATELM_GGUF_AVX2) && !defined(STATELM_GGUF_VNNI)
+  if constexpr (sizeof(T) == 1) {
+    if (pairs) {
+      out.grouped_pairs.resize((rows + G - 1) / G * G * (k / 2));
+      statelm::parallel_for((rows + G - 1) / G, 1, [&](int64_t begin, int64_t end) {
+        for (int64_t g = begin; g < end; ++g) group_pairs(levels.data(), g * G, rows, k, out.grouped_pairs.data());
+      });
+    }
+  }
+#else
+  (void)pairs;
+#endif
 }
 
 std::vector<Part> parts_of(at::TensorList weights, at::IntArrayRef types, int64_t k) {
@@ -237,15 +269,21 @@ Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ty
                      !std::all_of(g.parts.begin(), g.parts.end(), [](const Part& p) { return streams(*p.format); });
   // int8 on a 256-value format sums its superblocks in integers, of x quantized per 256 values (each part's
   // arithmetic is its format's, whatever it is stacked with)
-  const auto any_part = [&](bool superblocks) {
-    return std::any_of(g.parts.begin(), g.parts.end(),
-                       [&](const Part& p) { return sums_superblocks(*p.format) == superblocks; });
-  };
-  if (g.kind == Arithmetic::kInt8 && any_part(false)) quantize_rows(x, 127, kBlock, tiles, g.quantized.q8, g.quantized);
-  if (g.kind == Arithmetic::kInt8 && any_part(true)) {
-    quantize_rows(x, 127, kSuperblock, tiles, g.superblock_rows.q8, g.superblock_rows);
+  const auto any_part = [&](auto&& test) { return std::any_of(g.parts.begin(), g.parts.end(), test); };
+  const bool blocks = any_part([](const Part& p) { return !sums_superblocks(*p.format); });
+  const bool superblocks = any_part([](const Part& p) { return sums_superblocks(*p.format); });
+  if (g.kind == Arithmetic::kInt8 && blocks) {
+    // the formats widens_int8 takes read the rows' int16 pairs where the rows pass over panels
+    const bool widened = rows >= kPanelRows && any_part([](const Part& p) { return widens_int8(*p.format); });
+    const bool quads = tiles && any_part([&](const Part& p) {
+      return !sums_superblocks(*p.format) && !(widened && widens_int8(*p.format));
+    });
+    quantize_rows(x, 127, kBlock, quads, widened, g.quantized.q8, g.quantized);
   }
-  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, kBlock, tiles, g.quantized.q16, g.quantized);
+  if (g.kind == Arithmetic::kInt8 && superblocks) {
+    quantize_rows(x, 127, kSuperblock, tiles, false, g.superblock_rows.q8, g.superblock_rows);
+  }
+  if (g.kind == Arithmetic::kInt16) quantize_rows(x, 32767, kBlock, tiles, false, g.quantized.q16, g.quantized);
   g.floats = {x.data_ptr<float>(), x.stride(0), rows};
   return g;
 }
@@ -253,19 +291,30 @@ Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ty
 // Every group's y = x @ W.T, their tiles shared out among the threads together (each tile's arithmetic as alone).
 void multiply(std::vector<Group>& groups) {
   struct Tile {
-    int64_t group, part, column;
+    int64_t group, part, column, count;  // count: tiles of the part from column on, one panel (int_tile_chunk)
   };
+  // Panels where kPanelRows rows or more pass over built tiles (int kinds, parts not staged), as wide as leaves every
+  // thread four of them
+  int64_t all_tiles = 0;
+  for (const Group& g : groups) {
+    for (const Part& p : g.parts) all_tiles += g.rows > 0 ? (p.rows + kTileColumns - 1) / kTileColumns : 0;
+  }
+  const int64_t widest = std::clamp<int64_t>(all_tiles / (4 * statelm::num_threads()), 1, kPanelTiles);
   std::vector<Tile> tiles;
   int64_t acc_size = 0;
   for (size_t i = 0; i < groups.size(); ++i) {
     const Group& g = groups[i];
     if (g.rows == 0) continue;
     for (size_t p = 0; p < g.parts.size(); ++p) {
-      for (int64_t c = 0; c < g.parts[p].rows; c += kTileColumns) {
-        tiles.push_back({static_cast<int64_t>(i), static_cast<int64_t>(p), c});
+      const Part& part = g.parts[p];
+      const bool panels = g.kind != Arithmetic::kFloat && g.rows >= kPanelRows && !stage_tiles(part, g.k);
+      const int64_t step = (panels ? widest : 1) * kTileColumns;
+      for (int64_t c = 0; c < part.rows; c += step) {
+        const int64_t count = (std::min(step, part.rows - c) + kTileColumns - 1) / kTileColumns;
+        tiles.push_back({static_cast<int64_t>(i), static_cast<int64_t>(p), c, count});
       }
     }
-    acc_size = std::max(acc_size, g.rows * (g.kind == Arithmetic::kFloat ? 4 : 1) * kTileColumns);
+    acc_size = std::max(acc_size, g.rows * (g.kind == Arithmetic::kFloat ? 4 : widest) * kTileColumns);
   }
   statelm::parallel_for(static_cast<int64_t>(tiles.size()), 1, [&](int64_t begin, int64_t end) {
     float* acc = scratch<float, 6>(acc_size);
@@ -283,34 +332,38 @@ void multiply(std::vector<Group>& groups) {
       const bool at_once = !spread && (g.kind != Arithmetic::kInt8 || rows > kStreamRows);
       const bool staged = stage_tiles(home, k);
       const Part part = staged ? staged_tile(home, tiles[t].column, k) : home;
-      const int64_t column = staged ? 0 : tiles[t].column;
-      std::fill(acc, acc + rows * acc_width, 0.0f);
+      const int64_t column = staged ? 0 : tiles[t].column, count = tiles[t].count;
+      std::fill(acc, acc + count * rows * acc_width, 0.0f);
       for (int64_t first = 0; first < k; first += kChunkValues) {
         const int64_t values = std::min(kChunkValues, k - first);
         Ahead ahead;
         if (spread || at_once) {
           ahead = first + kChunkValues < k
                       ? chunk_bytes(part, column, first + kChunkValues, std::min(kChunkValues, k - first - kChunkValues))
-                      : chunk_bytes(part, column + kTileColumns, 0, std::min(kChunkValues, k));
+                      : chunk_bytes(part, column + count * kTileColumns, 0, std::min(kChunkValues, k));
         }
         if (at_once) ahead.all();
         if (g.kind == Arithmetic::kFloat) {
           float_tile_chunk(part, column, first, values, g.floats, acc);
         } else {
-          int_tile_chunk(part, column, first, values, g.int_rows(home), g.kind == Arithmetic::kInt16,
+          int_tile_chunk(part, column, count, first, values, g.int_rows(home), g.kind == Arithmetic::kInt16,
                          spread ? ahead : Ahead{}, acc);
         }
       }
-      const int64_t columns = std::min(kTileColumns, part.rows - column);
       float* out = g.y.data_ptr<float>();
-      for (int64_t m = 0; m < rows; ++m) {
-        float* dst = out + m * n + part.first_column + column;
-        for (int64_t c = 0; c < columns; ++c) {
-          if (g.kind == Arithmetic::kFloat) {
-            const float* chains = acc + (m * kTileColumns + c) * 4;
-            dst[c] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
-          } else {
-            dst[c] = acc[m * kTileColumns + c];
+      for (int64_t i = 0; i < count; ++i) {
+        const int64_t first_column = column + i * kTileColumns;
+        const int64_t columns = std::min(kTileColumns, part.rows - first_column);
+        const float* results = acc + i * rows * acc_width;
+        for (int64_t m = 0; m < rows; ++m) {
+          float* dst = out + m * n + part.first_column + first_column;
+          for (int64_t c = 0; c < columns; ++c) {
+            if (g.kind == Arithmetic::kFloat) {
+              const float* chains = results + (m * kTileColumns + c) * 4;
+              dst[c] = (chains[0] + chains[1]) + (chains[2] + chains[3]);
+            } else {
+              dst[c] = results[m * kTileColumns + c];
+            }
           }
         }
       }

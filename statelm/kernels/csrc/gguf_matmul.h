@@ -63,6 +63,20 @@ struct Part {
 inline bool sums_superblocks(const Format& f) { return f.superblock != nullptr; }
 constexpr int64_t kSuperblock = 256;
 
+// Whether the AVX2 build (not VNNI) multiplies int8 rows of a panel (kPanelRows rows or more) in int16: the wide
+// 32-value formats (Q8_0, IQ4_NL), each tile widened once and the rows' levels taken as int16 pairs
+// (IntRows::grouped_pairs), one vpmaddwd a pair and row. Their int8 form takes vpsignb + vpmaddubsw + vpmaddwd a
+// quad and row, all three on the two ports that multiply; the int16 form one there and its add on any. Same exact
+// sums, same float steps: the same bits.
+inline bool widens_int8(const Format& f) {
+#if defined(STATELM_GGUF_AVX2) && !defined(STATELM_GGUF_VNNI)
+  return !f.narrow && !sums_superblocks(f);
+#else
+  (void)f;
+  return false;
+#endif
+}
+
 // A type id with this bit names an interleaved block matrix of that format.
 constexpr int64_t kInterleavedType = 1 << 8;
 
@@ -89,6 +103,9 @@ struct IntRows {
   // offsets (rows_tile).
   static constexpr int64_t kGroupRows = 8;
   std::vector<int32_t> grouped;
+  // The AVX2 build's int8 levels again as int16 pairs (k / 2 words a row), grouped as `grouped`, for the formats
+  // whose tiles it widens (widens_int8).
+  std::vector<int32_t> grouped_pairs;
 
   int32_t sum(int64_t m, int64_t group, int64_t size) const {
     return size == 16 ? sums16[m * (k / 16) + group] : sums32[m * (k / 32) + group];
@@ -134,11 +151,24 @@ struct Ahead {
   void all() const { shares(1).ask(0); }
 };
 
-// Adds the contribution of values [first, first + values) of the tile of columns from `column` to acc, the
-// tile's running results: int kinds [M, kTileColumns] (gguf_matmul_int.cpp), float [M, kTileColumns, 4] chains.
-// The VNNI build's kernels ask for `ahead` as they go.
-void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
-                    const Ahead& ahead, float* acc);
+// Tiles whose int kernels one pass of the rows runs (a panel), each group of kGroupRows rows through all of them
+// while its activations are in L1, where kPanelRows rows or more: the AVX2 build, where a prompt's rows read from
+// L2 or L3 once a tile cost its kernel a sixth (1.3x the cycles in int16; VNNI's 16 columns a tile read a word of
+// activations half as often). Fewer rows keep a tile at a time: its next chunk is asked for while its rows run
+// (multiply), which a panel's other tiles would miss (8 rows: 1.25x slower in panels).
+#if defined(STATELM_GGUF_AVX2) && !defined(STATELM_GGUF_VNNI)
+constexpr int64_t kPanelTiles = 8;
+#else
+constexpr int64_t kPanelTiles = 1;
+#endif
+constexpr int64_t kPanelRows = 32;
+
+// Adds the contribution of values [first, first + values) of `tiles` tiles of columns from `column` on (a panel,
+// kPanelTiles at most) to acc, their running results one after another: int kinds [M, kTileColumns] a tile
+// (gguf_matmul_int.cpp), float [M, kTileColumns, 4] chains (one tile). The VNNI build's kernels ask for `ahead` as
+// they go.
+void int_tile_chunk(const Part& part, int64_t column, int64_t tiles, int64_t first, int64_t values, const IntRows& x,
+                    bool int16, const Ahead& ahead, float* acc);
 void float_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const FloatRows& x,
                       float* acc);
 

@@ -98,7 +98,7 @@ void run_rows(const float* tile, int64_t values, const FloatRows& x, int64_t fir
 
 void float_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const FloatRows& x,
                       float* acc) {
-  run_rows(dequantize_tile(build_int8_tile(part, column, first, values)), values, x, first, acc);
+  run_rows(dequantize_tile(build_int8_tile(part, column, first, values, 0)), values, x, first, acc);
 }
 
 }  // namespace statelm::gguf

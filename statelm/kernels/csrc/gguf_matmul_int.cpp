@@ -5,7 +5,9 @@
 //   AVX512-VNNI, 16 columns: int8 levels + offset as uint8 [block][8 quads][16][4], one vpdpbusd per quad and
 //     row; int16 levels [block][16 pairs][16][2], one vpdpwssd per pair and row.
 //   AVX2, 8 columns: int8 as uint8 levels + offset (narrow formats: vpmaddubsw pairs of two quads add in int16)
-//     or as signed levels (Q8_0, IQ4: the sign moves to the activations); int16 levels with vpmaddwd.
+//     or as signed levels (Q8_0, IQ4: the sign moves to the activations); int16 levels with vpmaddwd, two tiles a
+//     broadcast on 32-value groups without a minimum (rows_tile_pair), which the int8 rows of Q8_0 and IQ4_NL take
+//     in panels (widens_int8).
 //   scalar: the decoded levels as they are.
 // SIMD builds read the rows' activations from IntRows::grouped (8 rows' words side by side): one pointer, fixed
 // offsets.
@@ -78,12 +80,12 @@ inline bool ends_superblock(int64_t kb) { return kb % (kSuperblock / kBlock) == 
 // R rows: one vpdpbusd (uint8 levels + offset) or vpdpwssd (int16 pairs) per quad or pair and row; kSuper (int8 on
 // a 256-value format): each group's sums times its integer scale into the superblock's total.
 template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
-void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
+void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_t m0, int64_t block0,
+               const Ahead& ahead, float* acc) {
   constexpr int kSteps = kInt16 ? 16 : 8;  // words of a block's activations a row
   constexpr int64_t kBlockBytes = kInt16 ? 2 * W * kBlock : W * kBlock;
   constexpr int64_t G = IntRows::kGroupRows;
-  const int64_t words = x.k / kBlock * kSteps;
-  const int32_t* group = x.grouped.data() + m0 * words;  // m0: a multiple of G (run_rows)
+  const int32_t* group = words + m0 * (x.k / kBlock * kSteps);  // m0: a multiple of G (run_rows)
   VF a[R];
   V total[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W), total[r] = zero();
@@ -129,13 +131,14 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
 // spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
 // multiplies the pair sums by the group's integer scale as it widens them into the superblock's total.
 template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
-void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, const Ahead& ahead, float* acc) {
+void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_t m0, int64_t block0,
+               const Ahead& ahead, float* acc) {
   const bool wide = !kInt16 && !t.format->narrow;
   constexpr int kWords = kInt16 ? 16 : 8;  // words of a block's activations a row
   constexpr int kGroups = kG16 ? 2 : 1;
   constexpr int kGroupWords = kWords / kGroups;
   constexpr int64_t G = IntRows::kGroupRows;
-  const int32_t* group = x.grouped.data() + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
+  const int32_t* group = words + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
   const int offset = wide ? 0 : t.offset;
   constexpr int kQuads = kG16 ? 2 : 4;  // narrow quads added in int16: levels below 32 (the 32-value groups' formats)
   VF a[R];
@@ -153,7 +156,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
         for (int pair = kGroupWords * h; pair < kGroupWords * (h + 1); ++pair) {
           const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + b * 2 * W * kBlock + pair * 32));
           for (int r = 0; r < R; ++r) {
-            sums[r] = _mm256_add_epi32(sums[r], _mm256_madd_epi16(w, _mm256_set1_epi32(xs[pair * G + r])));
+            sums[r] = running(dot16(sums[r], w, set32(xs[pair * G + r])));
           }
         }
       } else if (wide) {
@@ -195,6 +198,43 @@ void rows_tile(const Int8Tile& t, const IntRows& x, int64_t m0, int64_t block0, 
   }
   for (int r = 0; r < R; ++r) store_f(acc + (m0 + r) * W, a[r]);
 }
+
+// Two tiles of int16 pairs at once for R <= 4 rows (the rows' half `half` of group m0) and 32-value groups without
+// a minimum (Q8_0, IQ4_NL widened; Q4_0, Q5_0 in int16): each row's broadcast serves both tiles, 2R accumulators
+// and the two tiles' words in 11 registers. rows_tile's int16 form takes a broadcast, a vpmaddwd and an add a pair
+// and row, bound by the instructions the core issues; this one a sixth fewer a multiply-add.
+template <int R>
+void rows_tile_pair(const Int8Tile& t0, const Int8Tile& t1, const IntRows& x, const int32_t* words, int64_t m0,
+                    int half, int64_t block0, float* acc0, float* acc1) {
+  constexpr int kWords = 16;  // int16 pairs of a block's activations a row
+  constexpr int64_t G = IntRows::kGroupRows;
+  const int64_t r0 = m0 + half * 4;
+  const int32_t* group = words + m0 * (x.k / kBlock * kWords) + half * 4;
+  VF a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = load_f(acc0 + (r0 + r) * W), a1[r] = load_f(acc1 + (r0 + r) * W);
+  for (int64_t b = 0; b < t0.blocks; ++b) {
+    const int64_t kb = block0 + b;
+    const int32_t* xs = group + kb * kWords * G;
+    V sums0[R], sums1[R];
+    for (int r = 0; r < R; ++r) sums0[r] = sums1[r] = zero();
+#pragma GCC unroll 16
+    for (int pair = 0; pair < kWords; ++pair) {
+      const V w0 = load(t0.levels + b * 2 * W * kBlock + pair * 32), w1 = load(t1.levels + b * 2 * W * kBlock + pair * 32);
+      for (int r = 0; r < R; ++r) {
+        const V xr = set32(xs[pair * G + r]);
+        sums0[r] = running(dot16(sums0[r], w0, xr));
+        sums1[r] = running(dot16(sums1[r], w1, xr));
+      }
+    }
+    const VF scales0 = load_f(t0.scales + b * W), scales1 = load_f(t1.scales + b * W);
+    for (int r = 0; r < R; ++r) {
+      const float dx = x.scale(r0 + r, kb);
+      a0[r] = group_step<false>(a0[r], sums0[r], 0, scales0, dx, nullptr, 0.0f);
+      a1[r] = group_step<false>(a1[r], sums1[r], 0, scales1, dx, nullptr, 0.0f);
+    }
+  }
+  for (int r = 0; r < R; ++r) store_f(acc0 + (r0 + r) * W, a0[r]), store_f(acc1 + (r0 + r) * W, a1[r]);
+}
 #else
 // The scalar build: signed levels [W, values] as decoded; kSuper: per superblock, T and M (gguf_matmul.h).
 template <bool kInt16, bool kG16, bool kMin, bool kSuper>
@@ -234,36 +274,70 @@ void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc
 }
 #endif
 
+// The tiles of a panel (int_tile_chunk), each with its results acc + i * rows * W.
+struct Panel {
+  const Int8Tile* tiles;
+  int64_t count;
+};
+
 template <bool kInt16, bool kG16, bool kMin, bool kSuper>
-void run_rows(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& ahead, float* acc) {
+void run_rows(const Panel& panel, const IntRows& x, const int32_t* words, int64_t block0, const Ahead& ahead,
+              float* acc) {
 #if defined(STATELM_GGUF_AVX2)
   for (int64_t m0 = 0; m0 < x.rows; m0 += kRowsPerTile) {
-    const Ahead& asked = m0 == 0 ? ahead : Ahead{};  // once, by the first rows
-    const auto tile = [&](auto rows) {
-      rows_tile<decltype(rows)::value, kInt16, kG16, kMin, kSuper>(t, x, m0, block0, asked, acc);
-    };
-    switch (std::min<int64_t>(kRowsPerTile, x.rows - m0)) {
-      case 8: tile(std::integral_constant<int, 8>()); break;
-      case 7: tile(std::integral_constant<int, 7>()); break;
-      case 6: tile(std::integral_constant<int, 6>()); break;
-      case 5: tile(std::integral_constant<int, 5>()); break;
-      case 4: tile(std::integral_constant<int, 4>()); break;
-      case 3: tile(std::integral_constant<int, 3>()); break;
-      case 2: tile(std::integral_constant<int, 2>()); break;
-      default: tile(std::integral_constant<int, 1>()); break;
+    int64_t i = 0;
+#if !defined(STATELM_GGUF_VNNI)
+    // int16 pairs on 32-value groups without a minimum: tiles two by two (rows_tile_pair)
+    if constexpr (kInt16 && !kG16 && !kMin && !kSuper) {
+      for (; i + 1 < panel.count; i += 2) {
+        for (int half = 0; half < 2; ++half) {
+          const auto tiles = [&](auto rows) {
+            rows_tile_pair<decltype(rows)::value>(panel.tiles[i], panel.tiles[i + 1], x, words, m0, half, block0,
+                                                  acc + i * x.rows * W, acc + (i + 1) * x.rows * W);
+          };
+          switch (std::min<int64_t>(4, x.rows - m0 - 4 * half)) {
+            case 4: tiles(std::integral_constant<int, 4>()); break;
+            case 3: tiles(std::integral_constant<int, 3>()); break;
+            case 2: tiles(std::integral_constant<int, 2>()); break;
+            case 1: tiles(std::integral_constant<int, 1>()); break;
+            default: break;
+          }
+        }
+      }
+    }
+#endif
+    for (; i < panel.count; ++i) {
+      const Ahead& asked = m0 == 0 && i == 0 ? ahead : Ahead{};  // once, by the first rows
+      const auto tile = [&](auto rows) {
+        rows_tile<decltype(rows)::value, kInt16, kG16, kMin, kSuper>(panel.tiles[i], x, words, m0, block0, asked,
+                                                                     acc + i * x.rows * W);
+      };
+      switch (std::min<int64_t>(kRowsPerTile, x.rows - m0)) {
+        case 8: tile(std::integral_constant<int, 8>()); break;
+        case 7: tile(std::integral_constant<int, 7>()); break;
+        case 6: tile(std::integral_constant<int, 6>()); break;
+        case 5: tile(std::integral_constant<int, 5>()); break;
+        case 4: tile(std::integral_constant<int, 4>()); break;
+        case 3: tile(std::integral_constant<int, 3>()); break;
+        case 2: tile(std::integral_constant<int, 2>()); break;
+        default: tile(std::integral_constant<int, 1>()); break;
+      }
     }
   }
 #else
-  (void)ahead;
-  rows_scalar<kInt16, kG16, kMin, kSuper>(t, x, block0, acc);
+  (void)ahead, (void)words;
+  for (int64_t i = 0; i < panel.count; ++i) {
+    rows_scalar<kInt16, kG16, kMin, kSuper>(panel.tiles[i], x, block0, acc + i * x.rows * W);
+  }
 #endif
 }
 
 template <bool kInt16>
-void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& ahead, float* acc) {
-  const Format& f = *t.format;
+void dispatch(const Panel& panel, const IntRows& x, const int32_t* words, int64_t block0, const Ahead& ahead,
+              float* acc) {
+  const Format& f = *panel.tiles[0].format;
   const auto run = [&]<bool kG16, bool kMin, bool kSuper>() {
-    run_rows<kInt16, kG16, kMin, kSuper>(t, x, block0, ahead, acc);
+    run_rows<kInt16, kG16, kMin, kSuper>(panel, x, words, block0, ahead, acc);
   };
   const auto run_kind = [&]<bool kSuper>() {
     if (f.group == 16) {
@@ -280,14 +354,23 @@ void dispatch(const Int8Tile& t, const IntRows& x, int64_t block0, const Ahead& 
 
 }  // namespace
 
-void int_tile_chunk(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x, bool int16,
-                    const Ahead& ahead, float* acc) {
-  if (!int16 && x.rows <= kStreamRows && stream_int8_rows(part, column, first, values, x, ahead, acc)) return;
-  const Int8Tile tile = build_int8_tile(part, column, first, values);
-  if (int16) {
-    dispatch<true>(widen_int16(tile), x, first / kBlock, ahead, acc);
+void int_tile_chunk(const Part& part, int64_t column, int64_t tiles, int64_t first, int64_t values, const IntRows& x,
+                    bool int16, const Ahead& ahead, float* acc) {
+  if (!int16 && tiles == 1 && x.rows <= kStreamRows && stream_int8_rows(part, column, first, values, x, ahead, acc)) {
+    return;
+  }
+  // int8 rows on a format the AVX2 build widens: the same exact sums in int16, of the rows' levels as pairs
+  const bool pairs = !int16 && widens_int8(*part.format) && !x.grouped_pairs.empty();
+  Int8Tile built[kPanelTiles];
+  for (int64_t i = 0; i < tiles; ++i) {
+    built[i] = build_int8_tile(part, column + i * W, first, values, i);
+    if (int16 || pairs) built[i] = widen_int16(built[i], i);
+  }
+  const Panel panel{built, tiles};
+  if (int16 || pairs) {
+    dispatch<true>(panel, x, pairs ? x.grouped_pairs.data() : x.grouped.data(), first / kBlock, ahead, acc);
   } else {
-    dispatch<false>(tile, x, first / kBlock, ahead, acc);
+    dispatch<false>(panel, x, x.grouped.data(), first / kBlock, ahead, acc);
   }
 }
 

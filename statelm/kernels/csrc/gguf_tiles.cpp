@@ -846,13 +846,22 @@ bool stream_rows(const Part& part, const Source& rows, int64_t first, int64_t va
 
 }  // namespace
 
-Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values) {
+// Slot `slot` of a per-thread scratch of kPanelTiles slots of `count` elements (the whole asked for every time, so
+// that no slot moves while another is in use).
+template <typename T, int kSlot>
+T* panel_scratch(int64_t count, int64_t slot) {
+  return scratch<T, kSlot>(kPanelTiles * count) + slot * count;
+}
+
+Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot) {
   const Format& f = *part.format;
   const int64_t groups = values / f.group, superblocks = values / kSuperblock;
-  float* scales = scratch<float, 2>(2 * W * groups);
-  int32_t* sub_scales = scratch<int32_t, 9>(2 * W * groups);
-  float* d = scratch<float, 10>(2 * W * superblocks);
-  const TileBuffers out{scratch<uint8_t, 3>(W * values), scales, scales + W * groups, sub_scales,
+  // sized for a whole chunk, so that slots keep their places whatever a tile's values
+  const int64_t chunk_groups = kChunkValues / kBlock * 2, chunk_superblocks = kChunkValues / kSuperblock;
+  float* scales = panel_scratch<float, 2>(2 * W * chunk_groups, slot);
+  int32_t* sub_scales = panel_scratch<int32_t, 9>(2 * W * chunk_groups, slot);
+  float* d = panel_scratch<float, 10>(2 * W * chunk_superblocks, slot);
+  const TileBuffers out{panel_scratch<uint8_t, 3>(W * kChunkValues, slot), scales, scales + W * groups, sub_scales,
                         sub_scales + W * groups, d, d + W * superblocks};
 #if defined(STATELM_GGUF_AVX2)
   StoreSink sink{out};
@@ -885,9 +894,9 @@ bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t v
 #endif
 }
 
-Int8Tile widen_int16(const Int8Tile& t) {
+Int8Tile widen_int16(const Int8Tile& t, int64_t slot) {
 #if defined(STATELM_GGUF_VNNI)
-  int16_t* out = scratch<int16_t, 4>(t.blocks * kBlock * W);
+  int16_t* out = panel_scratch<int16_t, 4>(kChunkValues * W, slot);
   const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
   const __m512i odd = _mm512_add_epi32(even, _mm512_set1_epi32(1));
   const __m512i offset = _mm512_set1_epi16(static_cast<int16_t>(t.offset));
@@ -900,7 +909,7 @@ Int8Tile widen_int16(const Int8Tile& t) {
   }
   return {reinterpret_cast<const uint8_t*>(out), t.scales, t.mins, t.format, 0, t.blocks};
 #elif defined(STATELM_GGUF_AVX2)
-  int16_t* out = scratch<int16_t, 4>(t.blocks * kBlock * W);
+  int16_t* out = panel_scratch<int16_t, 4>(kChunkValues * W, slot);
   const __m256i offset = _mm256_set1_epi16(static_cast<int16_t>(t.offset));
   for (int64_t quad = 0; quad < t.blocks * 8; ++quad) {
     const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + quad * W * 4));
@@ -913,6 +922,7 @@ Int8Tile widen_int16(const Int8Tile& t) {
   }
   return {reinterpret_cast<const uint8_t*>(out), t.scales, t.mins, t.format, 0, t.blocks};
 #else
+  (void)slot;
   return t;
 #endif
 }

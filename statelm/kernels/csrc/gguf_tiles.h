@@ -27,8 +27,8 @@ struct Int8Tile {
 };
 
 // The tile of columns [column, column + kTileColumns) of part, values [first, first + values) along K, in this
-// thread's scratch (valid until the next call on the thread).
-Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values);
+// thread's scratch at `slot` (< kPanelTiles; valid until the next call on the thread for that slot).
+Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
 
 // Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
 // each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's), asking for `ahead` as it
@@ -44,9 +44,9 @@ bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t v
 // Whether stream_int8_rows serves the format (it has a tile builder, in SIMD builds).
 bool streams(const Format& f);
 
-// The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds; the scalar
-// build's tile as it is.
-Int8Tile widen_int16(const Int8Tile& tile);
+// The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds (in scratch at
+// `slot`, as build_int8_tile's); the scalar build's tile as it is.
+Int8Tile widen_int16(const Int8Tile& tile, int64_t slot);
 
 // The tile's weights dequantized as gguf-py dequantizes them (w = S*q, then + O): [values / 4][kTileColumns][4].
 const float* dequantize_tile(const Int8Tile& tile);
