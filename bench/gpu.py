@@ -44,7 +44,7 @@ import torch
 from bench.common import cpu_name, memory_gib
 from statelm.attention.kv_format import KVFormat, kv_format
 from statelm.config import EngineConfig
-from statelm.engine.builder import create_engine, load_engine_model
+from statelm.engine.builder import create_engine, load_engine_model, step_token_budget
 from statelm.engine.client import RequestOutput
 from statelm.engine.engine import Engine
 from statelm.engine.sequence import SamplingParams
@@ -823,7 +823,8 @@ def main() -> None:
 
     defaults = EngineConfig()
     block_size = overrides.get("block_size", defaults.block_size)
-    step_tokens = overrides.get("max_num_batched_tokens", max(defaults.max_num_batched_tokens, max(batches)))
+    default_step = max(step_token_budget(defaults, device), max(batches))
+    step_tokens = overrides.get("max_num_batched_tokens", default_step)
     prompts_steps = prefill_steps(max(batches), args.prompt_tokens, step_tokens)
     per_seq = args.prompt_tokens + prompts_steps + args.warmup + steps + 8
     needs = [(max(batches), per_seq), (1, prefill_tokens + 2), *((1, c) for c in contexts)]
@@ -833,7 +834,7 @@ def main() -> None:
         "dtype": "bfloat16",
         "quantization": "none",
         "max_num_seqs": max(max(batches), defaults.max_num_seqs),
-        "max_num_batched_tokens": max(defaults.max_num_batched_tokens, max(batches)),
+        "max_num_batched_tokens": default_step,
         "kv_cache_memory": 0,
     }
     engine_settings.update(overrides)

@@ -168,7 +168,12 @@ class EngineConfig:
         parse=parse_size,
     )
     max_num_seqs: int = setting(64, help="Most sequences running at once.")
-    max_num_batched_tokens: int = setting(512, help="Token budget of one engine step.")
+    max_num_batched_tokens: int | None = setting(
+        None,
+        help="Token budget of one engine step (default: 256 on CPU, where a step's float32 activations set the"
+        " server's peak memory, 512 on a GPU).",
+        minimum=1,
+    )
     enable_prefix_caching: bool = setting(
         True, help="Reuse cached KV blocks of shared prompt prefixes.", flag="--prefix-cache"
     )

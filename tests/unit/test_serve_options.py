@@ -7,12 +7,14 @@ import dataclasses
 from typing import Any
 
 import pytest
+import torch
 import typer
 from typer.testing import CliRunner
 
 from statelm.cli.main import app
 from statelm.cli.settings import CONFIGS, config_from, options
 from statelm.config import SETTING, ClusterConfig, EngineConfig, ServerConfig, SessionDurability
+from statelm.engine.builder import step_token_budget
 from statelm.server import launch
 
 FIELDS = [(config, field) for config in CONFIGS for field in dataclasses.fields(config)]
@@ -87,3 +89,14 @@ def test_a_value_past_a_bound_names_its_option() -> None:
     assert configs_of(["--pinned-kv-fraction", "1"])[0].pinned_kv_fraction == 1.0
     result = CliRunner().invoke(app, ["serve", "--pinned-kv-fraction", "1.5"], env=KEY_VARIABLES)
     assert result.exit_code == 2 and "--pinned-kv-fraction" in result.output
+
+
+def test_the_step_token_budget_is_the_option_else_the_devices_default() -> None:
+    left_out = configs_of([])[0]
+    assert left_out.max_num_batched_tokens is None
+    assert step_token_budget(left_out, torch.device("cpu")) == 256
+    assert step_token_budget(left_out, torch.device("cuda")) == 512
+    chosen = configs_of(["--max-num-batched-tokens", "1024"])[0]
+    assert step_token_budget(chosen, torch.device("cpu")) == step_token_budget(chosen, torch.device("cuda")) == 1024
+    result = CliRunner().invoke(app, ["serve", "--max-num-batched-tokens", "0"], env=KEY_VARIABLES)
+    assert result.exit_code == 2 and "--max-num-batched-tokens" in result.output

@@ -357,7 +357,9 @@ at::Tensor decoder_layers(const c10::intrusive_ptr<PreparedLayers>& prepared, co
     } else {
       at::Tensor gate_up = matmul(h, linear[2], at::Tensor(), arithmetic);
       read_ahead(linear[3]);
-      x = matmul(s.gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up), linear[3], at::Tensor(), arithmetic);
+      const at::Tensor activated = s.gelu ? gelu_tanh_mul(gate_up) : silu_mul(gate_up);
+      gate_up.reset();  // [T, 2I] float32, not held through the down projection (a prompt's peak memory)
+      x = matmul(activated, linear[3], at::Tensor(), arithmetic);
     }
     if (s.layout != kPre) {
       x = rms_norm(x, w[kPostFeedforward], eps);
