@@ -190,12 +190,12 @@ export function App() {
       cancelAnimationFrame(frame);
       const stopped = controller.signal.aborted;
       setPending({ sessionId: id, user, reply: builder.message(), state: stopped ? "stopped" : "failed" });
+      setDraft((previous) => previous || text); // given back with the note, not after the history below arrives
       if (!stopped) fail(problem instanceof TypeError ? new ApiError("the stream was cut", 0) : problem);
       if (stopped || !(problem instanceof TypeError)) {
         const history = await api.history(id).catch(() => null); // the session as the server kept it
         if (history !== null) setBranches((previous) => previous.map((branch) => (branch.id === id ? { ...branch, messages: history } : branch)));
       }
-      setDraft((previous) => previous || text);
     } finally {
       abort.current = null;
       refreshLists().catch(() => undefined);
