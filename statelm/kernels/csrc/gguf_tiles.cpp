@@ -623,6 +623,23 @@ void build_nibble_blocks(const Format& f, const Source& rows, int64_t blocks, in
   }
 }
 
+// Q4_0 and IQ4_NL from their interleaved copy: a unit of two blocks is the word of both d's, then each block's 4
+// nibble vectors, loaded as they lie (as Q8_0's: no word arithmetic).
+template <int64_t kType, class Sink>
+  requires(stored_block(kType).paired)
+void build_nibble_blocks(const Format&, const TileWords<kType>& tile, int64_t blocks, int64_t, bool iq4, Sink& sink) {
+  for (int64_t b = 0; b < blocks; b += 2) {  // an interleaved row holds whole units (stored_block)
+    const uint8_t* unit = tile.tile + b / 2 * 9 * kVecBytes;
+    const V header = load(unit);
+    for (int p = 0; p < 2; ++p) {
+      V words[4];
+      for (int e = 0; e < 4; ++e) words[e] = load(unit + (1 + 4 * p + e) * kVecBytes);
+      sink.scale(b + p, p == 0 ? half_low(header) : half_high(header));
+      nibble_block(words, b + p, iq4, sink);
+    }
+  }
+}
+
 // Q5_0 (d, qh, qs[16]) and Q5_1 (d, m, qh, qs[16]): value i's fifth bit is bit i of the 32-bit qh. For quad e,
 // byte e / 2 of each column's qh is spread over the lane's four bytes and byte i keeps bit 4 (e % 2) + i.
 template <class Sink, class Source>
