@@ -205,7 +205,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
 // and row, bound by the instructions the core issues; this one a sixth fewer a multiply-add.
 template <int R>
 void rows_tile_pair(const Int8Tile& t0, const Int8Tile& t1, const IntRows& x, const int32_t* words, int64_t m0,
-                    int half, int64_t block0, float* acc0, float* acc1) {
+                    int64_t half, int64_t block0, float* acc0, float* acc1) {
   constexpr int kWords = 16;  // int16 pairs of a block's activations a row
   constexpr int64_t G = IntRows::kGroupRows;
   const int64_t r0 = m0 + half * 4;
@@ -219,19 +219,16 @@ void rows_tile_pair(const Int8Tile& t0, const Int8Tile& t1, const IntRows& x, co
     for (int r = 0; r < R; ++r) sums0[r] = sums1[r] = zero();
 #pragma GCC unroll 16
     for (int pair = 0; pair < kWords; ++pair) {
-      const V w0 = load(t0.levels + b * 2 * W * kBlock + pair * 32), w1 = load(t1.levels + b * 2 * W * kBlock + pair * 32);
+      const int64_t at = b * 2 * W * kBlock + pair * 32;
+      const V w0 = load(t0.levels + at), w1 = load(t1.levels + at);
       for (int r = 0; r < R; ++r) {
         const V xr = set32(xs[pair * G + r]);
         sums0[r] = running(dot16(sums0[r], w0, xr));
         sums1[r] = running(dot16(sums1[r], w1, xr));
       }
     }
-    const VF scales0 = load_f(t0.scales + b * W), scales1 = load_f(t1.scales + b * W);
-    for (int r = 0; r < R; ++r) {
-      const float dx = x.scale(r0 + r, kb);
-      a0[r] = group_step<false>(a0[r], sums0[r], 0, scales0, dx, nullptr, 0.0f);
-      a1[r] = group_step<false>(a1[r], sums1[r], 0, scales1, dx, nullptr, 0.0f);
-    }
+    add_group<R, false, false>(t0, x, r0, b, kb, 0, 0, sums0, a0);
+    add_group<R, false, false>(t1, x, r0, b, kb, 0, 0, sums1, a1);
   }
   for (int r = 0; r < R; ++r) store_f(acc0 + (r0 + r) * W, a0[r]), store_f(acc1 + (r0 + r) * W, a1[r]);
 }
@@ -274,6 +271,15 @@ void rows_scalar(const Int8Tile& t, const IntRows& x, int64_t block0, float* acc
 }
 #endif
 
+// fn(std::integral_constant<int, rows>), 1 <= rows <= kMost: a count of rows as the kernels' template argument.
+template <int kMost, class Fn>
+__attribute__((always_inline)) inline void with_rows(int64_t rows, Fn&& fn) {
+  if constexpr (kMost > 1) {
+    if (rows < kMost) return with_rows<kMost - 1>(rows, fn);
+  }
+  fn(std::integral_constant<int, kMost>());
+}
+
 // The tiles of a panel (int_tile_chunk), each with its results acc + i * rows * W.
 struct Panel {
   const Int8Tile* tiles;
@@ -290,38 +296,21 @@ void run_rows(const Panel& panel, const IntRows& x, const int32_t* words, int64_
     // int16 pairs on 32-value groups without a minimum: tiles two by two (rows_tile_pair)
     if constexpr (kInt16 && !kG16 && !kMin && !kSuper) {
       for (; i + 1 < panel.count; i += 2) {
-        for (int half = 0; half < 2; ++half) {
-          const auto tiles = [&](auto rows) {
+        for (int64_t half = 0; half < 2 && m0 + 4 * half < x.rows; ++half) {
+          with_rows<4>(std::min<int64_t>(4, x.rows - m0 - 4 * half), [&](auto rows) {
             rows_tile_pair<decltype(rows)::value>(panel.tiles[i], panel.tiles[i + 1], x, words, m0, half, block0,
                                                   acc + i * x.rows * W, acc + (i + 1) * x.rows * W);
-          };
-          switch (std::min<int64_t>(4, x.rows - m0 - 4 * half)) {
-            case 4: tiles(std::integral_constant<int, 4>()); break;
-            case 3: tiles(std::integral_constant<int, 3>()); break;
-            case 2: tiles(std::integral_constant<int, 2>()); break;
-            case 1: tiles(std::integral_constant<int, 1>()); break;
-            default: break;
-          }
+          });
         }
       }
     }
 #endif
     for (; i < panel.count; ++i) {
       const Ahead& asked = m0 == 0 && i == 0 ? ahead : Ahead{};  // once, by the first rows
-      const auto tile = [&](auto rows) {
+      with_rows<kRowsPerTile>(std::min<int64_t>(kRowsPerTile, x.rows - m0), [&](auto rows) {
         rows_tile<decltype(rows)::value, kInt16, kG16, kMin, kSuper>(panel.tiles[i], x, words, m0, block0, asked,
                                                                      acc + i * x.rows * W);
-      };
-      switch (std::min<int64_t>(kRowsPerTile, x.rows - m0)) {
-        case 8: tile(std::integral_constant<int, 8>()); break;
-        case 7: tile(std::integral_constant<int, 7>()); break;
-        case 6: tile(std::integral_constant<int, 6>()); break;
-        case 5: tile(std::integral_constant<int, 5>()); break;
-        case 4: tile(std::integral_constant<int, 4>()); break;
-        case 3: tile(std::integral_constant<int, 3>()); break;
-        case 2: tile(std::integral_constant<int, 2>()); break;
-        default: tile(std::integral_constant<int, 1>()); break;
-      }
+      });
     }
   }
 #else

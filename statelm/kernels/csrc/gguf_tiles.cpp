@@ -546,24 +546,35 @@ void build_q8_0(const Source& rows, int64_t blocks, Sink& sink) {
   }
 }
 
-// Q8_0 from its interleaved copy: a unit of two blocks is the word of both d's, then each block's 8 quads, one
-// vector each, so its 17 vectors are loaded as they lie (the general builder's word arithmetic took 4x the
-// instructions of the rest of a tile's build: 108 a block of 8 columns against 28).
+// The blocks of a paired format's interleaved copy (Q4_0, IQ4_NL, Q8_0: stored_block), a unit of two at a time: the
+// word of both d's, then each block's kWords vectors, loaded as they lie, a block's at once. fn(block, d, words) for
+// each block. (The general builders find each word's place by arithmetic: for Q8_0 108 instructions a block of 8
+// columns, against 44 here; loading a unit's 17 vectors at once spilled them, and from memory ran at half speed.)
+template <int64_t kType, int kWords, class Fn>
+__attribute__((always_inline)) inline void paired_blocks(const TileWords<kType>& tile, int64_t blocks, Fn&& fn) {
+  constexpr int64_t kUnitVectors = stored_block(kType).unit_stored() / 4;  // a column's words: a vector each
+  static_assert(kUnitVectors == 1 + 2 * kWords, "both d's in a word, then the two blocks' words");
+  for (int64_t b = 0; b < blocks; b += 2) {  // an interleaved row holds whole units (stored_block)
+    const uint8_t* unit = tile.tile + b / 2 * kUnitVectors * kVecBytes;
+    const V header = load(unit);
+    for (int p = 0; p < 2; ++p) {
+      V words[kWords];
+      for (int e = 0; e < kWords; ++e) words[e] = load(unit + (1 + kWords * p + e) * kVecBytes);
+      fn(b + p, p == 0 ? half_low(header) : half_high(header), words);
+    }
+  }
+}
+
+// Q8_0 from its interleaved copy (paired_blocks).
 template <class Sink>
 void build_q8_0(const TileWords<kQ8_0>& tile, int64_t blocks, Sink& sink) {
   const V flip = set8(0x80);
-  for (int64_t b = 0; b < blocks; b += 2) {  // an interleaved row holds whole units (stored_block)
-    const uint8_t* unit = tile.tile + b / 2 * 17 * kVecBytes;
-    const V header = load(unit);
-    for (int p = 0; p < 2; ++p) {
-      V quads[8];
-      for (int q = 0; q < 8; ++q) quads[q] = load(unit + (1 + 8 * p + q) * kVecBytes);
-      sink.scale(b + p, p == 0 ? half_low(header) : half_high(header));
+  paired_blocks<kQ8_0, 8>(tile, blocks, [&](int64_t block, VF d, const V* quads) __attribute__((always_inline)) {
+    sink.scale(block, d);
 #pragma GCC unroll 8
-      for (int q = 0; q < 8; ++q) sink.quad(b + p, q, vxor(quads[q], flip));
-      sink.block_done(b + p);
-    }
-  }
+    for (int q = 0; q < 8; ++q) sink.quad(block, q, vxor(quads[q], flip));
+    sink.block_done(block);
+  });
 }
 
 constexpr int8_t kIQ4Shifted[16] = {1, 24, 45, 63, 79, 93, 106, 118, -127, -115, -103, -90, -75, -59, -39, -15};  // +128
@@ -623,21 +634,14 @@ void build_nibble_blocks(const Format& f, const Source& rows, int64_t blocks, in
   }
 }
 
-// Q4_0 and IQ4_NL from their interleaved copy: a unit of two blocks is the word of both d's, then each block's 4
-// nibble vectors, loaded as they lie (as Q8_0's: no word arithmetic).
+// Q4_0 and IQ4_NL from their interleaved copy (paired_blocks).
 template <int64_t kType, class Sink>
   requires(stored_block(kType).paired)
 void build_nibble_blocks(const Format&, const TileWords<kType>& tile, int64_t blocks, int64_t, bool iq4, Sink& sink) {
-  for (int64_t b = 0; b < blocks; b += 2) {  // an interleaved row holds whole units (stored_block)
-    const uint8_t* unit = tile.tile + b / 2 * 9 * kVecBytes;
-    const V header = load(unit);
-    for (int p = 0; p < 2; ++p) {
-      V words[4];
-      for (int e = 0; e < 4; ++e) words[e] = load(unit + (1 + 4 * p + e) * kVecBytes);
-      sink.scale(b + p, p == 0 ? half_low(header) : half_high(header));
-      nibble_block(words, b + p, iq4, sink);
-    }
-  }
+  paired_blocks<kType, 4>(tile, blocks, [&](int64_t block, VF d, const V* words) __attribute__((always_inline)) {
+    sink.scale(block, d);
+    nibble_block(words, block, iq4, sink);
+  });
 }
 
 // Q5_0 (d, qh, qs[16]) and Q5_1 (d, m, qh, qs[16]): value i's fifth bit is bit i of the 32-bit qh. For quad e,
@@ -893,8 +897,8 @@ T* panel_scratch(int64_t count, int64_t slot) {
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot) {
   const Format& f = *part.format;
   const int64_t groups = values / f.group, superblocks = values / kSuperblock;
-  // sized for a whole chunk, so that slots keep their places whatever a tile's values
-  const int64_t chunk_groups = kChunkValues / kBlock * 2, chunk_superblocks = kChunkValues / kSuperblock;
+  // sized for a whole chunk (groups of 16 values at the least), so that slots keep their places whatever a tile's values
+  const int64_t chunk_groups = kChunkValues / 16, chunk_superblocks = kChunkValues / kSuperblock;
   float* scales = panel_scratch<float, 2>(2 * W * chunk_groups, slot);
   int32_t* sub_scales = panel_scratch<int32_t, 9>(2 * W * chunk_groups, slot);
   float* d = panel_scratch<float, 10>(2 * W * chunk_superblocks, slot);
