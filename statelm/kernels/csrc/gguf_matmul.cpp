@@ -324,11 +324,13 @@ void multiply(std::vector<Group>& groups) {
       const int64_t acc_width = g.kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
       // The next chunk of an interleaved part is asked for ahead, or memory idles while the rows' arithmetic runs:
       // by the VNNI build's int8 and int16 kernels a share each block (Ahead), but at one row only for Q6_K (the
-      // others are bound by memory already); else all at once where a tile is built (1.2-1.4x at 5-8 rows), and not
-      // for rows streamed (it halved them).
+      // others are bound by memory already), and by the AVX2 build's so for rows under kSpreadRowsBelow; else all
+      // at once where a tile is built (1.2-1.4x at 5-8 rows), and not for rows streamed (it halved them).
       const Part& home = g.parts[tiles[t].part];
-      const bool spread = kAskAhead && g.kind != Arithmetic::kFloat &&
-                          (rows > 1 || (g.kind == Arithmetic::kInt8 && asks_ahead_at_one_row(home.format->type)));
+      const bool spread =
+          g.kind != Arithmetic::kFloat &&
+          (kAskAhead ? rows > 1 || (g.kind == Arithmetic::kInt8 && asks_ahead_at_one_row(home.format->type))
+                     : rows > kStreamRows && rows < kSpreadRowsBelow);
       const bool at_once = !spread && (g.kind != Arithmetic::kInt8 || rows > kStreamRows);
       const bool staged = stage_tiles(home, k);
       const Part part = staged ? staged_tile(home, tiles[t].column, k) : home;

@@ -127,8 +127,8 @@ constexpr int64_t kChunkValues = 512;
 
 // Bytes the kernels ask into cache a share at a time while they work on a chunk (the next chunk's): spread over
 // the chunk's blocks, the requests never stall the arithmetic at once. The VNNI build's int8 and int16 kernels ask
-// (1.2-1.7x at 2-16 int8 rows, 2-5% at a prompt chunk's 64 int16 rows); AVX2's, bound by their arithmetic, would
-// only lose by it.
+// (1.2-1.7x at 2-16 int8 rows, 2-5% at a prompt chunk's 64 int16 rows); AVX2's only where a tile is built for rows
+// too few for panels (kSpreadRowsBelow).
 #if defined(STATELM_GGUF_VNNI)
 constexpr bool kAskAhead = true;
 #else
@@ -162,6 +162,15 @@ constexpr int64_t kPanelTiles = 8;
 constexpr int64_t kPanelTiles = 1;
 #endif
 constexpr int64_t kPanelRows = 32;
+// The AVX2 build's tile kernels ask a share each block for fewer rows than this (and more than the few rows
+// streamed without a tile): the 1B Q8_0 file's projections at 5, 8 and 16 int8 rows 1.08-1.12x over asking for the
+// whole chunk at once, Q4_K_M's equal. Panels ask at once: their two-tile kernel does not ask, and a share each block
+// of the first tile only lost (256 rows of Q8_0 1.1x slower).
+#if defined(STATELM_GGUF_AVX2) && !defined(STATELM_GGUF_VNNI)
+constexpr int64_t kSpreadRowsBelow = kPanelRows;
+#else
+constexpr int64_t kSpreadRowsBelow = 0;
+#endif
 
 // Adds the contribution of values [first, first + values) of `tiles` tiles of columns from `column` on (a panel,
 // kPanelTiles at most) to acc, their running results one after another: int kinds [M, kTileColumns] a tile

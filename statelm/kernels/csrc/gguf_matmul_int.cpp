@@ -129,7 +129,8 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
 // (Q8_0, IQ4: + 128) back to signed, their sign moved to x. A block of two groups (Q6_K) finishes its first group's
 // sums and float step before the second's, so that R rows need R accumulators (16 registers: two groups' 2R
 // spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
-// multiplies the pair sums by the group's integer scale as it widens them into the superblock's total.
+// multiplies the pair sums by the group's integer scale as it widens them into the superblock's total. Asks for
+// `ahead` a share each block, as VNNI's (given only below kSpreadRowsBelow rows).
 template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
 void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_t m0, int64_t block0,
                const Ahead& ahead, float* acc) {
@@ -144,7 +145,9 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
   VF a[R];
   V total[R];
   for (int r = 0; r < R; ++r) a[r] = load_f(acc + (m0 + r) * W), total[r] = zero();
+  const Ahead::Shares shares = ahead.shares(t.blocks);
   for (int64_t b = 0; b < t.blocks; ++b) {
+    shares.ask(b);
     const int64_t kb = block0 + b;
     const int32_t* xs = group + kb * kWords * G;  // the rows' words of block kb: [word][G]
     for (int h = 0; h < kGroups; ++h) {
