@@ -18,6 +18,14 @@ class ScheduledChunk:
     num_tokens: int
 
 
+def shared_blocks(first: list[int], second: list[int], size: int, limit: int) -> int:
+    """How many whole blocks of `size` tokens two token lists share from the start, within their first limit tokens."""
+    for count, start in enumerate(range(0, limit - size + 1, size)):
+        if first[start : start + size] != second[start : start + size]:
+            return count
+    return max(0, limit // size)
+
+
 class Scheduler:
     """Waiting and running queues; each step packs running sequences first, then new prefill chunks."""
 
@@ -80,6 +88,8 @@ class Scheduler:
                 break
             if self.sessions is not None and self.sessions.holds_back(seq):
                 continue  # a turn waits for its session's refresh (queued behind it if the turn has a higher priority)
+            if not seq.block_table.blocks and self._awaits_shared_prefix(seq):
+                continue
             if not seq.block_table.blocks:
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
@@ -101,6 +111,25 @@ class Scheduler:
         if seq in self.running:  # a fork that ends at its first token was never queued
             self.running.remove(seq)
         self._retire(seq)
+
+    def _awaits_shared_prefix(self, seq: Sequence) -> bool:
+        """Whether a new sequence's prompt shares whole blocks with a running one that has yet to compute them: it
+        waits for them to reach the prefix cache instead of computing them too (many requests with one system prompt
+        at once, as SGLang's in-batch prefix caching). Not a session turn (its own KV serves it) nor a pooling that
+        takes no prefix from the cache."""
+        if not self.kv.pool.enable_prefix_caching or seq.session_id is not None:
+            return False
+        if seq.pooled is not None and seq.pooled.pooling.needs_every_row:
+            return False
+        size = self.kv.block_size
+        for other in self.running:
+            if other.num_computed_tokens >= len(other.prompt_ids):
+                continue
+            # whole blocks the cache could serve (at least one token is left to compute), past those computed
+            limit = min(len(seq.prompt_ids) - 1, len(other.prompt_ids))
+            if shared_blocks(seq.prompt_ids, other.prompt_ids, size, limit) > other.num_computed_tokens // size:
+                return True
+        return False
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens (an embedding

@@ -1,16 +1,21 @@
-"""Scheduler, with no model: token budget, chunked prefill, preemption of the newest sequence, abort."""
+"""Scheduler, with no model: token budget, chunked prefill, preemption of the newest sequence, abort, and prompts
+that wait for a shared prefix to reach the prefix cache."""
 
 from __future__ import annotations
+
+import zlib
 
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tests.unit.kv_managers import kv_manager
 
 
-def make_seq(request_id: str, prompt_len: int, priority: int = 0) -> Sequence:
+def make_seq(request_id: str, prompt_len: int, priority: int = 0, prefix: tuple[int, ...] = ()) -> Sequence:
+    """A sequence whose prompt is prefix, then tokens of its own (the request's)."""
+    own = zlib.crc32(request_id.encode()) % 10_000 * 1_000
     return Sequence(
         request_id=request_id,
-        prompt_ids=list(range(prompt_len)),
+        prompt_ids=[*prefix, *range(own, own + prompt_len - len(prefix))],
         params=SamplingParams(max_tokens=100, priority=priority),
         eos_token_ids=frozenset({-1}),
         max_total_tokens=10_000,
@@ -18,10 +23,13 @@ def make_seq(request_id: str, prompt_len: int, priority: int = 0) -> Sequence:
 
 
 def run_step(scheduler: Scheduler) -> dict[str, int]:
-    """Schedule, pretend the forward ran, append a token where one is sampled."""
+    """Schedule, pretend the forward ran (publishing the computed prompt blocks), append a token where one is
+    sampled."""
     chunks = scheduler.schedule()
     for chunk in chunks:
         chunk.seq.num_computed_tokens += chunk.num_tokens
+        computed_prompt = min(chunk.seq.num_computed_tokens, len(chunk.seq.prompt_ids))
+        scheduler.kv.publish(chunk.seq.block_table, chunk.seq.tokens, computed_prompt)
         if chunk.seq.num_uncomputed_tokens == 0:
             chunk.seq.append_token(7)
     return {chunk.seq.request_id: chunk.num_tokens for chunk in chunks}
@@ -95,3 +103,39 @@ def test_waiting_sequences_are_ordered_by_priority_then_arrival() -> None:
     for request_id, priority in [("a", 0), ("b", -1), ("c", 1), ("d", 0), ("e", 1)]:
         scheduler.add(make_seq(request_id, 3, priority))
     assert [seq.request_id for seq in scheduler.waiting] == ["c", "e", "a", "d", "b"]
+
+
+def test_a_prompt_waits_for_the_blocks_it_shares_with_one_being_computed_then_takes_them_from_the_cache() -> None:
+    kv = kv_manager(32, 4)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=64)
+    system = tuple(range(500, 510))  # two whole blocks and half of a third
+    first, second = make_seq("first", 14, prefix=system), make_seq("second", 13, prefix=system)
+    other = make_seq("other", 6)
+    for seq in (first, second, other):
+        scheduler.add(seq)
+    assert run_step(scheduler) == {"first": 14, "other": 6}  # second would compute the shared blocks again: it waits
+    assert run_step(scheduler) == {"first": 1, "other": 1, "second": 5}  # 8 of its tokens from the cache
+    assert second.num_cached_prompt_tokens == 8
+    assert second.block_table.blocks[:2] == first.block_table.blocks[:2]
+
+
+def test_a_prompt_does_not_wait_for_a_shared_prefix_shorter_than_a_block_or_without_the_prefix_cache() -> None:
+    for pool, prefix_len, waits in (({}, 3, False), ({"enable_prefix_caching": False}, 10, False), ({}, 4, True)):
+        scheduler = Scheduler(kv_manager(32, 4, **pool), max_num_seqs=8, max_num_batched_tokens=64)
+        prefix = tuple(range(500, 500 + prefix_len))
+        scheduler.add(make_seq("first", 14, prefix=prefix))
+        scheduler.add(make_seq("second", 13, prefix=prefix))
+        assert ("second" not in run_step(scheduler)) == waits, (pool, prefix_len)
+
+
+def test_a_prompt_waits_only_while_the_shared_blocks_are_uncomputed() -> None:
+    kv = kv_manager(32, 4)
+    scheduler = Scheduler(kv, max_num_seqs=8, max_num_batched_tokens=8)  # first's prompt takes two steps
+    system = tuple(range(500, 512))
+    first, second = make_seq("first", 14, prefix=system), make_seq("second", 14, prefix=system)
+    scheduler.add(first)
+    assert run_step(scheduler) == {"first": 8}
+    scheduler.add(second)
+    assert run_step(scheduler) == {"first": 6}  # 12 shared tokens: three blocks, the third not computed yet
+    assert run_step(scheduler) == {"first": 1, "second": 2}
+    assert second.num_cached_prompt_tokens == 12
