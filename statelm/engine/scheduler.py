@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from statelm.engine.kv_manager import KVManager
 from statelm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from statelm.engine.session_kv import SessionKVStore
+from statelm.engine.session_kv import SessionKVStore, common_prefix_length
 
 
 @dataclass
@@ -18,12 +18,9 @@ class ScheduledChunk:
     num_tokens: int
 
 
-def shared_blocks(first: list[int], second: list[int], size: int, limit: int) -> int:
-    """How many whole blocks of `size` tokens two token lists share from the start, within their first limit tokens."""
-    for count, start in enumerate(range(0, limit - size + 1, size)):
-        if first[start : start + size] != second[start : start + size]:
-            return count
-    return max(0, limit // size)
+def computes_every_row(seq: Sequence) -> bool:
+    """An embedding that pools every token's state: no prompt token comes from the prefix cache."""
+    return seq.pooled is not None and seq.pooled.pooling.needs_every_row
 
 
 class Scheduler:
@@ -88,9 +85,9 @@ class Scheduler:
                 break
             if self.sessions is not None and self.sessions.holds_back(seq):
                 continue  # a turn waits for its session's refresh (queued behind it if the turn has a higher priority)
-            if not seq.block_table.blocks and self._awaits_shared_prefix(seq):
-                continue
             if not seq.block_table.blocks:
+                if self._awaits_shared_prefix(seq):
+                    continue
                 self._reuse_cached_prefix(seq)
             count = min(seq.num_uncomputed_tokens, budget)
             # it starts only if its whole prompt fits: one that would be preempted halfway would be recomputed in vain
@@ -117,24 +114,22 @@ class Scheduler:
         waits for them to reach the prefix cache instead of computing them too (many requests with one system prompt
         at once, as SGLang's in-batch prefix caching). Not a session turn (its own KV serves it) nor a pooling that
         takes no prefix from the cache."""
-        if not self.kv.pool.enable_prefix_caching or seq.session_id is not None:
-            return False
-        if seq.pooled is not None and seq.pooled.pooling.needs_every_row:
+        if not self.kv.pool.enable_prefix_caching or seq.session_id is not None or computes_every_row(seq):
             return False
         size = self.kv.block_size
         for other in self.running:
             if other.num_computed_tokens >= len(other.prompt_ids):
                 continue
-            # whole blocks the cache could serve (at least one token is left to compute), past those computed
-            limit = min(len(seq.prompt_ids) - 1, len(other.prompt_ids))
-            if shared_blocks(seq.prompt_ids, other.prompt_ids, size, limit) > other.num_computed_tokens // size:
+            # tokens the cache could serve (at least one is left to compute): whole blocks past those computed
+            shared = min(common_prefix_length(seq.prompt_ids, other.prompt_ids), len(seq.prompt_ids) - 1)
+            if shared // size > other.num_computed_tokens // size:
                 return True
         return False
 
     def _reuse_cached_prefix(self, seq: Sequence) -> None:
         """Start a sequence from its session's KV or the prefix cache, whichever serves more tokens (an embedding
         that pools every token's state starts from nothing)."""
-        if seq.pooled is not None and seq.pooled.pooling.needs_every_row:
+        if computes_every_row(seq):
             return
         cached = self.kv.start_from_cache(seq.block_table, seq.tokens)
         session_length = self.sessions.reusable_length(seq) if self.sessions is not None else 0

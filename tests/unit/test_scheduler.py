@@ -3,10 +3,14 @@ that wait for a shared prefix to reach the prefix cache."""
 
 from __future__ import annotations
 
+import random
 import zlib
+
+import pytest
 
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from statelm.engine.session_kv import common_prefix_length
 from tests.unit.kv_managers import kv_manager
 
 
@@ -119,13 +123,30 @@ def test_a_prompt_waits_for_the_blocks_it_shares_with_one_being_computed_then_ta
     assert second.block_table.blocks[:2] == first.block_table.blocks[:2]
 
 
-def test_a_prompt_does_not_wait_for_a_shared_prefix_shorter_than_a_block_or_without_the_prefix_cache() -> None:
-    for pool, prefix_len, waits in (({}, 3, False), ({"enable_prefix_caching": False}, 10, False), ({}, 4, True)):
-        scheduler = Scheduler(kv_manager(32, 4, **pool), max_num_seqs=8, max_num_batched_tokens=64)
-        prefix = tuple(range(500, 500 + prefix_len))
-        scheduler.add(make_seq("first", 14, prefix=prefix))
-        scheduler.add(make_seq("second", 13, prefix=prefix))
-        assert ("second" not in run_step(scheduler)) == waits, (pool, prefix_len)
+@pytest.mark.parametrize(
+    ("pool", "prefix_len", "waits"),
+    [({}, 3, False), ({"enable_prefix_caching": False}, 10, False), ({}, 4, True)],
+    ids=["under-a-block", "no-prefix-cache", "a-block"],
+)
+def test_a_prompt_waits_only_for_a_whole_shared_block_and_with_the_prefix_cache(
+    pool: dict[str, bool], prefix_len: int, waits: bool
+) -> None:
+    scheduler = Scheduler(kv_manager(32, 4, **pool), max_num_seqs=8, max_num_batched_tokens=64)
+    prefix = tuple(range(500, 500 + prefix_len))
+    scheduler.add(make_seq("first", 14, prefix=prefix))
+    scheduler.add(make_seq("second", 13, prefix=prefix))
+    assert ("second" not in run_step(scheduler)) == waits
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_common_prefix_length_is_where_two_token_lists_first_differ(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        first = [rng.randrange(3) for _ in range(rng.randrange(300))]
+        second = first[: rng.randrange(len(first) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(300))]
+        length = min(len(first), len(second))
+        expected = next((i for i in range(length) if first[i] != second[i]), length)
+        assert common_prefix_length(first, second) == common_prefix_length(second, first) == expected
 
 
 def test_a_prompt_waits_only_while_the_shared_blocks_are_uncomputed() -> None:

@@ -324,8 +324,9 @@ void multiply(std::vector<Group>& groups) {
       const int64_t acc_width = g.kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
       // The next chunk of an interleaved part is asked for ahead, or memory idles while the rows' arithmetic runs:
       // by the VNNI build's int8 and int16 kernels a share each block (Ahead), but at one row only for Q6_K (the
-      // others are bound by memory already), and by the AVX2 build's so for rows under kSpreadRowsBelow; else all
-      // at once where a tile is built (1.2-1.4x at 5-8 rows), and not for rows streamed (it halved them).
+      // others are bound by memory already), and by the AVX2 build's so for 5 to kSpreadRowsBelow - 1 rows; else
+      // all at once where a tile is built (the AVX2 build's panels, the scalar build), and not for rows streamed (it
+      // halved them).
       const Part& home = g.parts[tiles[t].part];
       const bool spread =
           g.kind != Arithmetic::kFloat &&
