@@ -1,7 +1,10 @@
 """Allocation of the paged KV cache's blocks: reference counts, an LRU of free blocks, and the prefix cache.
 
 A full block is identified by the hash of its tokens chained with the previous block's hash, so equal
-hashes mean equal prefixes; the tokens are kept as well to rule out collisions. A block whose last user
+hashes mean equal prefixes; the tokens are kept as well to rule out collisions. The cached blocks that follow one
+hash are also kept sorted by their tokens, so that a prompt which parts from every cached one inside a block finds
+the cached block sharing most of that block's first tokens (two neighbours in that order) and may copy them
+instead of computing them, as llama.cpp's slots reuse a prompt to the token. A block whose last user
 lets go keeps its contents and hash in the free LRU until it is handed out again, so a later request
 with the same prefix can take it back instead of recomputing it.
 
@@ -13,6 +16,7 @@ expiry), its blocks going to the front of the LRU, last block first, so that its
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left, insort
 from collections import OrderedDict
 from collections.abc import Sequence
 
@@ -53,6 +57,8 @@ class BlockPool:
         self._hash_of: list[int | None] = [None] * num_blocks
         self._tokens_of: list[tuple[int, ...] | None] = [None] * num_blocks
         self._block_of_hash: dict[int, int] = {}
+        self._parent_of: list[int] = [ROOT_HASH] * num_blocks  # chained hash of the block before a cached one
+        self._followers: dict[int, list[tuple[tuple[int, ...], int]]] = {}  # hash -> (tokens, block), sorted
         self.queried_tokens = 0
         self.hit_tokens = 0
 
@@ -121,15 +127,43 @@ class BlockPool:
             hashes.append(digest)
             previous = digest
         for block in blocks:
-            self._refcounts[block] += 1
-            self._free.pop(block, None)
-            self._free_pinned.pop(block, None)
+            self.hold(block)
         if self.cache_pins:
             for digest in hashes:
                 self.cache_pins.hit(digest)
         self.queried_tokens += len(tokens)
         self.hit_tokens += len(blocks) * size
         return blocks, hashes
+
+    def take_partial(self, previous: int, tokens: Sequence[int]) -> tuple[int, int, int]:
+        """For tokens (at most a block's) that follow the chained hash previous: the cached block whose first tokens
+        agree longest with them, a newly allocated block for the caller to copy that many of its tokens into, and the
+        count; (-1, -1, 0) if none agrees or no other block is free."""
+        followers = self._followers.get(previous) if tokens else None
+        if not followers:
+            return -1, -1, 0
+        wanted = tuple(tokens[: self.block_size])
+        index = bisect_left(followers, (wanted,))  # the longest agreement is with a neighbour in sorted order
+        source, count = -1, 0
+        for cached, block in followers[max(index - 1, 0) : index + 1]:
+            agreed = next((i for i, (a, b) in enumerate(zip(cached, wanted, strict=False)) if a != b), len(wanted))
+            if agreed > count:
+                source, count = block, agreed
+        if not count:
+            return -1, -1, 0
+        self.hold(source)  # so that it is not the block handed out
+        copy = self.allocate(1)[0] if self.num_free_blocks else -1
+        self.release([source])
+        if copy < 0:
+            return -1, -1, 0
+        self.hit_tokens += count
+        return source, copy, count
+
+    def hold(self, block: int) -> None:
+        """Add one reference to a block, held or cached, taking a free one out of the free lists."""
+        self._refcounts[block] += 1
+        self._free.pop(block, None)
+        self._free_pinned.pop(block, None)
 
     def register_full_blocks(
         self, tokens: Sequence[int], block_table: Sequence[int], block_hashes: Sequence[int], num_computed: int
@@ -148,6 +182,8 @@ class BlockPool:
                 self._block_of_hash[digest] = block
                 self._hash_of[block] = digest
                 self._tokens_of[block] = chunk
+                self._parent_of[block] = previous
+                insort(self._followers.setdefault(previous, []), (chunk, block))
             new_hashes.append(digest)
             previous = digest
         return new_hashes
@@ -185,5 +221,9 @@ class BlockPool:
         if digest is not None:
             if self._block_of_hash.get(digest) == block:
                 del self._block_of_hash[digest]
+            followers = self._followers[self._parent_of[block]]
+            del followers[bisect_left(followers, (self._tokens_of[block],))]
+            if not followers:
+                del self._followers[self._parent_of[block]]
             self._hash_of[block] = None
             self._tokens_of[block] = None

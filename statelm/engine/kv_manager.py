@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from statelm.engine.block_pool import BlockPool
+from statelm.engine.block_pool import ROOT_HASH, BlockPool
 from statelm.engine.cache_pins import CachePinRequest
 from statelm.engine.kv_cache import KVCache
 
@@ -68,9 +68,18 @@ class KVManager:
 
     def start_from_cache(self, table: BlockTable, tokens: Sequence[int]) -> int:
         """Fill the empty table with the prefix cache's blocks of the longest cached prefix of tokens (leaving at
-        least one token to compute); the number of tokens they hold."""
+        least one token to compute): whole blocks shared, then the first tokens of the block after them copied from
+        the cached block that agrees longest with them (if a block is free); the number of tokens it holds."""
         table.blocks, table.hashes = self.pool.match_prefix(tokens)
-        return len(table.blocks) * self.pool.block_size
+        start = len(table.blocks) * self.pool.block_size
+        previous = table.hashes[-1] if table.hashes else ROOT_HASH
+        source, copy, count = self.pool.take_partial(
+            previous, tokens[start : min(len(tokens) - 1, start + self.block_size)]
+        )
+        if count:
+            self.kv_cache.copy_block(source, copy)
+            table.blocks.append(copy)
+        return start + count
 
     def start_from(self, table: BlockTable, source: BlockTable, num_tokens: int) -> int:
         """Fill the empty table with source's first num_tokens tokens: whole blocks shared, a partly filled last

@@ -138,8 +138,9 @@ def test_a_repeated_system_prompt_is_read_from_the_cache(claude: anthropic.Anthr
     ]
     first = ask(claude, system=system, max_tokens=4).usage
     second = ask(claude, [{"role": "user", "content": "And Spain?"}], system=system, max_tokens=4).usage
-    assert first.cache_creation_input_tokens > 0 and first.cache_read_input_tokens == 0
-    assert second.cache_read_input_tokens >= first.cache_creation_input_tokens
+    assert first.cache_creation_input_tokens > 0
+    assert first.cache_read_input_tokens < 16  # at most the template's opening, which earlier prompts share
+    assert second.cache_read_input_tokens >= first.cache_creation_input_tokens + first.cache_read_input_tokens
     assert second.cache_creation_input_tokens == 0
 
 

@@ -160,7 +160,8 @@ def test_prefix_usage_with_a_cache_breakpoint(api: httpx.Client) -> None:
     system = [{"type": "text", "text": "You are a careful assistant. " * 30, "cache_control": {"type": "ephemeral"}}]
     first = create(api, {"system": system, "messages": [{"role": "user", "content": "First question?"}]})["usage"]
     second = create(api, {"system": system, "messages": [{"role": "user", "content": "Another one!"}]})["usage"]
-    assert first["cache_creation_input_tokens"] > 0 and first["cache_read_input_tokens"] == 0
+    assert first["cache_creation_input_tokens"] > 0
+    assert first["cache_read_input_tokens"] < 16  # at most the template's first tokens, which earlier prompts share
     assert second["cache_read_input_tokens"] >= first["cache_creation_input_tokens"]
     assert second["cache_creation_input_tokens"] == 0
     for usage in (first, second):

@@ -63,19 +63,30 @@ def token_ids(http: httpx.Client, messages: list[dict[str, str]], add_generation
     return http.post("/tokenize", json=body).json()["tokens"]
 
 
+def prompt_ids(http: httpx.Client, system: str, question: str) -> list[int]:
+    """The prompt of a question under a system prompt, in token ids."""
+    messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+    return token_ids(http, messages, add_generation_prompt=True)
+
+
 def prefix_length(http: httpx.Client, system: str, question: str) -> int:
     """The tokens of the prompt that the system prompt's own rendering starts it with, in whole blocks."""
     head = token_ids(http, [{"role": "system", "content": system}], add_generation_prompt=False)
-    whole = [{"role": "system", "content": system}, {"role": "user", "content": question}]
-    prompt = token_ids(http, whole, add_generation_prompt=True)
-    shared = common_prefix_length(head, prompt)
+    shared = common_prefix_length(head, prompt_ids(http, system, question))
     return shared - shared % BLOCK_SIZE
+
+
+def served_after(http: httpx.Client, system: str, earlier: str, question: str) -> int:
+    """The tokens the prefix cache serves a question's prompt from an earlier question's under the same system
+    prompt: those they share, to the token, within the earlier prompt's full blocks, leaving one to compute."""
+    first, prompt = prompt_ids(http, system, earlier), prompt_ids(http, system, question)
+    return min(common_prefix_length(first, prompt), len(first) - len(first) % BLOCK_SIZE, len(prompt) - 1)
 
 
 def burst(http: httpx.Client) -> None:
     """Unrelated prompts that together need more blocks than the pool has."""
     for question in BURST:
-        assert usage(http, None, question)["cache_read_input_tokens"] == 0
+        assert usage(http, None, question)["cache_read_input_tokens"] < BLOCK_SIZE  # at most the template's opening
 
 
 def test_a_system_prompt_without_a_breakpoint_is_evicted_by_a_burst(small_pool: httpx.Client) -> None:
@@ -83,10 +94,11 @@ def test_a_system_prompt_without_a_breakpoint_is_evicted_by_a_burst(small_pool: 
     assert usage(small_pool, system_blocks(system, False), "Longest?")["cache_creation_input_tokens"] == 0
     cached = usage(small_pool, system_blocks(system, False), "Widest?")
     prefix = prefix_length(small_pool, system, "Widest?")
-    assert prefix >= 4 * BLOCK_SIZE and cached["cache_read_input_tokens"] == prefix  # the automatic prefix cache
+    assert prefix >= 4 * BLOCK_SIZE  # the automatic prefix cache serves the whole blocks and the shared tokens after
+    assert cached["cache_read_input_tokens"] == served_after(small_pool, system, "Longest?", "Widest?") >= prefix
     burst(small_pool)
     after = usage(small_pool, system_blocks(system, False), "Deepest?")
-    assert after["cache_read_input_tokens"] == 0
+    assert after["cache_read_input_tokens"] < BLOCK_SIZE
 
 
 def test_a_breakpoint_reports_the_prefix_written_then_read_and_pins_it_through_a_burst(
@@ -97,9 +109,11 @@ def test_a_breakpoint_reports_the_prefix_written_then_read_and_pins_it_through_a
     assert prefix >= 4 * BLOCK_SIZE
     created = metric(small_pool, "statelm_cache_pins_created_total")
     first = usage(small_pool, system_blocks(system, True), "Highest?")
-    assert first["cache_creation_input_tokens"] == prefix and first["cache_read_input_tokens"] == 0
+    assert first["cache_read_input_tokens"] < BLOCK_SIZE  # at most the template's opening, shared with earlier prompts
+    assert first["cache_creation_input_tokens"] + first["cache_read_input_tokens"] == prefix
     second = usage(small_pool, system_blocks(system, True), "Oldest?")
-    assert second["cache_read_input_tokens"] == prefix and second["cache_creation_input_tokens"] == 0
+    assert second["cache_read_input_tokens"] == served_after(small_pool, system, "Highest?", "Oldest?") >= prefix
+    assert second["cache_creation_input_tokens"] == 0
     assert metric(small_pool, "statelm_cache_pins_created_total") == created + 1
     assert metric(small_pool, "statelm_kv_blocks_pinned") == prefix // BLOCK_SIZE
     hits = metric(small_pool, "statelm_cache_pin_hits_total")
@@ -109,7 +123,8 @@ def test_a_breakpoint_reports_the_prefix_written_then_read_and_pins_it_through_a
     assert metric(small_pool, "statelm_cache_pin_hits_total") == hits + 1
     assert metric(small_pool, "statelm_cache_pins_released_under_pressure_total") == 0
     unmarked = usage(small_pool, system_blocks(system, False), "Coldest?")  # the pin serves it too
-    assert unmarked["cache_read_input_tokens"] == prefix and unmarked["cache_creation_input_tokens"] == 0
+    assert unmarked["cache_read_input_tokens"] == served_after(small_pool, system, "Steepest?", "Coldest?") >= prefix
+    assert unmarked["cache_creation_input_tokens"] == 0
 
 
 def test_a_breakpoint_past_the_keys_cap_is_cached_without_a_pin(small_pool: httpx.Client) -> None:
@@ -119,8 +134,9 @@ def test_a_breakpoint_past_the_keys_cap_is_cached_without_a_pin(small_pool: http
     refused = metric(small_pool, "statelm_cache_pins_refused_total")
     pinned = metric(small_pool, "statelm_kv_blocks_pinned")
     first = usage(small_pool, system_blocks(system, True), "Largest?")
-    assert first["cache_creation_input_tokens"] == prefix
+    assert first["cache_read_input_tokens"] < BLOCK_SIZE
+    assert first["cache_creation_input_tokens"] + first["cache_read_input_tokens"] == prefix
     assert metric(small_pool, "statelm_cache_pins_refused_total") == refused + 1
     assert metric(small_pool, "statelm_kv_blocks_pinned") == pinned
     second = usage(small_pool, system_blocks(system, True), "Oldest?")
-    assert second["cache_read_input_tokens"] == prefix  # cached all the same
+    assert second["cache_read_input_tokens"] == served_after(small_pool, system, "Largest?", "Oldest?") >= prefix

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from statelm.engine.block_pool import BlockPool, OutOfBlocksError
+from statelm.engine.block_pool import ROOT_HASH, BlockPool, OutOfBlocksError
 
 
 def test_allocate_and_release_return_blocks() -> None:
@@ -89,3 +89,37 @@ def test_prefix_caching_can_be_turned_off() -> None:
     pool = BlockPool(num_blocks=4, block_size=2, enable_prefix_caching=False)
     cache_prompt(pool, [1, 2, 3])
     assert pool.match_prefix([1, 2, 3]) == ([], [])
+
+
+def test_a_prompt_parting_inside_a_block_takes_the_cached_block_agreeing_longest() -> None:
+    pool = BlockPool(num_blocks=12, block_size=4)
+    held = [
+        cache_prompt(pool, [0, 1, 2, 3, *rest]) for rest in ([5, 6, 7, 8], [5, 6, 9, 9], [5, 7, 7, 7], [4, 4, 4, 4])
+    ]
+    blocks, hashes = pool.match_prefix([0, 1, 2, 3, 5, 6, 9, 1, 1])
+    assert blocks == held[0][:1]
+    source, copy, count = pool.take_partial(hashes[-1], [5, 6, 9, 1])
+    assert (source, count) == (held[1][1], 3) and copy not in {b for table in held for b in table}
+    assert pool.hit_tokens == 4 + 3
+    assert pool.take_partial(hashes[-1], [6, 6, 6, 6]) == (-1, -1, 0)  # no cached block agrees on its first token
+    assert pool.take_partial(hashes[-1], [5])[2] == 1  # the tokens left to take may be fewer than a block's
+    assert pool.take_partial(hashes[-1], []) == (-1, -1, 0)
+
+
+def test_a_partly_agreeing_block_is_found_until_it_is_handed_out_again() -> None:
+    pool = BlockPool(num_blocks=3, block_size=2)
+    table = cache_prompt(pool, [1, 2, 3, 4])
+    pool.release(table)
+    source, copy, count = pool.take_partial(ROOT_HASH, [1, 9])
+    assert (source, count) == (table[0], 1) and copy not in table  # the source itself is not handed out as the copy
+    pool.release([copy])
+    pool.allocate(3)  # evicts every cached block
+    assert pool.take_partial(ROOT_HASH, [1, 9]) == (-1, -1, 0)
+
+
+def test_a_partly_agreeing_block_is_not_copied_without_a_free_block() -> None:
+    pool = BlockPool(num_blocks=1, block_size=2)
+    table = cache_prompt(pool, [1, 2])
+    pool.release(table)  # the only free block is the source
+    assert pool.take_partial(ROOT_HASH, [1, 9]) == (-1, -1, 0)
+    assert pool.num_free_blocks == 1 and pool.match_prefix([1, 2, 0])[0] == table

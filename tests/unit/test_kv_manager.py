@@ -43,8 +43,9 @@ def test_a_prompt_starts_from_its_longest_cached_prefix_and_computes_its_last_to
     first = computed(kv, tokens)
     assert len(first.hashes) == 3
     again = BlockTable()
-    assert kv.start_from_cache(again, tokens) == 8  # two full blocks: the last token is always computed
-    assert again.blocks == first.blocks[:2] and again.hashes == first.hashes[:2]
+    assert kv.start_from_cache(again, tokens) == 11  # two full blocks and 3 tokens copied: the last one is computed
+    assert again.blocks[:2] == first.blocks[:2] and again.hashes == first.hashes[:2]
+    assert len(again.blocks) == 3 and again.blocks[2] != first.blocks[2]
     longer = BlockTable()
     assert kv.start_from_cache(longer, [*tokens, 99]) == 12 and longer.blocks == first.blocks
     other = BlockTable()
@@ -53,6 +54,21 @@ def test_a_prompt_starts_from_its_longest_cached_prefix_and_computes_its_last_to
         kv.free(table)
     assert kv.num_free_blocks == 8
     assert kv.start_from_cache(BlockTable(), [*tokens, 99]) == 12  # freed blocks stay cached until reused
+
+
+def test_a_prompt_copies_the_first_tokens_it_shares_with_a_cached_block() -> None:
+    kv = kv_manager(8, 4)
+    first = computed(kv, [0, 1, 2, 3, 4, 5, 6, 7])
+    kv.kv_cache.k[0][first.blocks[1], ..., :4] = torch.tensor([4.0, 5.0, 6.0, 7.0])  # keys: [blocks, heads, dim, block]
+    table = BlockTable()
+    assert kv.start_from_cache(table, [0, 1, 2, 3, 4, 5, 9, 9, 9]) == 6
+    assert (
+        table.blocks[0] == first.blocks[0] and table.blocks[1] != first.blocks[1] and table.hashes == first.hashes[:1]
+    )
+    assert kv.kv_cache.k[0][table.blocks[1], ..., :2].flatten().tolist() == [4.0, 5.0]
+    kv.free(first)
+    kv.free(table)
+    assert kv.num_free_blocks == 8
 
 
 def test_start_from_shares_whole_blocks_and_copies_the_partly_filled_one() -> None:

@@ -118,9 +118,10 @@ def test_a_prompt_waits_for_the_blocks_it_shares_with_one_being_computed_then_ta
     for seq in (first, second, other):
         scheduler.add(seq)
     assert run_step(scheduler) == {"first": 14, "other": 6}  # second would compute the shared blocks again: it waits
-    assert run_step(scheduler) == {"first": 1, "other": 1, "second": 5}  # 8 of its tokens from the cache
-    assert second.num_cached_prompt_tokens == 8
+    assert run_step(scheduler) == {"first": 1, "other": 1, "second": 3}  # 10 of its tokens from the cache
+    assert second.num_cached_prompt_tokens == 10  # two whole blocks shared, two tokens of the third copied
     assert second.block_table.blocks[:2] == first.block_table.blocks[:2]
+    assert second.block_table.blocks[2] != first.block_table.blocks[2]
 
 
 @pytest.mark.parametrize(
