@@ -126,9 +126,9 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
 #elif defined(STATELM_GGUF_AVX2)
 // R rows: int16 pairs with vpmaddwd; narrow uint8 levels + offset with vpmaddubsw, four quads' pair sums added in
 // int16 where levels are below 32 (4 * 2 * 31 * 127 < 32768: 1.1x at 256 rows of Q4_K), else two; wide levels
-// (Q8_0, IQ4: + 128) back to signed, their sign moved to x. A block of two groups (Q6_K) finishes its first group's
-// sums and float step before the second's, so that R rows need R accumulators (16 registers: two groups' 2R
-// spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
+// (Q8_0, IQ4: + 128; an interleaved Q8_0 part read in place: signed already) back to signed, their sign moved to x.
+// A block of two groups (Q6_K) finishes its first group's sums and float step before the second's, so that R rows
+// need R accumulators (16 registers: two groups' 2R spilled at R = 8). kSuper (int8 on a 256-value format): vpmaddwd
 // multiplies the pair sums by the group's integer scale as it widens them into the superblock's total. Asks for
 // `ahead` a share each block, as VNNI's (given only below kSpreadRowsBelow rows).
 template <int R, bool kInt16, bool kG16, bool kMin, bool kSuper>
@@ -141,6 +141,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
   constexpr int64_t G = IntRows::kGroupRows;
   const int32_t* group = words + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
   const int offset = wide ? 0 : t.offset;
+  const V flip = set8(t.offset ? 0x80 : 0);  // wide levels + 128 back to signed (none if read in place)
   constexpr int kQuads = kG16 ? 2 : 4;  // narrow quads added in int16: levels below 32 (the 32-value groups' formats)
   VF a[R];
   V total[R];
@@ -163,9 +164,10 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
           }
         }
       } else if (wide) {
+        const uint8_t* levels = t.levels + b * W * kBlock + (b / 2 + 1) * t.pair_header;
 #pragma GCC unroll 8
         for (int quad = kGroupWords * h; quad < kGroupWords * (h + 1); ++quad) {
-          const WideQuad w = wide_quad(load(t.levels + b * W * kBlock + quad * 32));
+          const WideQuad w = wide_quad(load(levels + quad * 32), flip);
           for (int r = 0; r < R; ++r) {
             const V xr = set32(xs[quad * G + r]);
             if constexpr (kSuper) {
@@ -355,8 +357,11 @@ void int_tile_chunk(const Part& part, int64_t column, int64_t tiles, int64_t fir
   const bool pairs = !int16 && widens_int8(*part.format) && !x.grouped_pairs.empty();
   Int8Tile built[kPanelTiles];
   for (int64_t i = 0; i < tiles; ++i) {
-    built[i] = build_int8_tile(part, column + i * W, first, values, i);
-    if (int16 || pairs) built[i] = widen_int16(built[i], i);
+    if (int16 || pairs) {
+      built[i] = widen_int16(build_int8_tile(part, column + i * W, first, values, i), i);
+    } else {
+      built[i] = int8_tile_in_place(part, column + i * W, first, values, i);
+    }
   }
   const Panel panel{built, tiles};
   if (int16 || pairs) {

@@ -163,10 +163,12 @@ struct WideQuad {
   V magnitudes;
   V levels;
 };
-inline WideQuad wide_quad(V stored) {
-  const V w = _mm256_xor_si256(stored, _mm256_set1_epi8(static_cast<char>(0x80)));
+// Wide levels stored as q xor flip (flip: 0x80 in every byte for q + 128, 0 for signed q).
+inline WideQuad wide_quad(V stored, V flip) {
+  const V w = _mm256_xor_si256(stored, flip);
   return {_mm256_sign_epi8(w, w), w};
 }
+inline WideQuad wide_quad(V stored) { return wide_quad(stored, _mm256_set1_epi8(static_cast<char>(0x80))); }
 // The int16 pair sums of wide levels times 4 int8 activations (x: their word in every lane).
 inline V wide_pair_sums(const WideQuad& w, V x) {
   return _mm256_maddubs_epi16(w.magnitudes, _mm256_sign_epi8(x, w.levels));

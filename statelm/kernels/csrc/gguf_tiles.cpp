@@ -916,6 +916,26 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
   return decoded_tile(part, column, first, values, out);
 }
 
+Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot) {
+#if defined(STATELM_GGUF_AVX2) && !defined(STATELM_GGUF_VNNI)
+  if (part.interleaved && part.format->type == kQ8_0) {
+    constexpr int64_t kPairBytes = stored_block(kQ8_0).unit_stored() * W;  // both d's, then two blocks' levels
+    const uint8_t* pairs = tile_start_of(part, column, first).as<kQ8_0>().tile;
+    const int64_t blocks = values / kBlock;
+    float* scales = panel_scratch<float, 2>(2 * W * (kChunkValues / 16), slot);
+    for (int64_t b = 0; b < blocks; b += 2) {
+      const simd::V header = simd::load(pairs + b / 2 * kPairBytes);
+      simd::store_f(scales + b * W, simd::half_low(header));
+      simd::store_f(scales + (b + 1) * W, simd::half_high(header));
+    }
+    Int8Tile tile{pairs, scales, nullptr, part.format, 0, blocks};
+    tile.pair_header = simd::kVecBytes;
+    return tile;
+  }
+#endif
+  return build_int8_tile(part, column, first, values, slot);
+}
+
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x,
                       const Ahead& ahead, float* acc) {
 #if defined(STATELM_GGUF_AVX2)

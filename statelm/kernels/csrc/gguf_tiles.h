@@ -24,11 +24,19 @@ struct Int8Tile {
   const int32_t* sub_mins = nullptr;
   const float* d = nullptr;
   const float* neg_dmin = nullptr;
+  // Bytes before each pair of blocks' levels: block b's lie at levels + b * kTileColumns * kBlock + (b / 2 + 1) *
+  // pair_header. 0 for a built tile; an interleaved Q8_0 tile read in place (int8_tile_in_place) skips its d's.
+  int64_t pair_header = 0;
 };
 
 // The tile of columns [column, column + kTileColumns) of part, values [first, first + values) along K, in this
 // thread's scratch at `slot` (< kPanelTiles; valid until the next call on the thread for that slot).
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
+
+// The tile int8 rows on wide levels read (AVX2 build): an interleaved Q8_0 part's levels in place, signed (offset 0),
+// only its scales converted into this thread's scratch at `slot`, so that 5-31 rows skip copying the levels into a
+// tile; any other part or build: build_int8_tile's.
+Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
 
 // Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
 // each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's), asking for `ahead` as it
