@@ -27,6 +27,20 @@ from statelm.engine.cache_pins import CachePinTable
 ROOT_HASH = 0
 
 
+def common_prefix_length(first: Sequence[int], second: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token lists, or two tuples (runs of 64 compared at once, then the
+    differing run token by token: the scheduler asks this of every new prompt against those being computed, each
+    step)."""
+    limit = min(len(first), len(second))
+    start = 0
+    while start < limit and first[start : start + 64] == second[start : start + 64]:
+        start += 64
+    for index in range(start, min(start + 64, limit)):
+        if first[index] != second[index]:
+            return index
+    return limit
+
+
 class OutOfBlocksError(RuntimeError):
     """The pool has fewer free blocks than were asked for."""
 
@@ -146,7 +160,7 @@ class BlockPool:
         index = bisect_left(followers, (wanted,))  # the longest agreement is with a neighbour in sorted order
         source, count = -1, 0
         for cached, block in followers[max(index - 1, 0) : index + 1]:
-            agreed = next((i for i, (a, b) in enumerate(zip(cached, wanted, strict=False)) if a != b), len(wanted))
+            agreed = common_prefix_length(cached, wanted)
             if agreed > count:
                 source, count = block, agreed
         if not count:

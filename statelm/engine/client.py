@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from statelm.attention.kv_format import KVFormat, format_of_rows, kv_format
+from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.cache_pins import CachePinCounters, CachePinRequest
 from statelm.engine.grammar import CompiledGrammar, GrammarBackend, GrammarError, tool_call_schema
 from statelm.engine.guidance import ReasoningBudget
@@ -28,7 +29,7 @@ from statelm.engine.logits_processors import LOGIT_BIAS_LIMIT
 from statelm.engine.repetition import RepetitionConfig
 from statelm.engine.sampler import TokenLogprob
 from statelm.engine.sequence import FinishReason, SamplingParams
-from statelm.engine.session_kv import SessionKVData, SessionKVError, SpillHandler, common_prefix_length
+from statelm.engine.session_kv import SessionKVData, SessionKVError, SpillHandler
 from statelm.models.pooling import PooledRows
 
 __all__ = [

@@ -5,9 +5,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.kv_manager import KVManager
 from statelm.engine.sequence import FinishReason, Sequence, SequenceStatus
-from statelm.engine.session_kv import SessionKVStore, common_prefix_length
+from statelm.engine.session_kv import SessionKVStore
 
 
 @dataclass

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from statelm.attention.kv_format import KVFormat, format_of_rows
+from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.kv_manager import BlockTable, KVManager
 from statelm.engine.sequence import SamplingParams, Sequence
 
@@ -99,19 +100,6 @@ class SessionBlocks:
 
 class SessionKVError(RuntimeError):
     """A session's KV cannot be placed in the pool."""
-
-
-def common_prefix_length(first: list[int], second: list[int]) -> int:
-    """Length of the longest common prefix of two token lists (runs of 64 compared at once, then the differing run
-    token by token: the scheduler asks this of every new prompt against those being computed, each step)."""
-    limit = min(len(first), len(second))
-    start = 0
-    while start < limit and first[start : start + 64] == second[start : start + 64]:
-        start += 64
-    for index in range(start, min(start + 64, limit)):
-        if first[index] != second[index]:
-            return index
-    return limit
 
 
 SpillHandler = Callable[[str, SessionKVData], None]

@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from statelm.engine.session_kv import common_prefix_length
+from statelm.engine.block_pool import common_prefix_length
 from tests.http.conftest import InProcessServer, serve_in_process, tiny_args
 
 BLOCK_SIZE = 16

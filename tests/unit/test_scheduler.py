@@ -8,9 +8,9 @@ import zlib
 
 import pytest
 
+from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from statelm.engine.session_kv import common_prefix_length
 from tests.unit.kv_managers import kv_manager
 
 

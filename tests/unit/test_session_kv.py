@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.sequence import SamplingParams, Sequence
-from statelm.engine.session_kv import SessionKVData, SessionKVStore, common_prefix_length
+from statelm.engine.session_kv import SessionKVData, SessionKVStore
 from tests.unit.kv_managers import kv_manager
 
 BLOCK = 4
