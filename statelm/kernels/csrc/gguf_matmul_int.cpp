@@ -357,11 +357,8 @@ void int_tile_chunk(const Part& part, int64_t column, int64_t tiles, int64_t fir
   const bool pairs = !int16 && widens_int8(*part.format) && !x.grouped_pairs.empty();
   Int8Tile built[kPanelTiles];
   for (int64_t i = 0; i < tiles; ++i) {
-    if (int16 || pairs) {
-      built[i] = widen_int16(build_int8_tile(part, column + i * W, first, values, i), i);
-    } else {
-      built[i] = int8_tile_in_place(part, column + i * W, first, values, i);
-    }
+    built[i] = int8_tile_in_place(part, column + i * W, first, values, i);
+    if (int16 || pairs) built[i] = widen_int16(built[i], i);
   }
   const Panel panel{built, tiles};
   if (int16 || pairs) {

@@ -971,9 +971,12 @@ Int8Tile widen_int16(const Int8Tile& t, int64_t slot) {
   return {reinterpret_cast<const uint8_t*>(out), t.scales, t.mins, t.format, 0, t.blocks};
 #elif defined(STATELM_GGUF_AVX2)
   int16_t* out = panel_scratch<int16_t, 4>(kChunkValues * W, slot);
-  const __m256i offset = _mm256_set1_epi16(static_cast<int16_t>(t.offset));
+  // levels + offset, or (a tile read in place) signed levels made + 128 by the flip
+  const int16_t added = static_cast<int16_t>(t.offset ? t.offset : 128);
+  const __m256i offset = _mm256_set1_epi16(added), flip = _mm256_set1_epi8(static_cast<char>(t.offset ? 0 : 0x80));
   for (int64_t quad = 0; quad < t.blocks * 8; ++quad) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.levels + quad * W * 4));
+    const uint8_t* levels = t.levels + quad * W * 4 + (quad / 16 + 1) * t.pair_header;
+    const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels)), flip);
     const __m256 low = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(v)), offset));
     const __m256 high = _mm256_castsi256_ps(_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(v, 1)), offset));
     const __m256i even = _mm256_permute4x64_epi64(_mm256_castps_si256(_mm256_shuffle_ps(low, high, 0x88)), 0xD8);

@@ -33,9 +33,9 @@ struct Int8Tile {
 // thread's scratch at `slot` (< kPanelTiles; valid until the next call on the thread for that slot).
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
 
-// The tile int8 rows on wide levels read (AVX2 build): an interleaved Q8_0 part's levels in place, signed (offset 0),
-// only its scales converted into this thread's scratch at `slot`, so that 5-31 rows skip copying the levels into a
-// tile; any other part or build: build_int8_tile's.
+// The tile the integer arithmetics read (AVX2 build): an interleaved Q8_0 part's levels in place, signed (offset 0),
+// only its scales converted into this thread's scratch at `slot`, so that 5-31 int8 rows skip copying the levels into
+// a tile and panels widen them (widen_int16) from where they lie; any other part or build: build_int8_tile's.
 Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
 
 // Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
@@ -53,7 +53,7 @@ bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t v
 bool streams(const Format& f);
 
 // The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds (in scratch at
-// `slot`, as build_int8_tile's); the scalar build's tile as it is.
+// `slot`, as build_int8_tile's; a tile read in place, the AVX2 build's only, too); the scalar build's tile as it is.
 Int8Tile widen_int16(const Int8Tile& tile, int64_t slot);
 
 // The tile's weights dequantized as gguf-py dequantizes them (w = S*q, then + O): [values / 4][kTileColumns][4].
