@@ -71,6 +71,16 @@ def test_a_prompt_copies_the_first_tokens_it_shares_with_a_cached_block() -> Non
     assert kv.num_free_blocks == 8
 
 
+def test_a_prompt_the_pool_cannot_hold_yet_copies_nothing_and_evicts_no_cached_block() -> None:
+    kv = kv_manager(3, 4)
+    for tokens in ([0, 1, 2, 3, 4, 5, 6, 7], [100, 101, 102, 103]):
+        kv.free(computed(kv, tokens))  # every block cached and free, the first prompt's released first
+    table = BlockTable()
+    assert kv.start_from_cache(table, [0, 1, 2, 3, 4, 5, *[9] * 7]) == 4  # needs 4 blocks: only the whole one shared
+    kv.free(table)
+    assert kv.start_from_cache(BlockTable(), [100, 101, 102, 103, 7]) == 4  # still cached
+
+
 def test_start_from_shares_whole_blocks_and_copies_the_partly_filled_one() -> None:
     kv = kv_manager(8, 4)
     source = computed(kv, list(range(10)))  # [0-3] [4-7] [8,9]
