@@ -141,7 +141,7 @@ void rows_tile(const Int8Tile& t, const IntRows& x, const int32_t* words, int64_
   constexpr int64_t G = IntRows::kGroupRows;
   const int32_t* group = words + m0 * (x.k / kBlock * kWords);  // m0: a multiple of G (run_rows)
   const int offset = wide ? 0 : t.offset;
-  const V flip = set8(t.offset ? 0x80 : 0);  // wide levels + 128 back to signed (none if read in place)
+  const V flip = set8(static_cast<uint8_t>(t.flip ^ 0x80));  // wide levels' bytes to signed q
   constexpr int kQuads = kG16 ? 2 : 4;  // narrow quads added in int16: levels below 32 (the 32-value groups' formats)
   VF a[R];
   V total[R];

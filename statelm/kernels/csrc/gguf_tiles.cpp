@@ -894,13 +894,22 @@ T* panel_scratch(int64_t count, int64_t slot) {
   return scratch<T, kSlot>(kPanelTiles * count) + slot * count;
 }
 
+namespace {
+
+// sized for a whole chunk (groups of 16 values at the least), so that slots keep their places whatever a tile's values
+constexpr int64_t kChunkGroups = kChunkValues / 16;
+
+// A tile's scales and then its mins, [groups][kTileColumns] each, in this thread's scratch at `slot`.
+float* tile_scales(int64_t slot) { return panel_scratch<float, 2>(2 * W * kChunkGroups, slot); }
+
+}  // namespace
+
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot) {
   const Format& f = *part.format;
   const int64_t groups = values / f.group, superblocks = values / kSuperblock;
-  // sized for a whole chunk (groups of 16 values at the least), so that slots keep their places whatever a tile's values
-  const int64_t chunk_groups = kChunkValues / 16, chunk_superblocks = kChunkValues / kSuperblock;
-  float* scales = panel_scratch<float, 2>(2 * W * chunk_groups, slot);
-  int32_t* sub_scales = panel_scratch<int32_t, 9>(2 * W * chunk_groups, slot);
+  const int64_t chunk_superblocks = kChunkValues / kSuperblock;
+  float* scales = tile_scales(slot);
+  int32_t* sub_scales = panel_scratch<int32_t, 9>(2 * W * kChunkGroups, slot);
   float* d = panel_scratch<float, 10>(2 * W * chunk_superblocks, slot);
   const TileBuffers out{panel_scratch<uint8_t, 3>(W * kChunkValues, slot), scales, scales + W * groups, sub_scales,
                         sub_scales + W * groups, d, d + W * superblocks};
@@ -922,14 +931,15 @@ Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int
     constexpr int64_t kPairBytes = stored_block(kQ8_0).unit_stored() * W;  // both d's, then two blocks' levels
     const uint8_t* pairs = tile_start_of(part, column, first).as<kQ8_0>().tile;
     const int64_t blocks = values / kBlock;
-    float* scales = panel_scratch<float, 2>(2 * W * (kChunkValues / 16), slot);
+    float* scales = tile_scales(slot);
     for (int64_t b = 0; b < blocks; b += 2) {
       const simd::V header = simd::load(pairs + b / 2 * kPairBytes);
       simd::store_f(scales + b * W, simd::half_low(header));
       simd::store_f(scales + (b + 1) * W, simd::half_high(header));
     }
-    Int8Tile tile{pairs, scales, nullptr, part.format, 0, blocks};
+    Int8Tile tile{pairs, scales, nullptr, part.format, part.format->offset, blocks};
     tile.pair_header = simd::kVecBytes;
+    tile.flip = 0x80;
     return tile;
   }
 #endif
@@ -971,9 +981,8 @@ Int8Tile widen_int16(const Int8Tile& t, int64_t slot) {
   return {reinterpret_cast<const uint8_t*>(out), t.scales, t.mins, t.format, 0, t.blocks};
 #elif defined(STATELM_GGUF_AVX2)
   int16_t* out = panel_scratch<int16_t, 4>(kChunkValues * W, slot);
-  // levels + offset, or (a tile read in place) signed levels made + 128 by the flip
-  const int16_t added = static_cast<int16_t>(t.offset ? t.offset : 128);
-  const __m256i offset = _mm256_set1_epi16(added), flip = _mm256_set1_epi8(static_cast<char>(t.offset ? 0 : 0x80));
+  const __m256i offset = _mm256_set1_epi16(static_cast<int16_t>(t.offset));
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(t.flip));
   for (int64_t quad = 0; quad < t.blocks * 8; ++quad) {
     const uint8_t* levels = t.levels + quad * W * 4 + (quad / 16 + 1) * t.pair_header;
     const __m256i v = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(levels)), flip);

@@ -18,7 +18,7 @@ struct Int8Tile {
   const float* scales;
   const float* mins;  // formats with a minimum
   const Format* format;
-  int offset;  // levels hold q + offset (0 in the scalar build)
+  int offset;  // levels hold q + offset (0 in the scalar build), as bytes xor flip
   int64_t blocks;
   const int32_t* sub_scales = nullptr;
   const int32_t* sub_mins = nullptr;
@@ -27,13 +27,16 @@ struct Int8Tile {
   // Bytes before each pair of blocks' levels: block b's lie at levels + b * kTileColumns * kBlock + (b / 2 + 1) *
   // pair_header. 0 for a built tile; an interleaved Q8_0 tile read in place (int8_tile_in_place) skips its d's.
   int64_t pair_header = 0;
+  // Each level byte is (q + offset) xor flip: 0 for a built tile; 0x80 for Q8_0 read in place, whose bytes are the
+  // file's signed q (q + 128 with its top bit flipped).
+  uint8_t flip = 0;
 };
 
 // The tile of columns [column, column + kTileColumns) of part, values [first, first + values) along K, in this
 // thread's scratch at `slot` (< kPanelTiles; valid until the next call on the thread for that slot).
 Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
 
-// The tile the integer arithmetics read (AVX2 build): an interleaved Q8_0 part's levels in place, signed (offset 0),
+// The tile the integer arithmetics read (AVX2 build): an interleaved Q8_0 part's levels in place (signed: flip),
 // only its scales converted into this thread's scratch at `slot`, so that 5-31 int8 rows skip copying the levels into
 // a tile and panels widen them (widen_int16) from where they lie; any other part or build: build_int8_tile's.
 Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
