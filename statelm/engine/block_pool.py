@@ -156,7 +156,7 @@ class BlockPool:
         followers = self._followers.get(previous) if tokens else None
         if not followers:
             return -1, -1, 0
-        wanted = tuple(tokens[: self.block_size])
+        wanted = tuple(tokens)
         index = bisect_left(followers, (wanted,))  # the longest agreement is with a neighbour in sorted order
         source, count = -1, 0
         for cached, block in followers[max(index - 1, 0) : index + 1]:

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from statelm.engine.block_pool import ROOT_HASH, BlockPool, OutOfBlocksError
+from statelm.engine.block_pool import ROOT_HASH, BlockPool, OutOfBlocksError, common_prefix_length
 
 
 def test_allocate_and_release_return_blocks() -> None:
@@ -123,3 +125,20 @@ def test_a_partly_agreeing_block_is_not_copied_without_a_free_block() -> None:
     pool.release(table)  # the only free block is the source
     assert pool.take_partial(ROOT_HASH, [1, 9]) == (-1, -1, 0)
     assert pool.num_free_blocks == 1 and pool.match_prefix([1, 2, 0])[0] == table
+
+
+def test_common_prefix_length() -> None:
+    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
+    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
+    assert common_prefix_length([], [1]) == 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_common_prefix_length_is_where_two_token_lists_first_differ(seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(300):
+        first = [rng.randrange(3) for _ in range(rng.randrange(300))]
+        second = first[: rng.randrange(len(first) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(300))]
+        length = min(len(first), len(second))
+        expected = next((i for i in range(length) if first[i] != second[i]), length)
+        assert common_prefix_length(first, second) == common_prefix_length(second, first) == expected

@@ -3,12 +3,10 @@ that wait for a shared prefix to reach the prefix cache."""
 
 from __future__ import annotations
 
-import random
 import zlib
 
 import pytest
 
-from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.scheduler import Scheduler
 from statelm.engine.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from tests.unit.kv_managers import kv_manager
@@ -137,17 +135,6 @@ def test_a_prompt_waits_only_for_a_whole_shared_block_and_with_the_prefix_cache(
     scheduler.add(make_seq("first", 14, prefix=prefix))
     scheduler.add(make_seq("second", 13, prefix=prefix))
     assert ("second" not in run_step(scheduler)) == waits
-
-
-@pytest.mark.parametrize("seed", range(4))
-def test_common_prefix_length_is_where_two_token_lists_first_differ(seed: int) -> None:
-    rng = random.Random(seed)
-    for _ in range(300):
-        first = [rng.randrange(3) for _ in range(rng.randrange(300))]
-        second = first[: rng.randrange(len(first) + 1)] + [rng.randrange(3) for _ in range(rng.randrange(300))]
-        length = min(len(first), len(second))
-        expected = next((i for i in range(length) if first[i] != second[i]), length)
-        assert common_prefix_length(first, second) == common_prefix_length(second, first) == expected
 
 
 def test_a_prompt_waits_only_while_the_shared_blocks_are_uncomputed() -> None:

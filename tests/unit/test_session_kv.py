@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.sequence import SamplingParams, Sequence
 from statelm.engine.session_kv import SessionKVData, SessionKVStore
 from tests.unit.kv_managers import kv_manager
@@ -31,12 +30,6 @@ def turn(store: SessionKVStore, session_id: str, prompt: list[int], request_id: 
     assert store.kv.grow(seq.block_table, seq.num_tokens)
     seq.num_computed_tokens = seq.num_tokens
     return seq
-
-
-def test_common_prefix_length() -> None:
-    assert common_prefix_length([1, 2, 3], [1, 2, 4, 5]) == 2
-    assert common_prefix_length([1, 2], [1, 2, 3]) == 2
-    assert common_prefix_length([], [1]) == 0
 
 
 def test_turn_shares_full_blocks_copies_the_partial_one_and_leaves_the_session_untouched() -> None:
