@@ -3,8 +3,10 @@
 Quantized matrices are used in place from the memory-mapped file, and other tensors are small or converted at
 load (dequantized models), so the cache holds no weights: only the decoded header (key/value metadata with the
 tokenizer's vocabulary, tensor infos) and its digest, a few megabytes at most. A later start skips parsing the
-header again. An entry is keyed by the file's content (statelm.models.model_cache), so a changed file is read
-anew, and counts towards the cache's size cap like any other.
+header again. An entry is keyed by the file's first HEADER_KEY_BYTES (statelm.models.model_cache), which hold the
+whole header of any GGUF it stores, so a changed header is read anew while a new file is not read through to be
+found (a header larger than that is parsed at every start); it counts towards the cache's size cap like any
+other.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 HEADER_VERSION = 3  # 3: the header only (2 held the converted tensors)
+HEADER_KEY_BYTES = 64 << 20  # hashed to find a file's entry: headers run to a few MB (a 256k-token vocabulary)
 
 
 @dataclass
@@ -46,14 +49,22 @@ def load_converted_gguf(path: Path, dtype: torch.dtype, packed: bool, cache: Mod
     in place, else every tensor dequantized to dtype (see statelm.models.gguf.GGUFModel)."""
     cache = cache or ModelCache()
     variant = f"v{HEADER_VERSION}:header"
-    cached = cache.load(path, variant)
-    if cached is None:
+    cached = cache.load(path, variant, HEADER_KEY_BYTES)
+    if cached is not None:
+        gguf = load_gguf(path, dtype, packed, GGUFHeader.from_dict(cached.metadata["header"]))
+    else:
         log.info("parsing %s's header once into the model cache %s (weights are read in place)", path.name, cache.root)
-    header = GGUFHeader.from_dict(cached.metadata["header"]) if cached is not None else None
-    gguf = load_gguf(path, dtype, packed, header)
-    if cached is None:
-        try:
-            cache.store(path, variant, {"header": gguf.file.header.to_dict()}, {})
-        except OSError as exc:
-            log.warning("could not write the model cache (%s); the next start parses %s again", exc, path.name)
+        gguf = load_gguf(path, dtype, packed)
+        _store_header(cache, path, variant, gguf.file.header)
     return ConvertedGGUF(gguf.config, gguf.tokenizer, gguf.metadata_digest, gguf.tensors)
+
+
+def _store_header(cache: ModelCache, path: Path, variant: str, header: GGUFHeader) -> None:
+    """Keep a header just parsed for the next start, where the cache's key covers it."""
+    if header.data_offset > HEADER_KEY_BYTES:
+        log.info("%s's header is larger than the model cache's key: it is parsed at every start", path.name)
+        return
+    try:
+        cache.store(path, variant, {"header": header.to_dict()}, {}, HEADER_KEY_BYTES)
+    except OSError as exc:
+        log.warning("could not write the model cache (%s); the next start parses %s again", exc, path.name)

@@ -2,9 +2,10 @@
 
 An entry is keyed by the source file's content (an xxh3-128 hash, remembered per path, size, mtime and inode so
 that a start hashes a file once) and the conversion's variant, so copies of one model share an entry and a
-changed file is a miss. Entries are written atomically (a temporary directory, synced, renamed into place), and
-past the size cap the least recently used go first. Removing an entry another process has mapped is safe: its
-files stay readable until it unmaps them.
+changed file is a miss; an entry made from the first bytes of a file only (a GGUF's header) is keyed by those.
+Entries are written atomically (a temporary directory, synced, renamed into place), and past the size cap the
+least recently used go first. Removing an entry another process has mapped is safe: its files stay readable
+until it unmaps them.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ _TMP_PREFIX = ".tmp-"
 _TRASH_PREFIX = ".trash-"
 _SOURCES = ".sources"  # per source path: the content hash of the file as it was (size, mtime, inode)
 _HASH_CHUNK = 16 << 20
-_ANNOUNCE_HASH_BYTES = 1 << 30  # hashing a file this large takes a second or more: say so first
 # prune() removes temporary directories of interrupted stores once they are this old.
 _LEFTOVER_AGE_S = 3600.0
 _PUBLISH_ATTEMPTS = 3
@@ -87,38 +87,41 @@ class ModelCache:
         self.root = Path(root) if root is not None else default_cache_root()
         self.max_bytes = max_bytes  # None: no cap
 
-    def key(self, source: Path, variant: str) -> str:
+    def key(self, source: Path, variant: str, hashed_bytes: int | None = None) -> str:
         """The entry name of a source file and variant: a hex digest of the file's content hash and the variant."""
-        return _entry_name(self.content_hash(source), variant)
+        return _entry_name(self.content_hash(source, hashed_bytes), variant)
 
-    def content_hash(self, source: Path) -> str:
-        """The xxh3-128 of the file's bytes, hashed once per path, size, mtime and inode (then remembered)."""
+    def content_hash(self, source: Path, hashed_bytes: int | None = None) -> str:
+        """The xxh3-128 of the file's bytes (its first hashed_bytes only, when given), hashed once per path, size,
+        mtime and inode (then remembered)."""
         path = Path(source).resolve()
         status = path.stat()
         stamp = [str(path), status.st_size, status.st_mtime_ns, status.st_ino, status.st_dev]
-        memo = self.root / _SOURCES / f"{hashlib.sha256(str(path).encode()).hexdigest()[:32]}.json"
+        named = json.dumps([str(path), hashed_bytes]).encode()
+        memo = self.root / _SOURCES / f"{hashlib.sha256(named).hexdigest()[:32]}.json"
         try:
             remembered = json.loads(memo.read_bytes())
             if remembered["stamp"] == stamp:
                 return str(remembered["hash"])
         except (OSError, ValueError, KeyError, TypeError):
             pass
-        if status.st_size >= _ANNOUNCE_HASH_BYTES:
-            log.info("hashing %s (%.1f GiB) to find it in the model cache", path, status.st_size / 2**30)
+        remaining = status.st_size if hashed_bytes is None else min(hashed_bytes, status.st_size)
         digest = xxhash.xxh3_128()
         with path.open("rb") as file:
-            while chunk := file.read(_HASH_CHUNK):
+            while remaining and (chunk := file.read(min(_HASH_CHUNK, remaining))):
                 digest.update(chunk)
+                remaining -= len(chunk)
         content = digest.hexdigest()
         with contextlib.suppress(OSError):  # a read-only cache hashes again next time
             memo.parent.mkdir(parents=True, exist_ok=True)
             _replace_atomically(memo, json.dumps({"stamp": stamp, "hash": content}).encode())
         return content
 
-    def load(self, source: Path, variant: str) -> CachedModel | None:
-        """The cached conversion of `source`, or None on a miss, a stale entry, or a damaged one (then removed)."""
+    def load(self, source: Path, variant: str, hashed_bytes: int | None = None) -> CachedModel | None:
+        """The cached conversion of `source` (made from its first hashed_bytes only, when given), or None on a miss,
+        a stale entry, or a damaged one (then removed)."""
         try:
-            content = self.content_hash(source)
+            content = self.content_hash(source, hashed_bytes)
         except FileNotFoundError:
             return None
         entry = self.root / _entry_name(content, variant)
@@ -141,10 +144,18 @@ class ModelCache:
             os.utime(entry)  # the directory's mtime is the entry's last use, for eviction; no file is rewritten
         return model
 
-    def store(self, source: Path, variant: str, metadata: dict[str, Any], tensors: dict[str, torch.Tensor]) -> None:
+    def store(
+        self,
+        source: Path,
+        variant: str,
+        metadata: dict[str, Any],
+        tensors: dict[str, torch.Tensor],
+        hashed_bytes: int | None = None,
+    ) -> None:
         """Write an entry atomically (into a temporary directory, synced, then renamed into place), then evict the
-        least recently used others past the cap; an entry larger than the cap alone is not kept."""
-        content = self.content_hash(source)
+        least recently used others past the cap; an entry larger than the cap alone is not kept. hashed_bytes: the
+        entry is made from the source's first bytes only, and keyed by them."""
+        content = self.content_hash(source, hashed_bytes)
         entry = self.root / _entry_name(content, variant)
         metadata_bytes = json.dumps(metadata).encode()
         packed = _packed(tensors)

@@ -3,6 +3,7 @@ entry breaks; weights always come from the file."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from statelm.models import gguf_file
+from statelm.models import gguf_cache, gguf_file
 from statelm.models.gguf_cache import load_converted_gguf
 from statelm.models.model_cache import METADATA, TENSORS, ModelCache
 from tests.models.test_gguf import _attention_tensors, write_gguf
@@ -71,6 +72,32 @@ def test_a_changed_file_is_parsed_again(gguf_file_path: Path, tmp_path: Path) ->
     write_gguf(gguf_file_path, stored, arch="llama", metadata={"context_length": 512})
     reloaded = load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
     assert reloaded.config.max_position_embeddings == 512
+
+
+def test_new_weights_under_the_same_header_are_a_hit(
+    gguf_file_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    header_bytes = gguf_file.GGUFFile(gguf_file_path).header.data_offset
+    monkeypatch.setattr(gguf_cache, "HEADER_KEY_BYTES", header_bytes)
+    cache = ModelCache(tmp_path / "cache")
+    first = as_dict(load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache).weights)
+    data = bytearray(gguf_file_path.read_bytes())
+    data[header_bytes] ^= 0xFF  # the first weight's first byte
+    gguf_file_path.write_bytes(bytes(data))
+    forbid_parsing(monkeypatch)
+    second = as_dict(load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache).weights)
+    assert [name for name in first if not torch.equal(first[name], second[name])]  # read from the file
+
+
+def test_a_header_past_the_key_is_not_kept(
+    gguf_file_path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(gguf_cache, "HEADER_KEY_BYTES", 64)
+    cache = ModelCache(tmp_path / "cache")
+    with caplog.at_level(logging.INFO, logger="statelm.models.gguf_cache"):
+        load_converted_gguf(gguf_file_path, torch.float32, packed=False, cache=cache)
+    assert "parsed at every start" in caplog.text
+    assert not cache.entries()
 
 
 def test_a_damaged_entry_is_rebuilt_with_one_warning(

@@ -156,6 +156,16 @@ def test_same_size_new_mtime_is_a_miss(cache: ModelCache, source: Path) -> None:
     assert cache.load(source, VARIANT) is None
 
 
+def test_an_entry_of_the_first_bytes_is_keyed_by_them_alone(cache: ModelCache, source: Path) -> None:
+    head = len(source.read_bytes()) // 2
+    cache.store(source, VARIANT, {"v": 1}, {}, hashed_bytes=head)
+    assert cache.load(source, VARIANT) is None  # the whole file's key is another
+    source.write_bytes(source.read_bytes()[:head] + b"changed past the head")
+    assert_same(cache.load(source, VARIANT, hashed_bytes=head), {"v": 1}, {})
+    source.write_bytes(b"X" + source.read_bytes()[1:])
+    assert cache.load(source, VARIANT, hashed_bytes=head) is None
+
+
 def test_missing_source_is_a_miss(cache: ModelCache, tmp_path: Path) -> None:
     assert cache.load(tmp_path / "absent.gguf", VARIANT) is None
 
