@@ -19,10 +19,7 @@ quantized as gguf-py's `quantize` does.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import dataclasses
-import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -37,8 +34,6 @@ BLOCK_TYPES = frozenset(
     {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_NL, Q.IQ4_XS}
 )
 ARITHMETICS = {"float32": 0, "int8": 1, "int16": 2}  # the kernel's codes
-_LIBC = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-_MADV_PAGEOUT = 21  # Linux 5.4+; older kernels refuse it and keep the pages
 INTERLEAVED_TYPE = 1 << 8  # a type id with this bit names an interleaved block matrix (csrc/gguf_tiles.h)
 QUANTIZE_TYPES = {"int8": Q.Q8_0, "int4": Q.Q4_1}  # --quantization of float checkpoints
 
@@ -87,11 +82,12 @@ class BlockMatrix:
         if self.interleaved is not None:
             return self
         load_kernels()
-        interleaved = torch.ops.statelm.gguf_interleave(self.data, int(self.qtype))
+        # a mapped file's pages are handed back as they are copied (MADV_PAGEOUT, a hint: what is read again later
+        # comes back from the disk), so that the copy does not count twice; nothing reads them again: lookups of a
+        # tied embedding read the copy (PackedEmbedding)
+        interleaved = torch.ops.statelm.gguf_interleave(self.data, int(self.qtype), self.mapped)
         if not interleaved.numel():
             return self
-        if self.mapped:
-            release_pages(self.data)
         return dataclasses.replace(self, interleaved=interleaved)
 
     def kernel_argument(self) -> tuple[torch.Tensor, int]:
@@ -191,17 +187,6 @@ def matmul_groups(calls: Sequence[tuple[torch.Tensor, PackedWeight, str]]) -> li
         parts.append(len(weight_data))
         arithmetics.append(ARITHMETICS[arithmetic])
     return list(torch.ops.statelm.gguf_matmul_groups(xs, data, types, parts, arithmetics))
-
-
-def release_pages(tensor: torch.Tensor) -> None:
-    """Ask the OS to take back the resident pages wholly inside a tensor viewing a mapped file (MADV_PAGEOUT, a hint:
-    what is read again later comes back from the disk), so that a copy made of it does not count twice. Nothing
-    reads them again: lookups of a tied embedding read the copy (PackedEmbedding)."""
-    page = mmap.PAGESIZE
-    start = -(-tensor.data_ptr() // page) * page
-    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // page * page
-    if end > start and hasattr(_LIBC, "madvise"):
-        _LIBC.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_PAGEOUT)  # failure: pages stay
 
 
 def quantize(weight: torch.Tensor, kind: str) -> PackedWeight:

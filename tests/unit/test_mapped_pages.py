@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -27,15 +28,20 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
 
 
-def mapped_weight(path: Path) -> tuple[mmap.mmap, PackedWeight]:
+def mapped_weight(path: Path, rows: int = ROWS) -> tuple[mmap.mmap, PackedWeight]:
     """A Q8_0 matrix viewing a file mapped as the loader maps GGUFs (private), every page read once."""
-    path.write_bytes(np.random.default_rng(0).integers(0, 256, ROWS * IN_FEATURES // 32 * 34, dtype=np.uint8))
+    path.write_bytes(np.random.default_rng(0).integers(0, 256, rows * IN_FEATURES // 32 * 34, dtype=np.uint8))
     with path.open("rb") as file:
         os.fsync(file.fileno())  # clean pages, which the OS may take back
         mapping = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_COPY)
     data = torch.frombuffer(mapping, dtype=torch.uint8)
     assert int(data.sum()) > 0  # every page read, so mapped into this process
-    return mapping, PackedWeight([BlockMatrix.of(Q.Q8_0, data, (ROWS, IN_FEATURES), mapped=True)])
+    return mapping, PackedWeight([BlockMatrix.of(Q.Q8_0, data, (rows, IN_FEATURES), mapped=True)])
+
+
+def peak_kib() -> int:
+    """The process's peak resident memory since it was last reset (VmHWM)."""
+    return int(re.search(r"VmHWM:\s+(\d+) kB", Path("/proc/self/status").read_text()).group(1))
 
 
 def mapped_pages(tensor: torch.Tensor) -> int:
@@ -69,4 +75,16 @@ def test_a_tied_embedding_looks_rows_up_in_the_head_s_copy_and_the_file_pages_st
     untied = PackedEmbedding(weight)  # an embedding of its own reads the file's rows in place
     assert untied.weight is weight and same(untied(ids), expected[ids]) and mapped_pages(file_rows) > 0
     del weight, head, embedding, untied, file_rows
+    mapping.close()
+
+
+def test_the_file_s_pages_leave_as_the_copy_is_made(tmp_path: Path) -> None:
+    mapping, weight = mapped_weight(tmp_path / "head.bin", rows=64 * ROWS)  # 68 MiB, an LM head's size
+    file_rows = weight.parts[0].data
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from the resident memory now
+    before = peak_kib()
+    interleaved = weight.interleave()
+    assert interleaved.interleaved and mapped_pages(file_rows) == 0
+    assert (peak_kib() - before) * 1024 < file_rows.numel() // 2  # never the copy and the whole file at once
+    del weight, interleaved, file_rows
     mapping.close()

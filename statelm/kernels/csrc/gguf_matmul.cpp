@@ -26,6 +26,9 @@ namespace statelm::gguf {
 
 namespace {
 
+// Bytes of a mapped matrix gguf_interleave copies before it hands their pages back.
+constexpr int64_t kReleaseBytes = int64_t{8} << 20;
+
 // Whether a tile's rows are first copied into a per-thread buffer, in address order, and read from there. The tile
 // builders read their 8 or 16 rows side by side, a few hundred bytes of each at a time: the hardware prefetchers
 // keep up with that only where rows are long and read in address order. Short rows (up to 2 KiB: Q4_K, Q6_K, Q4_1
@@ -449,18 +452,28 @@ at::Tensor gguf_dequantize(const at::Tensor& weight, int64_t type, const c10::op
 }
 
 // The block matrix in the interleaved layout (gguf_tiles.h), [rows rounded up to kTileColumns, interleaved row
-// bytes]; an empty tensor where this build has no interleaved layout for the format.
-at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type) {
+// bytes]; an empty tensor where this build has no interleaved layout for the format. release: weight views a mapped
+// file, whose pages are handed back as their rows are copied (release_file_pages), a few MiB at a time, so that
+// the copy and the file never both hold a matrix (the largest, an LM head, is a tenth of a 1B model).
+at::Tensor gguf_interleave(const at::Tensor& weight, int64_t type, bool release) {
   const Format* f = find_format(type);
   TORCH_CHECK(f != nullptr, "gguf_interleave: ggml type ", type, " is not a supported block format");
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kByte && weight.stride(1) == 1,
               "gguf_interleave: weight must be uint8 [rows, row bytes] with contiguous rows");
-  const int64_t rows = weight.size(0), row_bytes = weight.size(1);
+  const int64_t rows = weight.size(0), row_bytes = weight.size(1), stride = weight.stride(0);
   TORCH_CHECK(row_bytes % f->bytes == 0, "gguf_interleave: rows are not whole ", f->name, " blocks");
   if (!interleavable(*f, row_bytes)) return at::empty({0, 0}, weight.options());
-  auto out = statelm::empty_on_huge_pages(
-      {(rows + kTileColumns - 1) / kTileColumns * kTileColumns, interleaved_row_bytes(*f, row_bytes)});
-  interleave_blocks(*f, weight.data_ptr<uint8_t>(), rows, row_bytes, weight.stride(0), out.data_ptr<uint8_t>());
+  const int64_t out_row_bytes = interleaved_row_bytes(*f, row_bytes);
+  auto out = statelm::empty_on_huge_pages({(rows + kTileColumns - 1) / kTileColumns * kTileColumns, out_row_bytes});
+  const uint8_t* source = weight.data_ptr<uint8_t>();
+  const int64_t batch = std::max<int64_t>(1, kReleaseBytes / (stride * kTileColumns)) * kTileColumns;
+  for (int64_t first = 0; first < rows; first += batch) {
+    const int64_t count = std::min(batch, rows - first);
+    interleave_blocks(*f, source + first * stride, count, row_bytes, stride,
+                      out.data_ptr<uint8_t>() + first * out_row_bytes);
+    // pages wholly inside the rows copied so far; one straddling two batches goes with the second
+    if (release) statelm::release_file_pages(source, source + (first + count) * stride);
+  }
   return out;
 }
 
@@ -471,7 +484,7 @@ TORCH_LIBRARY_FRAGMENT(statelm, m) {
   m.def("gguf_matmul(Tensor x, Tensor[] weights, int[] types, int arithmetic) -> Tensor");
   m.def("gguf_matmul_groups(Tensor[] xs, Tensor[] weights, int[] types, int[] parts, int[] arithmetics) -> Tensor[]");
   m.def("gguf_dequantize(Tensor weight, int type, Tensor? rows) -> Tensor");
-  m.def("gguf_interleave(Tensor weight, int type) -> Tensor");
+  m.def("gguf_interleave(Tensor weight, int type, bool release=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(statelm, CPU, m) {

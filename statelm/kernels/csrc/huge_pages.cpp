@@ -44,4 +44,14 @@ at::Tensor empty_on_huge_pages(at::IntArrayRef sizes) {
   return at::empty(sizes, options);
 }
 
+void release_file_pages(const void* begin, const void* end) {
+#if defined(__linux__) && defined(MADV_PAGEOUT)
+  const auto first = (reinterpret_cast<uintptr_t>(begin) + kSmallPage - 1) / kSmallPage * kSmallPage;
+  const auto last = reinterpret_cast<uintptr_t>(end) / kSmallPage * kSmallPage;
+  if (last > first) madvise(reinterpret_cast<void*>(first), last - first, MADV_PAGEOUT);  // refused: the pages stay
+#else
+  (void)begin, (void)end;
+#endif
+}
+
 }  // namespace statelm

@@ -16,4 +16,9 @@ namespace statelm {
 // pages, so nothing is wasted. Below 2 MiB, or where the OS has no such mapping, a plain at::empty.
 at::Tensor empty_on_huge_pages(at::IntArrayRef sizes);
 
+// Asks the OS to take back the pages of a file mapping wholly inside [begin, end) (MADV_PAGEOUT, Linux 5.4+; a hint:
+// what is read again comes back from the file, and a kernel without it keeps them). Only for a mapped file's pages:
+// anonymous memory would go to swap.
+void release_file_pages(const void* begin, const void* end);
+
 }  // namespace statelm
