@@ -19,7 +19,7 @@ from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.host_memory import available_host_memory
 from statelm.kernels.build import use_kernel_threads
-from statelm.models.compute_path import compute_paths, use_activations, use_compute_path, use_repack
+from statelm.models.compute_path import compute_paths, decoded_kv_exact, use_activations, use_compute_path, use_repack
 from statelm.models.invariance import select_compute_path
 from statelm.models.layers import RowChunking
 from statelm.models.loader import LoadedModel, load_model, resolve_device, resolve_dtype, resolve_source
@@ -86,7 +86,7 @@ def load_engine_model(config: EngineConfig) -> LoadedModel:
     use_repack(loaded.model, config.repack)  # before the self-check runs the kernels
     try:
         if use_activations(loaded.model, config.activations):
-            # what the KV means: snapshots and sessions hold prompt rows' KV only, so that of their arithmetic
+            # what the KV means: snapshots and sessions hold only KV a prefill computes, in prompt rows' arithmetic
             loaded.fingerprint.parts["activations"] = ACTIVATIONS[loaded.model.activations][0]
             if config.activations == "auto":
                 log.info("activations: %s (auto, by the model's size)", loaded.model.activations)
@@ -151,6 +151,10 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         loaded.device,
     )
     cuda_graphs = loaded.device.type == "cuda" and model.compute_path == "triton" and not config.enforce_eager
+    exact = loaded.invariance is not None and loaded.invariance.verified and decoded_kv_exact(model)
+    if exact:
+        log.info("generated tokens' K/V are a prefill's (%s rows of either kind): cached and kept as computed",
+                 model.activations)  # fmt: skip
     return Engine(
         runner=ModelRunner(
             model,
@@ -169,6 +173,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         max_num_batched_tokens=step_token_budget(config, loaded.device),
         sampling_defaults=sampling_defaults(loaded, config),
         vocab_size=loaded.tokenizer.vocab_size,
+        decoded_kv_exact=exact,
     )
 
 

@@ -36,6 +36,7 @@ class Engine:
         max_num_batched_tokens: int,
         sampling_defaults: Mapping[str, Any] | None = None,
         vocab_size: int | None = None,
+        decoded_kv_exact: bool = False,
     ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size  # ids the tokenizer knows; logit columns past them (padding) are never sampled
@@ -44,7 +45,10 @@ class Engine:
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.sampling_defaults = dict(sampling_defaults or {})  # request fields' defaults for this model, by name
-        self.sessions = SessionKVStore(self.kv)
+        # decoded tokens' K/V are a prefill's (compute_path.decoded_kv_exact): published and kept by sessions as
+        # they are; else only prompt rows' are, and a session's decoded tail is computed again as prompt rows
+        self.decoded_kv_exact = decoded_kv_exact
+        self.sessions = SessionKVStore(self.kv, decoded_kv_exact)
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
@@ -173,9 +177,7 @@ class Engine:
             if seq.first_scheduled_at is None:
                 seq.first_scheduled_at = started
             seq.num_computed_tokens += chunk.num_tokens
-            # only prompt rows are published: decoded K/V round differently from a prefill of the same tokens
-            published = min(seq.num_computed_tokens, len(seq.prompt_ids))
-            self.kv.publish(seq.block_table, seq.tokens, published)
+            self.kv.publish(seq.block_table, seq.tokens, seq.num_exact_tokens(self.decoded_kv_exact))
             if seq.pending_cache_pins:
                 self.kv.pin_published(seq.block_table, seq.pending_cache_pins)
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:

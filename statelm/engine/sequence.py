@@ -123,6 +123,11 @@ class Sequence:
         """Tokens that still need a forward pass before the next sample."""
         return self.num_tokens - self.num_computed_tokens
 
+    def num_exact_tokens(self, decoded_kv_exact: bool) -> int:
+        """Leading tokens whose K/V in the cache are a prefill's: all computed ones where generated rows compute as
+        prompt rows do (compute_path.decoded_kv_exact), else the prompt's."""
+        return self.num_computed_tokens if decoded_kv_exact else min(self.num_computed_tokens, len(self.prompt_ids))
+
     @property
     def is_finished(self) -> bool:
         """True once generation has ended."""

@@ -7,11 +7,13 @@ never writes into a block that a session (or a fork of it) holds. When the seque
 parked under the request id until the API layer commits it to the session or discards it; a
 session therefore changes only when the API layer says the turn completed.
 
-Only K/V computed as prompt rows are reused or saved: with batch-invariant kernels they are exactly
-what a prefill of the same tokens computes, whereas decoded tokens went through the matmuls in
-decode-sized chunks, which round differently. After a turn commits, a refresh prefills the decoded
-tail (a few milliseconds per token, in the background), so the next turn reuses the whole
-conversation and gives the very reply a stateless request with the full history gives.
+Only K/V exactly what a prefill of the same tokens computes are reused or saved: those of prompt rows
+(batch-invariant kernels), and those of generated rows where the model computes both kinds of row alike
+(statelm.models.compute_path.decoded_kv_exact: the kernels path with one arithmetic for both). Elsewhere
+decoded tokens went through the matmuls in decode-sized chunks or another arithmetic, which round
+differently: after a turn commits, a refresh prefills the decoded tail (a few milliseconds per token, in
+the background). Either way the next turn reuses the whole conversation and gives the very reply a
+stateless request with the full history gives.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ class SessionBlocks:
 
     tokens: list[int]
     table: BlockTable
-    exact: int  # leading tokens whose K/V were computed as prompt rows; the rest await a refresh
+    exact: int  # leading tokens whose K/V are a prefill's (Sequence.num_exact_tokens); the rest await a refresh
     last_used: float = field(default_factory=time.monotonic)
     users: int = 0  # sequences of running turns attached to it; only unused sessions may spill
 
@@ -108,8 +110,9 @@ SpillHandler = Callable[[str, SessionKVData], None]
 class SessionKVStore:
     """The KV blocks of every resident session, plus the parked KV of turns that have ended."""
 
-    def __init__(self, kv: KVManager) -> None:
+    def __init__(self, kv: KVManager, decoded_kv_exact: bool = False) -> None:
         self.kv = kv
+        self.decoded_kv_exact = decoded_kv_exact  # generated rows' K/V are a prefill's (no refresh is ever due)
         self.resident: dict[str, SessionBlocks] = {}
         self.parked: dict[str, SessionBlocks] = {}
         self.spill_handler: SpillHandler | None = None  # receives the KV of sessions spilled under pressure
@@ -153,9 +156,10 @@ class SessionKVStore:
         if held is not None:
             held.users -= 1
         computed = seq.num_computed_tokens
-        exact = min(computed, len(seq.prompt_ids))
         table = self.kv.park(seq.block_table, computed)
-        self.parked[seq.request_id] = SessionBlocks(seq.tokens[:computed], table, exact)
+        self.parked[seq.request_id] = SessionBlocks(
+            seq.tokens[:computed], table, seq.num_exact_tokens(self.decoded_kv_exact)
+        )
 
     def commit(self, request_id: str, session_id: str) -> int | None:
         """Make a parked turn's KV the session's; returns the session's token count, None if nothing was parked."""

@@ -23,8 +23,9 @@ from statelm.attention.base import AttentionBackend
 from statelm.attention.reference import TorchAttentionBackend
 from statelm.kernels.build import kernels_available
 from statelm.models.fused_decoder import FusedDecoder
-from statelm.models.layers import KernelLayerOps, LayerOps, RowChunking
+from statelm.models.layers import KernelLayerOps, LayerOps, RowChunkedLinear, RowChunking, kernel_float_linear
 from statelm.models.llama import LlamaForCausalLM
+from statelm.models.moe import MoEMLP
 from statelm.models.packed import ACTIVATIONS, PackedEmbedding, PackedLinear
 from statelm.models.variants import VariantForCausalLM
 
@@ -85,6 +86,24 @@ def use_compute_path(model: LlamaForCausalLM, path: str) -> None:
 # `--activations auto` takes int8 for a model whose packed matrices hold at least this many weights (a 1B model's
 # decoder layers: ~0.97 billion), int16-prompt below (docs/gguf.md says why).
 AUTO_INT8_WEIGHTS = 500_000_000
+
+
+def decoded_kv_exact(model: LlamaForCausalLM) -> bool:
+    """Whether a token's K/V are the same bits computed in a generated row as in a prompt row, so that decoded
+    tokens' K/V can serve as a prefill's (the prefix cache, a session's next turn): on the kernels path, whose
+    attention and kernels give a row the same bits in any batch, where prompt and generated rows share one
+    arithmetic (ACTIVATIONS: int8, float32) and no linear of the layers is a torch matmul (those split the two
+    kinds of rows into chunks of different sizes, which round differently); a mixture's router is computed
+    by torch.ops.statelm.float_linear, one fixed-order dot product an output."""
+    prompt, generated = ACTIVATIONS[model.activations]
+    if model.compute_path != "kernels" or prompt != generated:
+        return False
+    routers = {id(mlp.router) for mlp in model.layers.modules() if isinstance(mlp, MoEMLP)}
+    return all(
+        id(linear) in routers and kernel_float_linear(linear)
+        for linear in model.layers.modules()
+        if isinstance(linear, RowChunkedLinear)
+    )
 
 
 def use_activations(model: LlamaForCausalLM, activations: str) -> int:

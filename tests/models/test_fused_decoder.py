@@ -106,10 +106,28 @@ def test_fused_layers_equal_the_python_forward(loaded: LoadedModel, activations:
         use_activations(loaded.model, "float32")
 
 
-def test_a_model_with_a_float_linear_is_not_fused(qwen2_dir: Path) -> None:
+@pytest.mark.parametrize("activations", list(ACTIVATIONS))
+def test_generated_rows_give_a_prompt_row_s_bits_where_decoded_kv_is_exact(
+    loaded: LoadedModel, activations: str
+) -> None:
+    use_activations(loaded.model, activations)
+    try:
+        exact = compute_path.decoded_kv_exact(loaded.model)
+        assert exact == (activations in ("int8", "float32"))  # every linear packed, a mixture's router float32
+        prompt, prompt_cache = forward(loaded, True, torch.ones(11, dtype=torch.bool), "float16")
+        generated, generated_cache = forward(loaded, True, torch.zeros(11, dtype=torch.bool), "float16")
+        planes = [(a, b) for x, y in zip(prompt_cache.layers, generated_cache.layers, strict=True)
+                  for (a, _), (b, _) in zip(x.planes(), y.planes(), strict=True)]  # fmt: skip
+        assert (torch.equal(prompt, generated) and all(torch.equal(a, b) for a, b in planes)) == exact
+    finally:
+        use_activations(loaded.model, "float32")
+
+
+def test_a_model_with_a_float_linear_is_not_fused_and_keeps_decoded_kv_apart(qwen2_dir: Path) -> None:
     model = load_model(str(qwen2_dir), torch.device("cpu"), torch.float32, chunking=RowChunking.batch_invariant())
     use_compute_path(model.model, "kernels")
     assert model.model.fused is None
+    assert not compute_path.decoded_kv_exact(model.model)  # its torch matmuls chunk the two kinds of row apart
 
 
 def test_blocks_read_in_place_give_the_interleaved_blocks_bits(loaded: LoadedModel) -> None:

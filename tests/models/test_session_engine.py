@@ -67,7 +67,8 @@ def run_until_idle(engine: Engine) -> list[int]:
 def run_turn(
     engine: Engine, session_id: str, prompt: list[int], max_tokens: int, cached: int | None = None
 ) -> list[int]:
-    """One greedy session turn, committed, and the refresh of its decoded tail; returns the generated tokens.
+    """One greedy session turn, committed, and the refresh of its decoded tail where one is due (not where generated
+    rows compute as prompt rows do: int8 activations); returns the generated tokens.
 
     cached: the prompt tokens the turn must find in the session's KV (unchecked if None).
     """
@@ -80,11 +81,18 @@ def run_turn(
             generated += output.new_token_ids
             if output.request_id == request_id and cached is not None:
                 assert output.num_cached_tokens == cached
-    assert engine.commit_turn(request_id, session_id) == len(prompt) + len(generated) - 1
-    assert engine.sessions.resident[session_id].exact == len(prompt)
+    computed = len(prompt) + len(generated) - 1
+    assert engine.commit_turn(request_id, session_id) == computed
+    exact = engine.sessions.resident[session_id].exact
+    assert exact == (computed if engine.decoded_kv_exact else len(prompt))
+    assert engine.has_work() is (exact < computed)  # the refresh
     assert run_until_idle(engine) == []
-    assert engine.sessions.resident[session_id].exact == len(prompt) + len(generated) - 1
+    assert engine.sessions.resident[session_id].exact == computed
     return generated
+
+
+def test_generated_rows_compute_as_prompt_rows_with_one_arithmetic(engine: Engine, settings: dict[str, str]) -> None:
+    assert engine.decoded_kv_exact is (settings.get("activations") == "int8")  # the default model: int16-prompt
 
 
 def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> torch.Tensor:
@@ -98,7 +106,7 @@ def next_token_logits(engine: Engine, session_id: str, prompt: list[int]) -> tor
     return logits
 
 
-def test_refreshed_session_kv_equals_a_prefill_of_the_same_tokens(loaded: LoadedModel, engine: Engine) -> None:
+def test_session_kv_equals_a_prefill_of_the_same_tokens(loaded: LoadedModel, engine: Engine) -> None:
     prompt = chat_prompt(loaded, "Tell me a story about a dragon.")
     generated = run_turn(engine, "decoded", prompt, 150)
     run_turn(engine, "prefilled", prompt + generated, 1)
@@ -126,6 +134,25 @@ def test_a_session_turn_equals_the_stateless_request(
     fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False, **settings))
     stateless = generate(fresh, {"stateless": second}, SamplingParams(0.0, max_tokens=16, ignore_eos=True))
     assert turn == stateless["stateless"]
+
+
+def test_a_stateless_follow_up_finds_as_much_of_the_reply_cached_as_is_exact(
+    loaded: LoadedModel, engine: Engine, settings: dict[str, str]
+) -> None:
+    params = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
+    first = chat_prompt(loaded, "Name three rivers of Europe.")
+    reply = generate(engine, {"first": first}, params)["first"]
+    second = first + reply + loaded.tokenizer.encode("<|im_end|>\n<|im_start|>user\nThe longest?<|im_end|>\n")
+    engine.add_request("second", second, params)
+    cached, output = [], []
+    while engine.has_work():
+        for step in engine.step():
+            cached.append(step.num_cached_tokens)
+            output += step.new_token_ids
+    exact = len(first) + len(reply) - 1 if engine.decoded_kv_exact else len(first)  # the reply's last token: no K/V
+    assert cached[0] == exact // 16 * 16  # the full blocks published
+    fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False, **settings))
+    assert output == generate(fresh, {"stateless": second}, params)["stateless"]
 
 
 def test_snapshot_restore_gives_identical_next_token_logits(
