@@ -22,18 +22,19 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 from bench.common import ROOT, launch, machine_report, start_server
-from bench.throughput import build_prompt, calibrate, fmt, make_target, run_level, timed_request
+from bench.throughput import RequestResult, Target, build_prompt, calibrate, fmt, make_target, run_level, timed_request
 from statelm.models.loader import resolve_source
 
 LLAMA = "llama-server"
 STATELM = "statelm"
 BUILD_SCRIPT = ROOT.parent / "shared" / "peers" / "build-llama-server"
+FOLLOW_UP_QUESTION = "Say that again in one sentence."
 SLOT_MARGIN_TOKENS = 64  # chat template and calibration overshoot on top of prompt + output per llama-server slot
 
 
@@ -147,6 +148,7 @@ async def workloads(server: Server, args: argparse.Namespace, levels: list[int])
     ttfts = [r.ttft_s for r in ttft_results if r.ok and r.ttft_s is not None]
     ttft_ms = statistics.median(ttfts) * 1000 if ttfts else None
     print(f"  TTFT ({ttft_prompt}-token prompt, median of {len(ttfts)}): {fmt(ttft_ms, 0)} ms", flush=True)
+    follow_up = await follow_up_turn(target, decode_sentences, args, ids) if args.follow_up_tokens else None
     deadline = time.perf_counter() + args.max_duration
     summaries = []
     for concurrency in levels:
@@ -168,8 +170,26 @@ async def workloads(server: Server, args: argparse.Namespace, levels: list[int])
         "ttft_prompt_tokens": ttft_prompt,
         "ttft_ms": ttft_ms,
         "ttft_results": [asdict(r) for r in ttft_results],
+        "follow_up": None if follow_up is None else asdict(follow_up),
         "levels": summaries,
     }
+
+
+async def follow_up_turn(target: Target, sentences: int, args: argparse.Namespace, ids: Iterator[int]) -> RequestResult:
+    """A stateless second turn, as an OpenAI client sends one: a first reply of --follow-up-tokens tokens, then the
+    whole conversation again with a question (max_tokens 1); the second request's result."""
+    first_id = next(ids)
+    prompt = build_prompt(first_id, sentences, False)
+    first = await timed_request(target, first_id, prompt, args.follow_up_tokens, args.timeout)
+    history = [{"role": "user", "content": prompt}, {"role": "assistant", "content": first.text}]
+    second = await timed_request(target, next(ids), FOLLOW_UP_QUESTION, 1, args.timeout, history)
+    ttft_ms = None if second.ttft_s is None else second.ttft_s * 1000
+    print(
+        f"  follow-up after a {first.completion_tokens}-token reply: TTFT {fmt(ttft_ms, 0)} ms, "
+        f"{second.cached_tokens} of {second.prompt_tokens} prompt tokens cached",
+        flush=True,
+    )
+    return second
 
 
 def memory_mib(pid: int) -> dict[str, float]:
@@ -221,6 +241,7 @@ def metrics(levels: list[int], ttft_prompt_tokens: int) -> list[Metric]:
     rows = [
         Metric("start-up: launch to /health 200 (s)", False, lambda run: run["startup_s"]),
         Metric(f"TTFT, unique ≈{ttft_prompt_tokens}-token prompt, median (ms)", False, lambda run: run["ttft_ms"]),
+        Metric("TTFT, stateless follow-up after a reply (ms)", False, follow_up_ttft_ms),
         Metric("RSS after the workloads (MiB)", False, lambda run: run.get("rss_mib")),
         Metric("peak RSS (MiB)", False, lambda run: run.get("peak_rss_mib")),
     ]
@@ -230,6 +251,12 @@ def metrics(levels: list[int], ttft_prompt_tokens: int) -> list[Metric]:
         rows.append(Metric(f"output tok/s, concurrency {concurrency} (aggregate)", True, aggregate))
         rows.append(Metric(f"decode tok/s per stream, concurrency {concurrency} (median, no TTFT)", True, per_stream))
     return rows
+
+
+def follow_up_ttft_ms(run: dict[str, Any]) -> float | None:
+    """The follow-up turn's time to first token, where it ran and answered."""
+    follow_up = run.get("follow_up")
+    return None if not follow_up or follow_up["ttft_s"] is None else follow_up["ttft_s"] * 1000
 
 
 def pick(values: list[float], higher_is_better: bool, how: str) -> float | None:
@@ -284,6 +311,13 @@ def add_comparison_arguments(
         "--ttft-prompt-tokens", type=int, default=ttft_prompt_tokens, help="approximate prompt length for TTFT"
     )
     parser.add_argument("--ttft-requests", type=int, default=5, help="TTFT requests (one at a time); median")
+    parser.add_argument(
+        "--follow-up-tokens",
+        type=int,
+        default=256,
+        help="reply length before a stateless follow-up turn whose TTFT is timed (0: none); within the TTFT prompt"
+        " plus output tokens, which size the slots",
+    )
     parser.add_argument("--rounds", type=int, default=2, help="start/measure/stop each server this often")
     parser.add_argument("--pick", choices=("best", "median"), default="best", help="how rounds are combined")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="llama-server -t")
@@ -302,7 +336,8 @@ def settings_line(args: argparse.Namespace, levels: list[int]) -> str:
     return (
         f"settings: decode {levels} streams × {args.output_tokens} output tokens (ignore_eos, greedy, streamed), "
         f"unique ≈{args.prompt_tokens}-token prompts; TTFT: median of {args.ttft_requests} unique "
-        f"≈{args.ttft_prompt_tokens}-token prompts, max_tokens 1; {args.rounds} round(s), alternating order, "
+        f"≈{args.ttft_prompt_tokens}-token prompts, max_tokens 1; follow-up: a stateless second turn after a "
+        f"{args.follow_up_tokens}-token reply, max_tokens 1; {args.rounds} round(s), alternating order, "
         f"{args.pick} of the rounds"
     )
 

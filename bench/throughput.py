@@ -58,6 +58,7 @@ class RequestResult:
     ttft_s: float | None = None
     decode_tok_s: float | None = None
     gaps_s: list[float] = field(default_factory=list)
+    text: str = ""  # the reply
 
 
 def build_prompt(request_id: int, sentences: int, shared_prefix: bool) -> str:
@@ -102,8 +103,16 @@ async def calibrate(target: Target, prompt_tokens: int, shared_prefix: bool) -> 
     return sentences, await count_prompt_tokens(target, build_prompt(0, sentences, shared_prefix))
 
 
-async def timed_request(target: Target, request_id: int, prompt: str, max_tokens: int, timeout: float) -> RequestResult:
-    """Stream one greedy completion; time the content chunks and read the usage chunk."""
+async def timed_request(
+    target: Target,
+    request_id: int,
+    prompt: str,
+    max_tokens: int,
+    timeout: float,
+    history: list[dict[str, str]] | None = None,
+) -> RequestResult:
+    """Stream one greedy completion of prompt (a user message after the messages of history); time the content
+    chunks, keep the reply's text and read the usage chunk."""
     result = RequestResult(request_id=request_id, ok=False)
     arrivals: list[float] = []
     usage = None
@@ -112,7 +121,7 @@ async def timed_request(target: Target, request_id: int, prompt: str, max_tokens
         async with asyncio.timeout(timeout):
             stream = await target.client.chat.completions.create(
                 model=target.model,
-                messages=[{"role": "user", "content": prompt}],
+                messages=[*(history or []), {"role": "user", "content": prompt}],
                 max_tokens=max_tokens,
                 temperature=0,
                 stream=True,
@@ -125,6 +134,7 @@ async def timed_request(target: Target, request_id: int, prompt: str, max_tokens
                         usage = chunk.usage
                     if chunk.choices and chunk.choices[0].delta.content:
                         arrivals.append(time.perf_counter())
+                        result.text += chunk.choices[0].delta.content
     except (openai.OpenAIError, httpx.HTTPError, TimeoutError) as error:
         reason = str(error) or f"no complete reply within {timeout:.0f} s"
         result.error = f"{type(error).__name__}: {reason}"[:300]

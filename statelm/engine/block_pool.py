@@ -120,10 +120,11 @@ class BlockPool:
             if self._refcounts[block] == 0:
                 (self._free_pinned if self.cache_pins.is_pinned(block) else self._free)[block] = None
 
-    def match_prefix(self, tokens: Sequence[int]) -> tuple[list[int], list[int]]:
+    def match_prefix(self, tokens: Sequence[int], counted: bool = True) -> tuple[list[int], list[int]]:
         """Cached blocks holding the longest prefix of tokens (leaving at least one token to compute).
 
-        Returns the blocks, each now referenced once more, and their chained hashes.
+        Returns the blocks, each now referenced once more, and their chained hashes. counted: a request's lookup,
+        which the hit counters and the cache pins' hits count (not the engine's own refreshes).
         """
         blocks: list[int] = []
         hashes: list[int] = []
@@ -142,6 +143,8 @@ class BlockPool:
             previous = digest
         for block in blocks:
             self.hold(block)
+        if not counted:
+            return blocks, hashes
         if self.cache_pins:
             for digest in hashes:
                 self.cache_pins.hit(digest)
@@ -149,10 +152,10 @@ class BlockPool:
         self.hit_tokens += len(blocks) * size
         return blocks, hashes
 
-    def take_partial(self, previous: int, tokens: Sequence[int]) -> tuple[int, int, int]:
+    def take_partial(self, previous: int, tokens: Sequence[int], counted: bool = True) -> tuple[int, int, int]:
         """For tokens (at most a block's) that follow the chained hash previous: the cached block whose first tokens
         agree longest with them, a newly allocated block for the caller to copy that many of its tokens into, and the
-        count; (-1, -1, 0) if none agrees or no other block is free."""
+        count; (-1, -1, 0) if none agrees or no other block is free. counted: as match_prefix's."""
         followers = self._followers.get(previous) if tokens else None
         if not followers:
             return -1, -1, 0
@@ -170,7 +173,7 @@ class BlockPool:
         self.release([source])
         if copy < 0:
             return -1, -1, 0
-        self.hit_tokens += count
+        self.hit_tokens += count if counted else 0
         return source, copy, count
 
     def hold(self, block: int) -> None:

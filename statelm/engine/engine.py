@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
+from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,6 +22,8 @@ from statelm.engine.session_kv import SessionKVData, SessionKVStore
 from statelm.models.pooling import PooledRows
 
 log = logging.getLogger(__name__)
+# finished replies whose decoded tokens wait for idle time to be prefilled into the prefix cache, newest kept
+REPLY_REFRESHES = 4
 
 
 class Engine:
@@ -52,6 +55,8 @@ class Engine:
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
+        self.reply_refreshes: deque[Sequence] = deque(maxlen=REPLY_REFRESHES)  # see _refresh_reply
+        self.refreshing_reply: Sequence | None = None  # the one running, in idle time only
         self.latest_stats = self.stats()  # replaced by every step (read by other threads)
         # the last step ran a forward; one that had work but could schedule none of it (the pool short of blocks)
         # changes nothing until a command (a request ends, a session is released) or a cache pin's expiry
@@ -127,8 +132,8 @@ class Engine:
         return bool(self.scheduler.abort(request_id, index))
 
     def has_work(self) -> bool:
-        """True while any request waits or runs."""
-        return self.scheduler.has_work()
+        """True while any request waits or runs, or a reply waits to be prefilled into the prefix cache."""
+        return self.scheduler.has_work() or bool(self.reply_refreshes)
 
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pool, the prefix cache and the cache pins."""
@@ -151,6 +156,7 @@ class Engine:
         forward) and again at its end, which every output carries.
         """
         self.kv.expire_cache_pins()
+        self._refresh_replies_when_idle()
         chunks = self.scheduler.schedule()
         self.last_step_ran = bool(chunks)
         self.latest_stats = self.stats()
@@ -183,7 +189,8 @@ class Engine:
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
-                self.sessions.finish_refresh(seq)
+                if seq.session_id is not None:
+                    self.sessions.finish_refresh(seq)
         embedded = [self._embedded(chunk.seq) for chunk in chunks if chunk.seq.pooled is not None]
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
@@ -216,10 +223,43 @@ class Engine:
             seq.append_token(outcome.token_id)
             if seq.is_finished:
                 self.scheduler.finish(seq)
+                self._refresh_reply(seq)
             logprobs = None if outcome.logprob is None else [outcome.logprob]
             outputs.append(self._output(seq, [outcome.token_id], logprobs, produced_at))
         self.scheduler.add_ahead([fork for fork in forks if not fork.is_finished])
         return outputs
+
+    def _refresh_reply(self, seq: Sequence) -> None:
+        """Queue a prefill of a finished stateless reply's tokens as prompt rows, for idle time, where its decoded K/V
+        are not a prefill's and so were not published: the prefix cache then serves the reply's full blocks to a
+        follow-up that resends the conversation, as it serves the prompt's (a session turn has its own refresh)."""
+        if self.decoded_kv_exact or not self.pool.enable_prefix_caching or seq.session_id is not None:
+            return
+        size = self.pool.block_size
+        if len(seq.tokens) // size <= len(seq.prompt_ids) // size:
+            return  # no full block beyond the prompt's
+        self.reply_refreshes.append(
+            Sequence(
+                request_id=f"reply:{seq.request_id}:{seq.index}",
+                prompt_ids=list(seq.tokens),
+                params=SamplingParams(max_tokens=1),
+                eos_token_ids=frozenset(),
+                max_total_tokens=seq.num_tokens + 1,
+                prefill_only=True,
+            )
+        )
+
+    def _refresh_replies_when_idle(self) -> None:
+        """Start the newest queued reply refresh when nothing else runs or waits; stop the one running as soon as a
+        request waits (the blocks it has computed stay in the prefix cache)."""
+        reply = self.refreshing_reply
+        if reply is not None and (reply.is_finished or any(seq is not reply for seq in self.scheduler.waiting)):
+            if not reply.is_finished:
+                self.scheduler.abort(reply.request_id)
+            self.refreshing_reply = reply = None
+        if reply is None and self.reply_refreshes and not self.scheduler.has_work():
+            self.refreshing_reply = self.reply_refreshes.pop()
+            self.scheduler.add(self.refreshing_reply)
 
     def _start_forks(self, seq: Sequence) -> list[Sequence]:
         """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""
@@ -233,7 +273,7 @@ class Engine:
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End seq's whole request with an error."""
         self.scheduler.abort(seq.request_id)
-        if seq.prefill_only:
+        if seq.prefill_only and seq.session_id is not None:
             self.sessions.finish_refresh(seq)
         output = self._output(seq, [], None, time.perf_counter())
         output.error = message

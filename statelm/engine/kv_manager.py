@@ -66,18 +66,18 @@ class KVManager:
         table.blocks.extend(self.pool.allocate(missing))
         return True
 
-    def start_from_cache(self, table: BlockTable, tokens: Sequence[int]) -> int:
+    def start_from_cache(self, table: BlockTable, tokens: Sequence[int], counted: bool = True) -> int:
         """Fill the empty table with the prefix cache's blocks of the longest cached prefix of tokens (leaving at
         least one token to compute): whole blocks shared, then the first tokens of the block after them copied from
         the cached block that agrees longest with them (if the pool has the blocks for the rest of tokens); the number
-        of tokens it holds."""
-        table.blocks, table.hashes = self.pool.match_prefix(tokens)
+        of tokens it holds. counted: a request's lookup (BlockPool.match_prefix), not a refresh's."""
+        table.blocks, table.hashes = self.pool.match_prefix(tokens, counted)
         start = len(table.blocks) * self.pool.block_size
         if self.missing_blocks(table, len(tokens)) > self.pool.num_free_blocks:
             return start  # a prompt the pool cannot hold yet waits: a copy for it would evict a cached block each try
         previous = table.hashes[-1] if table.hashes else ROOT_HASH
         source, copy, count = self.pool.take_partial(
-            previous, tokens[start : min(len(tokens) - 1, start + self.block_size)]
+            previous, tokens[start : min(len(tokens) - 1, start + self.block_size)], counted
         )
         if count:
             self.kv_cache.copy_block(source, copy)

@@ -132,7 +132,7 @@ class Scheduler:
         that pools every token's state starts from nothing)."""
         if computes_every_row(seq):
             return
-        cached = self.kv.start_from_cache(seq.block_table, seq.tokens)
+        cached = self.kv.start_from_cache(seq.block_table, seq.tokens, counted=not seq.prefill_only)
         session_length = self.sessions.reusable_length(seq) if self.sessions is not None else 0
         if session_length > cached:
             self.kv.free(seq.block_table)

@@ -82,7 +82,7 @@ class Sequence:
     eos_token_ids: frozenset[int]
     max_total_tokens: int
     session_id: str | None = None  # a session turn starts from, and parks its KV for, this session
-    prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a session refresh)
+    prefill_only: bool = False  # computes its tokens' K/V and ends without sampling (a refresh of a session or reply)
     pooled: PooledRows | None = None  # an embedding: its prompt's hidden states are pooled; it ends without sampling
     index: int = 0  # which of the request's n choices this is
     forks: list[Sequence] = field(default_factory=list)  # the other choices, started from this one's prompt KV

@@ -15,7 +15,7 @@ from statelm.config import EngineConfig
 from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine
 from statelm.engine.scheduler import ScheduledChunk
-from statelm.engine.sequence import SamplingParams, Sequence
+from statelm.engine.sequence import FinishReason, SamplingParams, Sequence
 from statelm.models.loader import LoadedModel
 from statelm.sessions.directory_store import DirectoryStore
 from statelm.sessions.snapshot_format import SnapshotContent, read_snapshot, write_snapshot
@@ -54,10 +54,10 @@ def chat_prompt(loaded: LoadedModel, text: str) -> list[int]:
     return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
 
-def run_until_idle(engine: Engine) -> list[int]:
-    """Step until no work is left; returns the tokens generated."""
+def run_until_idle(engine: Engine, until_requests_end: bool = False) -> list[int]:
+    """Step until no work is left (or, until_requests_end, none but a reply's refresh); returns the tokens generated."""
     generated: list[int] = []
-    while engine.has_work():
+    while engine.scheduler.has_work() if until_requests_end else engine.has_work():
         for output in engine.step():
             assert output.error is None
             generated += output.new_token_ids
@@ -136,12 +136,16 @@ def test_a_session_turn_equals_the_stateless_request(
     assert turn == stateless["stateless"]
 
 
-def test_a_stateless_follow_up_finds_as_much_of_the_reply_cached_as_is_exact(
+def test_a_stateless_follow_up_finds_the_reply_cached(
     loaded: LoadedModel, engine: Engine, settings: dict[str, str]
 ) -> None:
     params = SamplingParams(0.0, max_tokens=40, ignore_eos=True)
     first = chat_prompt(loaded, "Name three rivers of Europe.")
-    reply = generate(engine, {"first": first}, params)["first"]
+    engine.add_request("first", first, params)
+    reply = run_until_idle(engine, until_requests_end=True)
+    # the reply's K/V: published as decoded where exact, else computed again as prompt rows while the engine idles
+    assert bool(engine.reply_refreshes) is not engine.decoded_kv_exact
+    run_until_idle(engine)
     second = first + reply + loaded.tokenizer.encode("<|im_end|>\n<|im_start|>user\nThe longest?<|im_end|>\n")
     engine.add_request("second", second, params)
     cached, output = [], []
@@ -149,10 +153,29 @@ def test_a_stateless_follow_up_finds_as_much_of_the_reply_cached_as_is_exact(
         for step in engine.step():
             cached.append(step.num_cached_tokens)
             output += step.new_token_ids
-    exact = len(first) + len(reply) - 1 if engine.decoded_kv_exact else len(first)  # the reply's last token: no K/V
-    assert cached[0] == exact // 16 * 16  # the full blocks published
+    computed = len(first) + len(reply) - (1 if engine.decoded_kv_exact else 0)  # decoded: not the last token's K/V
+    assert cached[0] == computed // 16 * 16  # the full blocks published
     fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False, **settings))
     assert output == generate(fresh, {"stateless": second}, params)["stateless"]
+
+
+def test_a_waiting_request_stops_a_reply_refresh(loaded: LoadedModel, engine: Engine, settings: dict[str, str]) -> None:
+    if engine.decoded_kv_exact:
+        pytest.skip("decoded K/V are a prefill's: no reply is refreshed")
+    engine.add_request(
+        "long", chat_prompt(loaded, "Tell me a story."), SamplingParams(0.0, max_tokens=300, ignore_eos=True)
+    )
+    run_until_idle(engine, until_requests_end=True)
+    engine.step()  # the idle engine starts prefilling the reply, 256 tokens a step
+    refresh = engine.refreshing_reply
+    assert refresh is not None and refresh.num_uncomputed_tokens
+    prompt, params = chat_prompt(loaded, "What is two plus two?"), SamplingParams(0.0, max_tokens=8, ignore_eos=True)
+    engine.add_request("next", prompt, params)
+    tokens = [token for output in engine.step() for token in output.new_token_ids]
+    assert refresh.finish_reason is FinishReason.ABORT and engine.refreshing_reply is None  # the request went first
+    assert tokens and not engine.reply_refreshes
+    fresh = create_engine(loaded, EngineConfig(kv_cache_memory=16 << 20, enable_prefix_caching=False, **settings))
+    assert tokens + run_until_idle(engine) == generate(fresh, {"next": prompt}, params)["next"]
 
 
 def test_snapshot_restore_gives_identical_next_token_logits(

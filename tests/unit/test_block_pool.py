@@ -108,6 +108,15 @@ def test_a_prompt_parting_inside_a_block_takes_the_cached_block_agreeing_longest
     assert pool.take_partial(hashes[-1], []) == (-1, -1, 0)
 
 
+def test_a_refresh_s_lookups_are_not_counted() -> None:
+    pool = BlockPool(num_blocks=12, block_size=4)
+    cache_prompt(pool, [0, 1, 2, 3, 4, 5, 6, 7])
+    cache_prompt(pool, [0, 1, 2, 3, 5, 6, 9, 9])
+    blocks, hashes = pool.match_prefix([0, 1, 2, 3, 5, 6, 7, 1, 1], counted=False)
+    assert len(blocks) == 1 and pool.take_partial(hashes[-1], [5, 6, 7, 1], counted=False)[2] == 2
+    assert (pool.queried_tokens, pool.hit_tokens) == (0, 0)  # the engine's own work: neither queried nor hit
+
+
 def test_a_partly_agreeing_block_is_found_until_it_is_handed_out_again() -> None:
     pool = BlockPool(num_blocks=3, block_size=2)
     table = cache_prompt(pool, [1, 2, 3, 4])
