@@ -66,7 +66,7 @@ def decode_steps_ms(loaded: LoadedModel, prompt: list[int], params: SamplingPara
     engine.add_request("bench", prompt, params)
     engine.step()
     steps = []
-    while engine.has_work():
+    while engine.scheduler.has_work():  # the request's steps, not the idle engine's (a reply's refresh)
         started = time.perf_counter()
         engine.step()
         steps.append((time.perf_counter() - started) * 1000)

@@ -225,9 +225,10 @@ class AsyncEngine:
                 log.exception("engine loop error")
 
     def _drain_commands(self, block: bool) -> bool:
-        """Apply queued commands (waiting for one if block, until a cache pin may expire); False when asked to stop."""
+        """Apply queued commands (waiting for one if block, until the next timer: _seconds_to_next_timer); False when
+        asked to stop."""
         try:
-            timeout = self.engine.pool.cache_pins.seconds_to_next_expiry() if block else None
+            timeout = self._seconds_to_next_timer() if block else None
             command = self._commands.get(block=block, timeout=timeout)
         except queue.Empty:
             return True
@@ -239,6 +240,12 @@ class AsyncEngine:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return True
+
+    def _seconds_to_next_timer(self) -> float | None:
+        """How long the idle engine thread may wait for a command: until a cache pin may expire or a reply refresh
+        may start (Engine.seconds_to_idle_work), whichever is sooner; None: until a command comes."""
+        timers = [self.engine.pool.cache_pins.seconds_to_next_expiry(), self.engine.seconds_to_idle_work()]
+        return min((seconds for seconds in timers if seconds is not None), default=None)
 
     def _publish(self, outputs: list[RequestOutput]) -> None:
         for output in outputs:

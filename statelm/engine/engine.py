@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import time
 from collections import deque
 from collections.abc import Mapping
@@ -24,6 +25,9 @@ from statelm.models.pooling import PooledRows
 log = logging.getLogger(__name__)
 # finished replies whose decoded tokens wait for idle time to be prefilled into the prefix cache, newest kept
 REPLY_REFRESHES = 4
+# idle time before one starts: a client's next request (a benchmark's, an agent's tool call answered at once) comes
+# sooner and is not kept waiting behind it; a person reading the reply, or a tool running, takes longer
+REPLY_REFRESH_IDLE_S = 0.25
 
 
 class Engine:
@@ -57,6 +61,7 @@ class Engine:
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
         self.reply_refreshes: deque[Sequence] = deque(maxlen=REPLY_REFRESHES)  # see _refresh_reply
         self.refreshing_reply: Sequence | None = None  # the one running, in idle time only
+        self.idle_since = time.monotonic()  # when the scheduler last ran out of work (inf while it has some)
         self.latest_stats = self.stats()  # replaced by every step (read by other threads)
         # the last step ran a forward; one that had work but could schedule none of it (the pool short of blocks)
         # changes nothing until a command (a request ends, a session is released) or a cache pin's expiry
@@ -163,6 +168,7 @@ class Engine:
         if not chunks:
             return []
         outputs = self._run(chunks)
+        self.idle_since = math.inf if self.scheduler.has_work() else time.monotonic()
         self.latest_stats = stats = self.stats()
         for output in outputs:
             output.stats = stats
@@ -257,9 +263,15 @@ class Engine:
             if not reply.is_finished:
                 self.scheduler.abort(reply.request_id)
             self.refreshing_reply = reply = None
-        if reply is None and self.reply_refreshes and not self.scheduler.has_work():
+        if reply is None and not self.scheduler.has_work() and self.seconds_to_idle_work() == 0:
             self.refreshing_reply = self.reply_refreshes.pop()
             self.scheduler.add(self.refreshing_reply)
+
+    def seconds_to_idle_work(self) -> float | None:
+        """How long until a queued reply refresh may start, the engine staying idle (0: now); None without one."""
+        if not self.reply_refreshes:
+            return None
+        return max(0.0, self.idle_since + REPLY_REFRESH_IDLE_S - time.monotonic())
 
     def _start_forks(self, seq: Sequence) -> list[Sequence]:
         """Give seq's pending forks its prompt KV: full blocks shared, the partly filled last one copied."""

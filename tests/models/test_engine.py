@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from statelm.config import EngineConfig
+from statelm.engine import engine as engine_module
 from statelm.engine.async_engine import DEGRADED_AFTER_FAILED_STEPS, AsyncEngine
 from statelm.engine.builder import create_engine, kv_cache_format
 from statelm.engine.cache_pins import CachePinRequest
@@ -279,3 +280,36 @@ def generate_until_idle(engine: Engine, max_steps: int = 1000) -> None:
             return
         engine.step()
     raise AssertionError(f"the engine still has work after {max_steps} steps")
+
+
+def test_the_server_s_engine_thread_refreshes_a_reply_once_idle_for_a_while(
+    loaded: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(engine_module, "REPLY_REFRESH_IDLE_S", 0.3)
+    engine = engine_for(loaded)
+    assert not engine.decoded_kv_exact  # a float model: its decoded K/V are not a prefill's
+    async_engine = AsyncEngine(engine, max_queue=8)
+    prompt = loaded.tokenizer.encode("A question about rivers. " * 8)
+    params = replace(GREEDY, max_tokens=48)
+
+    async def tokens_of(request: EngineRequest, cached: list[int]) -> list[int]:
+        tokens = []
+        async for output in async_engine.generate(request):
+            tokens += output.new_token_ids
+            cached.append(output.num_cached_tokens)
+        return tokens
+
+    async def run() -> tuple[list[int], list[int], bool]:
+        reply = await tokens_of(EngineRequest("first", prompt, params), [])
+        await asyncio.sleep(0.1)
+        waited = engine.refreshing_reply is None and len(engine.reply_refreshes) == 1  # not idle long enough yet
+        await asyncio.sleep(0.6)  # no command comes: the thread's timer starts the refresh
+        cached: list[int] = []
+        await tokens_of(EngineRequest("second", prompt + reply + prompt, replace(params, max_tokens=1)), cached)
+        return reply, cached, waited
+
+    try:
+        reply, cached, waited = asyncio.run(run())
+    finally:
+        async_engine.shutdown()
+    assert waited and cached[0] == (len(prompt) + len(reply)) // engine.pool.block_size * engine.pool.block_size

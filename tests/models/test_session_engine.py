@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from statelm.config import EngineConfig
+from statelm.engine import engine as engine_module
 from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine
 from statelm.engine.scheduler import ScheduledChunk
@@ -159,13 +160,19 @@ def test_a_stateless_follow_up_finds_the_reply_cached(
     assert output == generate(fresh, {"stateless": second}, params)["stateless"]
 
 
-def test_a_waiting_request_stops_a_reply_refresh(loaded: LoadedModel, engine: Engine, settings: dict[str, str]) -> None:
+def test_a_reply_refresh_waits_for_idle_time_and_a_waiting_request_stops_it(
+    loaded: LoadedModel, engine: Engine, settings: dict[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     if engine.decoded_kv_exact:
         pytest.skip("decoded K/V are a prefill's: no reply is refreshed")
+    monkeypatch.setattr(engine_module, "REPLY_REFRESH_IDLE_S", 10.0)  # as the server has it, if longer
     engine.add_request(
         "long", chat_prompt(loaded, "Tell me a story."), SamplingParams(0.0, max_tokens=300, ignore_eos=True)
     )
     run_until_idle(engine, until_requests_end=True)
+    engine.step()
+    assert engine.refreshing_reply is None and 0 < engine.seconds_to_idle_work() <= 10.0
+    engine.idle_since -= 10.0  # idle that long: no request came at once
     engine.step()  # the idle engine starts prefilling the reply, 256 tokens a step
     refresh = engine.refreshing_reply
     assert refresh is not None and refresh.num_uncomputed_tokens
