@@ -177,6 +177,13 @@ class EngineConfig:
     enable_prefix_caching: bool = setting(
         True, help="Reuse cached KV blocks of shared prompt prefixes.", flag="--prefix-cache"
     )
+    refresh_replies: bool = setting(
+        True,
+        help="Where generated tokens' K/V are not a prefill's (--activations int16-prompt or int8-decode, the torch"
+        " paths), prefill a finished stateless reply into the prefix cache once the engine has idled 0.25 s, so that"
+        " a follow-up resending the conversation finds it | --no-refresh-replies: no such background work.",
+        flag="--refresh-replies",
+    )
     pinned_kv_fraction: float = setting(
         0.5, help="Share of the KV cache that cache_control pins may hold, all keys (0: no pins).", minimum=0, maximum=1
     )

@@ -174,6 +174,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         sampling_defaults=sampling_defaults(loaded, config),
         vocab_size=loaded.tokenizer.vocab_size,
         decoded_kv_exact=exact,
+        refresh_replies=config.refresh_replies,
     )
 
 

@@ -194,6 +194,14 @@ def test_a_reply_refresh_waits_for_idle_time_and_a_waiting_request_stops_it(
     assert tokens + run_until_idle(engine, until_requests_end=True) == generate(fresh, {"next": prompt}, params)["next"]
 
 
+def test_no_refresh_replies_queues_none(loaded: LoadedModel, settings: dict[str, str]) -> None:
+    one_per_arithmetic(settings)
+    engine = create_engine(loaded, EngineConfig(kv_cache_memory=64 << 20, refresh_replies=False, **settings))
+    engine.add_request("r", chat_prompt(loaded, "Count to ten."), SamplingParams(0.0, max_tokens=40, ignore_eos=True))
+    run_until_idle(engine, until_requests_end=True)
+    assert not engine.reply_refreshes and not engine.has_work()
+
+
 def test_snapshot_restore_gives_identical_next_token_logits(
     loaded: LoadedModel, engine: Engine, tmp_path: Path
 ) -> None:
