@@ -60,7 +60,8 @@ class Engine:
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
-        self.refresh_replies = refresh_replies  # --refresh-replies
+        # --refresh-replies, where decoded K/V are not published as they are (see _refresh_reply)
+        self.refresh_replies = refresh_replies and pool.enable_prefix_caching and not decoded_kv_exact
         self.reply_refreshes: deque[Sequence] = deque(maxlen=REPLY_REFRESHES)  # see _refresh_reply
         self.refreshing_reply: Sequence | None = None  # the one running, in idle time only
         self.idle_since = time.monotonic()  # when the scheduler last ran out of work (inf while it has some)
@@ -241,8 +242,7 @@ class Engine:
         """Queue a prefill of a finished stateless reply's tokens as prompt rows, for idle time, where its decoded K/V
         are not a prefill's and so were not published: the prefix cache then serves the reply's full blocks to a
         follow-up that resends the conversation, as it serves the prompt's (a session turn has its own refresh)."""
-        wanted = self.refresh_replies and self.pool.enable_prefix_caching and not self.decoded_kv_exact
-        if not wanted or seq.session_id is not None:
+        if not self.refresh_replies or seq.session_id is not None:
             return
         size = self.pool.block_size
         if len(seq.tokens) // size <= len(seq.prompt_ids) // size:
