@@ -183,6 +183,9 @@ async def follow_up_turn(target: Target, sentences: int, args: argparse.Namespac
     first = await timed_request(target, first_id, prompt, args.follow_up_tokens, args.timeout)
     history = [{"role": "user", "content": prompt}, {"role": "assistant", "content": first.text}]
     second = await timed_request(target, next(ids), FOLLOW_UP_QUESTION, 1, args.timeout, history)
+    for result in (first, second):
+        if not result.ok:
+            print(f"  follow-up: a request failed: {result.error}", flush=True)
     ttft_ms = None if second.ttft_s is None else second.ttft_s * 1000
     print(
         f"  follow-up after a {first.completion_tokens}-token reply: TTFT {fmt(ttft_ms, 0)} ms, "
