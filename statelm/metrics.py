@@ -43,6 +43,10 @@ class ServingMetrics:
         gauges = {
             "statelm_requests_running": ("Sequences in the running batch", lambda: engine.stats().running),
             "statelm_requests_waiting": ("Sequences waiting for a slot", lambda: engine.stats().waiting),
+            "statelm_kv_refreshes": (
+                "K/V refreshes of sessions or replies (no request's) running or waiting",
+                lambda: engine.stats().refreshing,
+            ),
             "statelm_kv_blocks_used": ("KV cache blocks held by sequences", lambda: engine.stats().kv_blocks_used),
             "statelm_kv_blocks_free": (
                 "KV cache blocks free (cached or empty)",

@@ -85,8 +85,9 @@ class EngineInfo:
 class EngineStats:
     """The engine's state when a step has chosen its batch, or has ended: queues, KV pool, prefix cache, cache pins."""
 
-    running: int = 0  # sequences in the running batch
-    waiting: int = 0  # sequences waiting for a slot
+    running: int = 0  # requests' sequences in the running batch
+    waiting: int = 0  # requests' sequences waiting for a slot
+    refreshing: int = 0  # K/V refreshes (of a session or a reply: no request's) running or waiting
     kv_blocks_used: int = 0  # held by at least one sequence or session
     kv_blocks_free: int = 0  # held by nobody (some keep reusable cached contents)
     kv_blocks_pinned: int = 0  # of prefixes pinned by cache pins, held or free

@@ -146,9 +146,12 @@ class Engine:
     def stats(self) -> EngineStats:
         """A snapshot of the queues, the KV pool, the prefix cache and the cache pins."""
         pool = self.pool
+        running, waiting = self.scheduler.running, self.scheduler.waiting
+        refreshing = sum(seq.prefill_only for seq in running) + sum(seq.prefill_only for seq in waiting)
         return EngineStats(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
+            running=sum(not seq.prefill_only for seq in running),
+            waiting=sum(not seq.prefill_only for seq in waiting),
+            refreshing=refreshing,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_free=pool.num_free_blocks,
             kv_blocks_pinned=pool.cache_pins.num_pinned_blocks,

@@ -28,7 +28,7 @@ from tests.http.conftest import CONTEXT, tiny_args
 from tests.models.tiny_model_dir import make_tiny_model_dir
 
 SEED = 19
-ROUNDS = 5
+ROUNDS = 4
 WORKERS = 3
 TURN_TOKENS = 6
 MAX_MESSAGES = 13  # a longer session is rolled back instead of growing: every one fits the small pool

@@ -46,7 +46,7 @@ def fuzz_config() -> SchemathesisConfig:
     project.checks.update(
         included_check_names=["all"], excluded_check_names=["positive_data_acceptance"], max_response_time=120
     )
-    project.generation.update(max_examples=10, no_shrink=True, database="none")
+    project.generation.update(max_examples=5, no_shrink=True, database="none")
     return config
 
 

@@ -185,6 +185,8 @@ def test_a_reply_refresh_waits_for_idle_time_and_a_waiting_request_stops_it(
     engine.step()  # the idle engine starts prefilling the reply, 64 tokens a step
     refresh = engine.refreshing_reply
     assert refresh is not None and refresh.num_uncomputed_tokens
+    stats = engine.stats()
+    assert (stats.running, stats.waiting, stats.refreshing) == (0, 0, 1)  # no request's: /metrics counts it apart
     prompt, params = chat_prompt(loaded, "What is two plus two?"), SamplingParams(0.0, max_tokens=8, ignore_eos=True)
     engine.add_request("next", prompt, params)
     tokens = [token for output in engine.step() for token in output.new_token_ids]
