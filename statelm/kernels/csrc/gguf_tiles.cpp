@@ -51,9 +51,9 @@ Rows rows_of(const Part& part, int64_t column, int64_t first) {
 
 // How a format's blocks lie in an interleaved row, so that every field the builders load as vectors starts on a
 // word. Single blocks: `stored` bytes each (whole words), the block's last `tail` bytes first, then padding, then
-// the rest (Q6_K: its high bits, scales and d, read before its low bits, lie in the order they are read). Paired
-// (blocks of a 2-byte d and then whole words: Q4_0, IQ4_NL, Q8_0): two blocks a unit, both d's first (one word),
-// then each block's rest, so no padding; a row of an odd number of such blocks is not interleaved.
+// the rest (Q6_K: its high bits, scales and d, read before its low bits, lie in the order the VNNI build reads
+// them). Paired (blocks of a 2-byte d and then whole words: Q4_0, IQ4_NL, Q8_0): two blocks a unit, both d's first
+// (one word), then each block's rest, so no padding; a row of an odd number of such blocks is not interleaved.
 struct StoredBlock {
   int64_t bytes, stored, tail;
   bool paired = false;
@@ -752,12 +752,24 @@ void build_q6_k(const Source& rows, int64_t superblocks, Sink& sink) {
     const auto at = rows.at(s * 210);
     ask_unit(at);
     V scales[4], d_word[4];
+    V qh[2 * W];  // word 8h + t: qh bytes 32h + 4t..
+    const auto load_high_bits = [&] {
+      for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 128 + load_at, qh + load_at / 4);
+    };
+    // The VNNI build loads the high bits first (the barrier keeps them first), so that a unit's lines are first
+    // touched in the order they lie (stored_block: qh, scales, d, ql) and memory streams them: scales first made a
+    // jump back from the unit's middle, and one row's Q6_K read 24-28 GB/s from memory at two threads against 29-34
+    // (one thread 15 against 21-24). The AVX2 build asks for the unit's lines at its start (ask_unit) instead: there
+    // the high bits loaded first fill its 16 registers, and Q6_K read 26 GB/s against 29.
+    if constexpr (kAskAhead) {
+      load_high_bits();
+      asm volatile("" ::: "memory");
+    }
     field_run(at, 192, 4, scales);  // the 16 int8 scales
     four_words(at, 194, d_word);  // word 3 (bytes 206..209): d in the high half
     sink.superblock(s, half_high(d_word[3]), set_f(0.0f));
     for (int g = 0; g < 16; ++g) sink.sub_scale(16 * s + g, sra(sll(scales[g / 4], 24 - 8 * (g % 4)), 24));
-    V qh[2 * W];  // word 8h + t: qh bytes 32h + 4t..
-    for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 128 + load_at, qh + load_at / 4);
+    if constexpr (!kAskAhead) load_high_bits();
     for (int h = 0; h < 2; ++h) {
       V ql[2 * W];  // word 8 * (s % 2) + t: ql bytes 64h + 32(s % 2) + 4t..
       for (int64_t load_at = 0; load_at < 64; load_at += kVecBytes) words(at, 64 * h + load_at, ql + load_at / 4);
