@@ -152,7 +152,7 @@ async def workloads(server: Server, args: argparse.Namespace, levels: list[int])
     deadline = time.perf_counter() + args.max_duration
     summaries = []
     for concurrency in levels:
-        requested = args.requests_per_level or concurrency
+        requested = args.requests_per_level or concurrency * args.requests_per_stream
         summary = await run_level(target, concurrency, requested, decode_sentences, args, ids, deadline)
         summaries.append(summary)
         print(
@@ -307,7 +307,16 @@ def add_comparison_arguments(
     parser.add_argument("--llama-server", type=Path, help="llama-server binary; default: the shared build script's")
     parser.add_argument("--servers", default=f"{LLAMA},{STATELM}", help="which to measure, comma-separated")
     parser.add_argument("--concurrency", default=concurrency, help="comma-separated decode levels (streams)")
-    parser.add_argument("--requests-per-level", type=int, help="default: one request per stream (all at once)")
+    parser.add_argument(
+        "--requests-per-level", type=int, help="a level's requests in all (default: streams × --requests-per-stream)"
+    )
+    parser.add_argument(
+        "--requests-per-stream",
+        type=int,
+        default=3,
+        help="requests each stream sends one after another (the per-stream decode rate is their median: one 64-token "
+        "request, a second or two, swings with the host)",
+    )
     parser.add_argument("--output-tokens", type=int, default=output_tokens, help="max_tokens of every decode stream")
     parser.add_argument("--prompt-tokens", type=int, default=64, help="approximate prompt length of decode streams")
     parser.add_argument(
@@ -334,10 +343,18 @@ def add_comparison_arguments(
     parser.set_defaults(shared_prefix=False)  # read by bench.throughput.run_level: every prompt starts unique
 
 
+def per_stream(args: argparse.Namespace) -> str:
+    """How many requests a stream sends, in words."""
+    if args.requests_per_level:
+        return f"{args.requests_per_level} requests a level"
+    return f"{args.requests_per_stream} requests one after another"
+
+
 def settings_line(args: argparse.Namespace, levels: list[int]) -> str:
     """What the workloads were, for a benchmark's header."""
     return (
-        f"settings: decode {levels} streams × {args.output_tokens} output tokens (ignore_eos, greedy, streamed), "
+        f"settings: decode {levels} streams × {per_stream(args)} × {args.output_tokens} output tokens (ignore_eos, "
+        "greedy, streamed), "
         f"unique ≈{args.prompt_tokens}-token prompts; TTFT: median of {args.ttft_requests} unique "
         f"≈{args.ttft_prompt_tokens}-token prompts, max_tokens 1; follow-up: a stateless second turn after a "
         f"{args.follow_up_tokens}-token reply, max_tokens 1; {args.rounds} round(s), alternating order, "
