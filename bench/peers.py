@@ -1,7 +1,8 @@
 """statelm against llama.cpp's llama-server on the same GGUF: streamed decode, TTFT and start-up, one server at a time.
 
 Usage: .venv/bin/python -m bench.peers [--llama-server PATH] [--concurrency 1,4,16,64] [--rounds 2]
-           [--output-tokens 128] [--prompt-tokens 64] [--ttft-prompt-tokens 512] [--ttft-requests 5]
+           [--output-tokens 128] [--requests-per-stream 3] [--prompt-tokens 64] [--ttft-prompt-tokens 512]
+           [--ttft-requests 5]
            [--servers llama-server,statelm] [--statelm-args ARGS] [--llama-args ARGS] [--pick best|median]
            [--json PATH]
 Each server runs alone: it is started (timed to /health 200), measured and stopped before the other starts, and
