@@ -41,8 +41,8 @@ class ServingMetrics:
             registry=registry,
         )  # fmt: skip
         gauges = {
-            "statelm_requests_running": ("Sequences in the running batch", lambda: engine.stats().running),
-            "statelm_requests_waiting": ("Sequences waiting for a slot", lambda: engine.stats().waiting),
+            "statelm_requests_running": ("Requests' sequences in the running batch", lambda: engine.stats().running),
+            "statelm_requests_waiting": ("Requests' sequences waiting for a slot", lambda: engine.stats().waiting),
             "statelm_kv_refreshes": (
                 "K/V refreshes of sessions or replies (no request's) running or waiting",
                 lambda: engine.stats().refreshing,
