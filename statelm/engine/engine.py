@@ -147,11 +147,12 @@ class Engine:
         """A snapshot of the queues, the KV pool, the prefix cache and the cache pins."""
         pool = self.pool
         running, waiting = self.scheduler.running, self.scheduler.waiting
-        refreshing = sum(seq.prefill_only for seq in running) + sum(seq.prefill_only for seq in waiting)
+        running_refreshes = sum(seq.prefill_only for seq in running)
+        waiting_refreshes = sum(seq.prefill_only for seq in waiting)
         return EngineStats(
-            running=sum(not seq.prefill_only for seq in running),
-            waiting=sum(not seq.prefill_only for seq in waiting),
-            refreshing=refreshing,
+            running=len(running) - running_refreshes,
+            waiting=len(waiting) - waiting_refreshes,
+            refreshing=running_refreshes + waiting_refreshes,
             kv_blocks_used=pool.num_used_blocks,
             kv_blocks_free=pool.num_free_blocks,
             kv_blocks_pinned=pool.cache_pins.num_pinned_blocks,
@@ -201,8 +202,7 @@ class Engine:
             if seq.prefill_only and seq.num_uncomputed_tokens == 0:
                 seq.finish(FinishReason.STOP)
                 self.scheduler.finish(seq)
-                if seq.session_id is not None:
-                    self.sessions.finish_refresh(seq)
+                self.sessions.finish_refresh(seq)
         embedded = [self._embedded(chunk.seq) for chunk in chunks if chunk.seq.pooled is not None]
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
@@ -250,16 +250,7 @@ class Engine:
         size = self.pool.block_size
         if len(seq.tokens) // size <= len(seq.prompt_ids) // size:
             return  # no full block beyond the prompt's
-        self.reply_refreshes.append(
-            Sequence(
-                request_id=f"reply:{seq.request_id}:{seq.index}",
-                prompt_ids=list(seq.tokens),
-                params=SamplingParams(max_tokens=1),
-                eos_token_ids=frozenset(),
-                max_total_tokens=seq.num_tokens + 1,
-                prefill_only=True,
-            )
-        )
+        self.reply_refreshes.append(Sequence.refresh(f"reply:{seq.request_id}:{seq.index}", seq.tokens))
 
     def _refresh_replies_when_idle(self) -> None:
         """Start the newest queued reply refresh when nothing else runs or waits; stop the one running as soon as a
@@ -291,7 +282,7 @@ class Engine:
     def _fail(self, seq: Sequence, message: str) -> RequestOutput:
         """End seq's whole request with an error."""
         self.scheduler.abort(seq.request_id)
-        if seq.prefill_only and seq.session_id is not None:
+        if seq.prefill_only:
             self.sessions.finish_refresh(seq)
         output = self._output(seq, [], None, time.perf_counter())
         output.error = message

@@ -103,6 +103,20 @@ class Sequence:
         self.tokens = list(self.prompt_ids)
         self.guide = None if self.prefill_only else OutputGuide.for_params(self.params)
 
+    @classmethod
+    def refresh(cls, request_id: str, tokens: list[int], session_id: str | None = None) -> Sequence:
+        """A prefill-only sequence that computes tokens' K/V as prompt rows (a session's decoded tail, or a
+        stateless reply for the prefix cache) and ends without sampling."""
+        return cls(
+            request_id=request_id,
+            prompt_ids=list(tokens),
+            params=SamplingParams(max_tokens=1),
+            eos_token_ids=frozenset(),
+            max_total_tokens=len(tokens) + 1,
+            session_id=session_id,
+            prefill_only=True,
+        )
+
     @property
     def samples(self) -> bool:
         """True for a sequence that samples tokens (not a session refresh, not an embedding)."""

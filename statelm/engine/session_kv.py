@@ -27,7 +27,7 @@ import torch
 from statelm.attention.kv_format import KVFormat, format_of_rows
 from statelm.engine.block_pool import common_prefix_length
 from statelm.engine.kv_manager import BlockTable, KVManager
-from statelm.engine.sequence import SamplingParams, Sequence
+from statelm.engine.sequence import Sequence
 
 
 class SessionKVData:
@@ -178,22 +178,17 @@ class SessionKVStore:
         held = self.resident.get(session_id)
         if held is None or held.exact >= len(held.tokens) or session_id in self.refreshing:
             return None
-        seq = Sequence(
-            request_id=f"refresh:{session_id}:{len(held.tokens)}",
-            prompt_ids=list(held.tokens),
-            params=SamplingParams(max_tokens=1),
-            eos_token_ids=frozenset(),
-            max_total_tokens=len(held.tokens) + 1,
-            session_id=session_id,
-            prefill_only=True,
-        )
+        seq = Sequence.refresh(f"refresh:{session_id}:{len(held.tokens)}", held.tokens, session_id)
         self.acquire(session_id, None)
         self.refreshing[session_id] = (seq, held)
         return seq
 
     def finish_refresh(self, seq: Sequence) -> None:
-        """Adopt a finished (or aborted) refresh's parked KV, unless the session changed meanwhile."""
-        session_id = seq.session_id or ""
+        """Adopt a finished (or aborted) refresh's parked KV, unless the session changed meanwhile; nothing for a
+        reply's refresh (no session: its blocks went to the prefix cache as it ran)."""
+        session_id = seq.session_id
+        if session_id is None:
+            return
         _, base = self.refreshing.pop(session_id)
         parked = self.parked.get(seq.request_id)
         if parked is not None and self.resident.get(session_id) is base and parked.exact == len(base.tokens):
