@@ -82,6 +82,7 @@ class Shape:
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 500000.0, 1e-5),
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, 1e-5),
+    "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 500000.0, 1e-5),
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 1000000.0, 1e-6, qkv_bias=True),
     "gemma-2-2b": Shape(
         "gemma2",

@@ -28,6 +28,9 @@ REPLY_REFRESHES = 4
 # idle time before one starts: a client's next request (a benchmark's, an agent's tool call answered at once) comes
 # sooner and is not kept waiting behind it; a person reading the reply, or a tool running, takes longer
 REPLY_REFRESH_IDLE_S = 0.25
+# how long one step of it may keep a request that comes meanwhile waiting: it is stopped only between steps, and a
+# whole step's budget of prompt rows takes seconds on a model of billions of weights
+IDLE_STEP_S = 0.05
 
 
 class Engine:
@@ -64,6 +67,7 @@ class Engine:
         self.refresh_replies = refresh_replies and pool.enable_prefix_caching and not decoded_kv_exact
         self.reply_refreshes: deque[Sequence] = deque(maxlen=REPLY_REFRESHES)  # see _refresh_reply
         self.refreshing_reply: Sequence | None = None  # the one running, in idle time only
+        self.prompt_row_seconds: float | None = None  # a row's share of the latest step of two blocks' rows or more
         self.idle_since = time.monotonic()  # when the scheduler last ran out of work (inf while it has some)
         self.latest_stats = self.stats()  # replaced by every step (read by other threads)
         # the last step ran a forward; one that had work but could schedule none of it (the pool short of blocks)
@@ -191,6 +195,9 @@ class Engine:
             self.failed_steps_in_a_row += 1
             return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]
         self.failed_steps_in_a_row = 0
+        computed = sum(chunk.num_tokens for chunk in chunks)
+        if computed >= 2 * self.pool.block_size:
+            self.prompt_row_seconds = (time.perf_counter() - started) / computed
         for chunk in chunks:
             seq = chunk.seq
             if seq.first_scheduled_at is None:
@@ -261,8 +268,18 @@ class Engine:
                 self.scheduler.abort(reply.request_id)
             self.refreshing_reply = reply = None
         if reply is None and not self.scheduler.has_work() and self.seconds_to_idle_work() == 0:
-            self.refreshing_reply = self.reply_refreshes.pop()
-            self.scheduler.add(self.refreshing_reply)
+            self.refreshing_reply = reply = self.reply_refreshes.pop()
+            self.scheduler.add(reply)
+        if reply is not None:
+            reply.max_chunk_tokens = self._idle_chunk_tokens()
+
+    def _idle_chunk_tokens(self) -> int:
+        """Rows of idle-time work a step: whole blocks that take about IDLE_STEP_S at the latest prompt rows' rate
+        (one block at least; two before any is measured, and their step measures it)."""
+        size = self.pool.block_size
+        if self.prompt_row_seconds is None:
+            return 2 * size
+        return max(1, int(IDLE_STEP_S / self.prompt_row_seconds) // size) * size
 
     def seconds_to_idle_work(self) -> float | None:
         """How long until a queued reply refresh may start, the engine staying idle (0: now); None without one."""

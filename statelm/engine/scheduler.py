@@ -19,6 +19,11 @@ class ScheduledChunk:
     num_tokens: int
 
 
+def chunk_tokens(seq: Sequence, budget: int) -> int:
+    """How many of seq's uncomputed tokens a step with `budget` rows left gives it."""
+    return min(seq.num_uncomputed_tokens, budget, seq.max_chunk_tokens or budget)
+
+
 def computes_every_row(seq: Sequence) -> bool:
     """An embedding that pools every token's state: no prompt token comes from the prefix cache."""
     return seq.pooled is not None and seq.pooled.pooling.needs_every_row
@@ -76,7 +81,7 @@ class Scheduler:
                 break
             if seq not in self.running:  # preempted by an earlier iteration
                 continue
-            count = min(seq.num_uncomputed_tokens, budget)
+            count = chunk_tokens(seq, budget)
             if not self._reserve(seq, count):
                 continue
             chunks.append(ScheduledChunk(seq, count))
@@ -90,7 +95,7 @@ class Scheduler:
                 if self._awaits_shared_prefix(seq):
                     continue
                 self._reuse_cached_prefix(seq)
-            count = min(seq.num_uncomputed_tokens, budget)
+            count = chunk_tokens(seq, budget)
             # it starts only if its whole prompt fits: one that would be preempted halfway would be recomputed in vain
             fits = self._make_room(seq, seq.num_tokens)
             if not (fits and self.kv.grow(seq.block_table, seq.num_computed_tokens + count)):

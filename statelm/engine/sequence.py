@@ -94,6 +94,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # a seeded choice's own; unseeded ones draw from the engine's
     first_scheduled_at: float | None = None  # time.perf_counter() when its first chunk ran
+    max_chunk_tokens: int | None = None  # at most this many rows a step (idle-time work, which must give way soon)
     tokens: list[int] = field(init=False)  # prompt then output, the sequence's whole token list
     guide: OutputGuide | None = field(init=False)  # grammar, reasoning budget and repetition stop, if any is asked for
     ended_by_token: bool = field(init=False, default=False)  # its last token ended it and is not output text (EOS…)

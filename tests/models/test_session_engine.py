@@ -182,9 +182,14 @@ def test_a_reply_refresh_waits_for_idle_time_and_a_waiting_request_stops_it(
     engine.step()
     assert engine.refreshing_reply is None and 0 < engine.seconds_to_idle_work() <= 10.0
     engine.idle_since -= 10.0  # idle that long: no request came at once
-    engine.step()  # the idle engine starts prefilling the reply, 64 tokens a step
+    # the idle engine starts prefilling the reply, a step as long as IDLE_STEP_S at the prompt rows' rate
+    engine.prompt_row_seconds = engine_module.IDLE_STEP_S / 20  # one block in time: the least
+    engine.step()
     refresh = engine.refreshing_reply
-    assert refresh is not None and refresh.num_uncomputed_tokens
+    assert refresh is not None and refresh.num_computed_tokens == refresh.num_cached_prompt_tokens + 16
+    engine.prompt_row_seconds = engine_module.IDLE_STEP_S / 40  # two blocks, within the step budget (64 rows)
+    engine.step()
+    assert refresh.num_computed_tokens == refresh.num_cached_prompt_tokens + 48 and refresh.num_uncomputed_tokens
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.refreshing) == (0, 0, 1)  # no request's: /metrics counts it apart
     prompt, params = chat_prompt(loaded, "What is two plus two?"), SamplingParams(0.0, max_tokens=8, ignore_eos=True)
