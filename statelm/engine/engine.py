@@ -277,7 +277,7 @@ class Engine:
         """Rows of idle-time work a step: whole blocks that take about IDLE_STEP_S at the latest prompt rows' rate
         (one block at least; two before any is measured, and their step measures it)."""
         size = self.pool.block_size
-        if self.prompt_row_seconds is None:
+        if not self.prompt_row_seconds:  # None, or a step faster than the clock
             return 2 * size
         return max(1, int(IDLE_STEP_S / self.prompt_row_seconds) // size) * size
 
