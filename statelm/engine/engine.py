@@ -195,9 +195,10 @@ class Engine:
             self.failed_steps_in_a_row += 1
             return [self._fail(chunk.seq, f"engine error: {exc}") for chunk in chunks]
         self.failed_steps_in_a_row = 0
-        computed = sum(chunk.num_tokens for chunk in chunks)
-        if computed >= 2 * self.pool.block_size:
-            self.prompt_row_seconds = (time.perf_counter() - started) / computed
+        if self.refresh_replies:  # the rate sizes a reply refresh's steps (_idle_chunk_tokens)
+            computed = sum(chunk.num_tokens for chunk in chunks)
+            if computed >= 2 * self.pool.block_size:
+                self.prompt_row_seconds = (time.perf_counter() - started) / computed
         for chunk in chunks:
             seq = chunk.seq
             if seq.first_scheduled_at is None:
