@@ -268,8 +268,9 @@ Group make_group(const at::Tensor& x, at::TensorList weights, at::IntArrayRef ty
   g.y = at::empty({rows, g.n}, x.options());
   if (rows == 0 || g.n == 0) return g;
   // int8 rows few enough for stream_int8_rows skip the tile kernels where every part's format streams
-  const bool tiles = g.kind == Arithmetic::kInt16 || rows > kStreamRows ||
-                     !std::all_of(g.parts.begin(), g.parts.end(), [](const Part& p) { return streams(*p.format); });
+  const bool tiles = g.kind == Arithmetic::kInt16 || !std::all_of(g.parts.begin(), g.parts.end(), [&](const Part& p) {
+    return streams(*p.format, rows);
+  });
   // int8 on a 256-value format sums its superblocks in integers, of x quantized per 256 values (each part's
   // arithmetic is its format's, whatever it is stacked with)
   const auto any_part = [&](auto&& test) { return std::any_of(g.parts.begin(), g.parts.end(), test); };

@@ -1065,11 +1065,11 @@ const float* dequantize_tile(const Int8Tile& t) {
   return out;
 }
 
-bool streams(const Format& f) {
+bool streams(const Format& f, int64_t rows) {
 #if defined(STATELM_GGUF_AVX2)
-  return with_builder(f.type, []<int64_t>() {});
+  return rows <= stream_rows_of(f.type) && with_builder(f.type, []<int64_t>() {});
 #else
-  (void)f;
+  (void)f, (void)rows;
   return false;
 #endif
 }

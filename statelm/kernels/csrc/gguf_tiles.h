@@ -41,10 +41,16 @@ Int8Tile build_int8_tile(const Part& part, int64_t column, int64_t first, int64_
 // a tile and panels widen them (widen_int16) from where they lie; any other part or build: build_int8_tile's.
 Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int64_t values, int64_t slot);
 
-// Rows too few to amortise a tile (kStreamRows at most): the int8 arithmetic of x's rows on the tile's columns,
-// each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's), asking for `ahead` as it
-// goes. False where the format or the build has no such path (then build a tile).
+// Rows too few to amortise a tile (stream_rows_of the format at most): the int8 arithmetic of x's rows on the tile's
+// columns, each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's), asking for `ahead`
+// as it goes. False where the format or the build has no such path (then build a tile).
 constexpr int64_t kStreamRows = 4;
+// The most rows a format streams: kStreamRows, but two for Q4_K, Q5_K and Q6_K in the VNNI build, whose streamed
+// loops at three and four rows (a superblock's sums beside sixteen words a load) read from memory at 0.5-0.9x the
+// rate of a built tile's (the AVX2 build's at 1.0-1.4x).
+constexpr int64_t stream_rows_of(int64_t type) {
+  return kAskAhead && (type == kQ4_K || type == kQ5_K || type == kQ6_K) ? 2 : kStreamRows;
+}
 // Whether one streamed row asks ahead (in the VNNI build, which asks from two rows on): only Q6_K, whose one-row
 // arithmetic (six-bit levels from two fields, a scale every 16 values) takes as long as its bytes take to arrive,
 // so that memory idles unless asked (1.25-1.5x at one row); the others are bound by memory and only lose by it. The
@@ -52,8 +58,9 @@ constexpr int64_t kStreamRows = 4;
 constexpr bool asks_ahead_at_one_row(int64_t type) { return kAskAhead && type == kQ6_K; }
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x,
                       const Ahead& ahead, float* acc);
-// Whether stream_int8_rows serves the format (it has a tile builder, in SIMD builds).
-bool streams(const Format& f);
+// Whether stream_int8_rows serves `rows` rows of the format (it has a tile builder, in SIMD builds, and they are
+// stream_rows_of it at most).
+bool streams(const Format& f, int64_t rows);
 
 // The tile's levels as int16 q (offset removed), [block][16 pairs][kTileColumns][2], in SIMD builds (in scratch at
 // `slot`, as build_int8_tile's; a tile read in place, the AVX2 build's only, too); the scalar build's tile as it is.
