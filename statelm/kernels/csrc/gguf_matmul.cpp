@@ -327,10 +327,10 @@ void multiply(std::vector<Group>& groups) {
       const int64_t k = g.k, rows = g.rows, n = g.n;
       const int64_t acc_width = g.kind == Arithmetic::kFloat ? 4 * kTileColumns : kTileColumns;
       // The next chunk of an interleaved part is asked for ahead, or memory idles while the rows' arithmetic runs:
-      // by the VNNI build's int8 and int16 kernels a share each block (Ahead), but at one row only for Q6_K (the
-      // others are bound by memory already), and by the AVX2 build's so for 5 to kSpreadRowsBelow - 1 rows; else
-      // all at once where a tile is built (the AVX2 build's panels, the scalar build), and not for rows streamed (it
-      // halved them).
+      // by the VNNI build's int8 and int16 kernels a share each block (Ahead), but at one row only for the formats
+      // asks_ahead_at_one_row names (the others are bound by memory already), and by the AVX2 build's so for 5 to
+      // kSpreadRowsBelow - 1 rows; else all at once where a tile is built (the AVX2 build's panels, the scalar
+      // build), and not for rows streamed (it halved them).
       const Part& home = g.parts[tiles[t].part];
       const bool spread =
           g.kind != Arithmetic::kFloat &&
