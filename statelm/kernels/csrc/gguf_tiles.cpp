@@ -739,7 +739,8 @@ void build_q5_k(const Source& rows, int64_t superblocks, Sink& sink) {
     field_run(at, 0, 4, header);
     // words 0..7: qh. The VNNI build loads them before it works out the scales, so that the unit's lines are first
     // touched in the order they lie (as Q6_K's): after the scales, one row of Q5_K read 13 GB/s from memory at one
-    // thread (22 at two) against 18 (29). The AVX2 build's 16 registers hold them only after (two rows 8% slower).
+    // thread (22 at two) against 22-23 (28-32). The AVX2 build's 16 registers hold them only after (two rows 8%
+    // slower).
     if constexpr (kAskAhead) field_run(at, 16, 8, qh);
     k4_scales(header, s, sink);
     if constexpr (!kAskAhead) field_run(at, 16, 8, qh);

@@ -54,7 +54,7 @@ constexpr int64_t stream_rows_of(int64_t type) {
 // Whether one streamed row asks ahead (in the VNNI build, which asks from two rows on): Q6_K, whose one-row
 // arithmetic (six-bit levels from two fields, a scale every 16 values) takes as long as its bytes take to arrive,
 // so that memory idles unless asked (1.25-1.5x at one row), and the 32-value formats with a minimum or a fifth bit
-// (Q4_1, Q5_0, Q5_1: one row from memory 1.3-1.6x asked, Q5_0 1.0-1.1x); the others are bound by memory and only
+// (one row from memory asking: Q4_1 and Q5_1 1.3-1.6x, Q5_0 1.0-1.1x); the others are bound by memory and only
 // lose by it. The AVX2 build asks for each Q6_K superblock's lines at its start instead (ask_unit in gguf_tiles.cpp).
 constexpr bool asks_ahead_at_one_row(int64_t type) {
   return kAskAhead && (type == kQ6_K || type == kQ4_1 || type == kQ5_0 || type == kQ5_1);
