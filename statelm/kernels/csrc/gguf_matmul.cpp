@@ -332,11 +332,12 @@ void multiply(std::vector<Group>& groups) {
       // kSpreadRowsBelow - 1 rows; else all at once where a tile is built (the AVX2 build's panels, the scalar
       // build), and not for rows streamed (it halved them).
       const Part& home = g.parts[tiles[t].part];
+      const bool streamed = streams(*home.format, rows);  // as int8 rows (int_tile_chunk)
       const bool spread =
           g.kind != Arithmetic::kFloat &&
           (kAskAhead ? rows > 1 || (g.kind == Arithmetic::kInt8 && asks_ahead_at_one_row(home.format->type))
-                     : rows > kStreamRows && rows < kSpreadRowsBelow);
-      const bool at_once = !spread && (g.kind != Arithmetic::kInt8 || rows > kStreamRows);
+                     : !streamed && rows < kSpreadRowsBelow);
+      const bool at_once = !spread && (g.kind != Arithmetic::kInt8 || !streamed);
       const bool staged = stage_tiles(home, k);
       const Part part = staged ? staged_tile(home, tiles[t].column, k) : home;
       const int64_t column = staged ? 0 : tiles[t].column, count = tiles[t].count;

@@ -350,8 +350,7 @@ void dispatch(const Panel& panel, const IntRows& x, const int32_t* words, int64_
 
 void int_tile_chunk(const Part& part, int64_t column, int64_t tiles, int64_t first, int64_t values, const IntRows& x,
                     bool int16, const Ahead& ahead, float* acc) {
-  if (!int16 && tiles == 1 && streams(*part.format, x.rows) &&
-      stream_int8_rows(part, column, first, values, x, ahead, acc)) {
+  if (!int16 && tiles == 1 && stream_int8_rows(part, column, first, values, x, ahead, acc)) {
     return;
   }
   // int8 rows on a format the AVX2 build widens: the same exact sums in int16, of the rows' levels as pairs

@@ -966,6 +966,7 @@ Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int
 bool stream_int8_rows(const Part& part, int64_t column, int64_t first, int64_t values, const IntRows& x,
                       const Ahead& ahead, float* acc) {
 #if defined(STATELM_GGUF_AVX2)
+  if (x.rows > stream_rows_of(part.format->type)) return false;
   const auto stream = [&](const auto& rows) {
     switch (x.rows) {
       case 1: return stream_rows<1>(part, rows, first, values, x, ahead, acc);

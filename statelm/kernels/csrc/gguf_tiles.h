@@ -43,7 +43,7 @@ Int8Tile int8_tile_in_place(const Part& part, int64_t column, int64_t first, int
 
 // Rows too few to amortise a tile (stream_rows_of the format at most): the int8 arithmetic of x's rows on the tile's
 // columns, each decoded quad multiplied at once (acc [rows][kTileColumns] as int_tile_chunk's), asking for `ahead`
-// as it goes. False where the format or the build has no such path (then build a tile).
+// as it goes. False where the format, the build or the row count has no such path (then build a tile).
 constexpr int64_t kStreamRows = 4;
 // The most rows a format streams: kStreamRows, but two for Q4_K, Q5_K and Q6_K in the VNNI build, whose streamed
 // loops at three and four rows (a superblock's sums beside sixteen words a load) read from memory at 0.5-0.9x the
