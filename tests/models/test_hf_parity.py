@@ -61,7 +61,8 @@ VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 
 
 class PagedSequences:
-    """Test driver: gives sequences blocks in shuffled order and runs one flat forward per step."""
+    """Test driver: gives sequences blocks in shuffled order and runs one flat forward per step, on the model's
+    device."""
 
     def __init__(self, model: LlamaForCausalLM, num_blocks: int = 32, seed: int = 0) -> None:
         config = model.config
@@ -73,14 +74,14 @@ class PagedSequences:
             config.num_key_value_heads,
             config.head_dim,
             model.dtype,
-            "cpu",
+            model.device,
         )
         self.free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed)).tolist()
         self.tables: dict[int, list[int]] = {}
         self.lens: dict[int, int] = {}
 
     def step(self, chunks: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        """Feed each sequence its new tokens in one batched forward; return float32 logits per sequence."""
+        """Feed each sequence its new tokens in one batched forward; return float32 logits per sequence (on the CPU)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
@@ -97,16 +98,20 @@ class PagedSequences:
             query_start.append(query_start[-1] + len(tokens))
             self.lens[seq_id] = end
         width = max(len(self.tables[s]) for s in chunks)
+        device = self.model.device
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            block_tables=torch.tensor([self.tables[s] + [0] * (width - len(self.tables[s])) for s in chunks]),
+            slot_mapping=torch.tensor(slots, device=device),
+            block_tables=torch.tensor(
+                [self.tables[s] + [0] * (width - len(self.tables[s])) for s in chunks], device=device
+            ),
             query_lens=[len(t) for t in chunks.values()],
             seq_lens=[self.lens[s] for s in chunks],
             query_start=query_start,
         )
         with torch.inference_mode():
-            hidden = self.model(torch.tensor(ids), torch.tensor(positions), self.cache, meta)
-            logits = self.model.compute_logits(hidden)
+            ids_tensor, positions_tensor = torch.tensor(ids, device=device), torch.tensor(positions, device=device)
+            hidden = self.model(ids_tensor, positions_tensor, self.cache, meta)
+            logits = self.model.compute_logits(hidden).cpu()
         return {s: logits[query_start[i] : query_start[i + 1]] for i, s in enumerate(chunks)}
 
 
