@@ -4,8 +4,9 @@ Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qw
            [--types Q4_K_M,Q8_0]
            [--dir DIR] [--make-only] [bench.peers flags: --rounds 2 --concurrency 1,8 --output-tokens 64 ...]
 For each shape it writes (once) an F16 GGUF of that architecture's sizes with random weights (normal, std 0.02;
-norms 1; tied embeddings) and SmolLM2's vocabulary and chat template, taken from the bundled GGUF, and quantizes it
-with llama.cpp's `llama-quantize` (built with llama-server, see bench.peers) to each type. Then, per file, each
+norms 1; tied embeddings) and SmolLM2's vocabulary and chat template, taken from the bundled GGUF (a `-128k` shape
+pads the vocabulary to the model's own 128,256 tokens as llama.cpp's converter pads one, so that its embedding, LM
+head and logits are the real ones' size), and quantizes it with llama.cpp's `llama-quantize` (built with llama-server, see bench.peers) to each type. Then, per file, each
 server's first start (statelm with an empty model cache), and rounds of start / measure / stop, one server at a
 time, alternating (bench.peers): decode rates, time to first token, start-up, RSS after the workloads and at peak.
 Both servers get the same context: llama-server `-c slots * slot_ctx -np slots`, statelm a float16 KV cache of as
@@ -72,6 +73,7 @@ class Shape:
     sliding_window: int = 0  # Gemma: of its sliding layers (llama.cpp knows which layers they are)
     attn_softcap: float = 0.0  # Gemma 2: soft-capped attention scores and logits
     final_softcap: float = 0.0
+    vocab: int = 0  # 0: the bundled tokenizer's 49,152 tokens; more: those, then unused ones up to this size
 
     @property
     def head_dim(self) -> int:
@@ -81,6 +83,7 @@ class Shape:
 
 SHAPES = {
     "llama-3.2-1b": Shape("llama", 2048, 16, 32, 8, 8192, 500000.0, 1e-5),
+    "llama-3.2-1b-128k": Shape("llama", 2048, 16, 32, 8, 8192, 500000.0, 1e-5, vocab=128256),
     "llama-3.2-3b": Shape("llama", 3072, 28, 24, 8, 8192, 500000.0, 1e-5),
     "llama-3.1-8b": Shape("llama", 4096, 32, 32, 8, 14336, 500000.0, 1e-5),
     "qwen2.5-0.5b": Shape("qwen2", 896, 24, 14, 2, 4864, 1000000.0, 1e-6, qkv_bias=True),
@@ -188,7 +191,7 @@ def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
 
 def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
     """An F16 GGUF of the shape with random weights, written tensor by tensor."""
-    tokenizer = GGUFFile(resolve_source("default").path).header.fields
+    tokenizer = padded_vocabulary(dict(GGUFFile(resolve_source("default").path).header.fields), shape.vocab)
     vocab = len(tokenizer["tokenizer.ggml.tokens"])
     writer = GGUFWriter(path, arch=shape.arch)
     writer.add_name(f"random {name}")
@@ -234,6 +237,18 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
             values = rng.standard_normal(size, dtype=np.float32) * 0.02
             writer.write_tensor_data(values if tensor.endswith(ROUTER) else values.astype(np.float16))
     writer.close()
+
+
+def padded_vocabulary(fields: dict[str, Any], size: int) -> dict[str, Any]:
+    """The tokenizer fields padded up to `size` as llama.cpp's converter pads a vocabulary shorter than its
+    embedding: `[PAD<id>]` tokens of type unused (5), which no text produces and llama.cpp renders as nothing."""
+    tokens = list(fields["tokenizer.ggml.tokens"])
+    if size <= len(tokens):
+        return fields
+    types = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    extra = [f"[PAD{i}]" for i in range(len(tokens), size)]
+    assert not set(extra) & set(tokens)
+    return {**fields, "tokenizer.ggml.tokens": tokens + extra, "tokenizer.ggml.token_type": types + [5] * len(extra)}
 
 
 def model_file(directory: Path, name: str, qtype: str, llama_quantize: Path) -> Path:

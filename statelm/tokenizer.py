@@ -51,6 +51,7 @@ class Tokenizer:
         add_bos_token: bool = False,
         extra_eos_ids: Iterable[int] = (),
         append_tokens: Sequence[str] = (),
+        unused_ids: Iterable[int] = (),
     ) -> None:
         self.backend = backend
         self.bos_token = bos_token
@@ -60,6 +61,7 @@ class Tokenizer:
         self.add_bos_token = add_bos_token and self.bos_token_id is not None
         self.append_tokens = tuple(append_tokens)
         self._append_ids = [i for i in map(backend.token_to_id, self.append_tokens) if i is not None]
+        self._unused_ids = frozenset(unused_ids)  # a GGUF's padding tokens: rendered as no text, as llama.cpp does
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         added = backend.get_added_tokens_decoder()
         self._added_text = {i: tok.content for i, tok in added.items()}
@@ -124,6 +126,7 @@ class Tokenizer:
             add_bos_token=vocab.add_bos,
             extra_eos_ids=vocab.extra_eos_ids,
             append_tokens=vocab.append_tokens,
+            unused_ids=vocab.unused_ids,
         )
 
     @functools.cached_property
@@ -150,8 +153,9 @@ class Tokenizer:
         return ids + self._append_ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`."""
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        """Text of `ids` (a GGUF's unused tokens render as nothing)."""
+        kept = [i for i in ids if i not in self._unused_ids] if self._unused_ids else list(ids)
+        return self.backend.decode(kept, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         """Id of a vocabulary entry, or None."""
@@ -162,7 +166,9 @@ class Tokenizer:
         return token_id in self._special_ids
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes a token stands for (added tokens: their text)."""
+        """The raw bytes a token stands for (added tokens: their text; a GGUF's unused tokens: none)."""
+        if token_id in self._unused_ids:
+            return b""
         if token_id in self._added_text:
             return self._added_text[token_id].encode("utf-8")
         piece = self.backend.id_to_token(token_id)

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from statelm.gguf_vocab.models import (
     TOKEN_TYPE_CONTROL,
     TOKEN_TYPE_UNKNOWN,
+    TOKEN_TYPE_UNUSED,
     TOKEN_TYPE_USER_DEFINED,
     bpe_backend,
     bytes_to_unicode,
@@ -47,6 +48,7 @@ class GGUFVocab:
     add_bos: bool
     append_tokens: tuple[str, ...] = ()  # after the text (BERT's [SEP], T5's </s>)
     extra_eos_ids: list[int] = field(default_factory=list)
+    unused_ids: frozenset[int] = frozenset()  # tokens llama.cpp renders as no text (type unused)
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,7 @@ def build_gguf_vocab(fields: Mapping[str, Any]) -> GGUFVocab:
         add_bos=add_bos,
         append_tokens=append,
         extra_eos_ids=[int(i) for i in extra],
+        unused_ids=frozenset(i for i, kind in enumerate(token_types) if kind == TOKEN_TYPE_UNUSED),
     )
 
 

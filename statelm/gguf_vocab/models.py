@@ -16,6 +16,7 @@ TOKEN_TYPE_NORMAL = 1
 TOKEN_TYPE_UNKNOWN = 2
 TOKEN_TYPE_CONTROL = 3
 TOKEN_TYPE_USER_DEFINED = 4
+TOKEN_TYPE_UNUSED = 5  # a converter's padding up to the embedding's size: rendered as no text
 SPACE_MARK = "\u2581"  # SentencePiece's visible space
 
 

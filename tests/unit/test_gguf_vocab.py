@@ -151,6 +151,19 @@ def test_user_defined_tokens_keep_their_ids(vocab: Callable[[str], Tokenizer]) -
     assert tok.token_bytes(50276) == b"  "
 
 
+def test_unused_tokens_render_as_no_text(vocab: Callable[[str], Tokenizer]) -> None:
+    """A converter's padding ([PADn], type unused) is text llama.cpp never renders: nothing in a reply, no bytes."""
+    tok = vocab("nomic-bert-moe")
+    pad = tok.token_to_id("[PAD250001]")
+    assert pad is not None
+    hello = tok.encode("hello")
+    assert tok.decode([*hello, pad, *hello]) == tok.decode([*hello, *hello])
+    stream = IncrementalDetokenizer(tok)
+    assert "".join(stream.add(i) for i in [*hello, pad]) + stream.flush() == tok.decode(hello)
+    assert tok.token_bytes(pad) == b""
+    assert pad not in tok.encode("[PAD250001]")  # matched as text, never as the token
+
+
 def test_wordpiece_marks_word_starts(vocab: Callable[[str], Tokenizer]) -> None:
     tok = vocab("bert-bge")
     ids = tok.encode("tokenization")
