@@ -6,9 +6,10 @@ Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qw
 For each shape it writes (once) an F16 GGUF of that architecture's sizes with random weights (normal, std 0.02;
 norms 1; tied embeddings) and SmolLM2's vocabulary and chat template, taken from the bundled GGUF (a `-128k` shape
 pads the vocabulary to the model's own 128,256 tokens as llama.cpp's converter pads one, so that its embedding, LM
-head and logits are the real ones' size), and quantizes it with llama.cpp's `llama-quantize` (built with llama-server, see bench.peers) to each type. Then, per file, each
-server's first start (statelm with an empty model cache), and rounds of start / measure / stop, one server at a
-time, alternating (bench.peers): decode rates, time to first token, start-up, RSS after the workloads and at peak.
+head and logits are the real ones' size), and quantizes it with llama.cpp's `llama-quantize` (built with
+llama-server, see bench.peers) to each type. Then, per file, each server's first start (statelm with an empty model
+cache), and rounds of start / measure / stop, one server at a time, alternating (bench.peers): decode rates, time to
+first token, start-up, RSS after the workloads and at peak.
 Both servers get the same context: llama-server `-c slots * slot_ctx -np slots`, statelm a float16 KV cache of as
 many tokens.
 """
