@@ -5,8 +5,8 @@ Usage: .venv/bin/python -m bench.realsize [--shapes llama-3.2-1b,llama-3.2-3b,qw
            [--dir DIR] [--make-only] [bench.peers flags: --rounds 2 --concurrency 1,8 --output-tokens 64 ...]
 For each shape it writes (once) an F16 GGUF of that architecture's sizes with random weights (normal, std 0.02;
 norms 1; tied embeddings) and SmolLM2's vocabulary and chat template, taken from the bundled GGUF (a `-128k` shape
-pads the vocabulary to the model's own 128,256 tokens as llama.cpp's converter pads one, so that its embedding, LM
-head and logits are the real ones' size), and quantizes it with llama.cpp's `llama-quantize` (built with
+pads the vocabulary with made-up words to the model's own 128,256 tokens, so that its embedding, LM head and
+logits are the real ones' size), and quantizes it with llama.cpp's `llama-quantize` (built with
 llama-server, see bench.peers) to each type. Then, per file, each server's first start (statelm with an empty model
 cache), and rounds of start / measure / stop, one server at a time, alternating (bench.peers): decode rates, time to
 first token, start-up, RSS after the workloads and at peak.
@@ -17,8 +17,10 @@ many tokens.
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import shlex
+import string
 import subprocess
 import sys
 import tempfile
@@ -241,15 +243,17 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
 
 
 def padded_vocabulary(fields: dict[str, Any], size: int) -> dict[str, Any]:
-    """The tokenizer fields padded up to `size` as llama.cpp's converter pads a vocabulary shorter than its
-    embedding: `[PAD<id>]` tokens of type unused (5), which no text produces and llama.cpp renders as nothing."""
+    """The tokenizer fields padded up to `size` with made-up words (a space and four letters, byte-level): normal
+    tokens that render text as a real vocabulary's do, so that a stream has a chunk for every token it samples
+    (the merges never produce them: a reply's text tokenizes back into the file's own tokens)."""
     tokens = list(fields["tokenizer.ggml.tokens"])
     if size <= len(tokens):
         return fields
     types = list(fields.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    extra = [f"[PAD{i}]" for i in range(len(tokens), size)]
-    assert not set(extra) & set(tokens)
-    return {**fields, "tokenizer.ggml.tokens": tokens + extra, "tokenizer.ggml.token_type": types + [5] * len(extra)}
+    taken = set(tokens)
+    words = ("\u0120" + "".join(letters) for letters in itertools.product(string.ascii_lowercase, repeat=4))
+    extra = list(itertools.islice((word for word in words if word not in taken), size - len(tokens)))
+    return {**fields, "tokenizer.ggml.tokens": tokens + extra, "tokenizer.ggml.token_type": types + [1] * len(extra)}
 
 
 def model_file(directory: Path, name: str, qtype: str, llama_quantize: Path) -> Path:
