@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # statelm's GPU run on a lent machine, as one prepared script: the device, the environment, the GPU-marked tests,
 # the real server on the default model on CUDA (batch invariance and session exactness through the OpenAI SDK),
-# then bench/gpu.py at Llama-3-8B's shape (left out with a budget of 0). Every result lands in $OUT (at most 8 files come back).
+# then bench/gpu.py at Llama-3-8B's shape (left out with a budget of 0). Every result lands in $OUT (at most 8
+# files come back).
 #
 # The default model (98 MB) is larger than one device call carries (64 MiB), so it travels in two halves, split
 # here from the installed package:

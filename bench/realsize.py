@@ -76,7 +76,7 @@ class Shape:
     sliding_window: int = 0  # Gemma: of its sliding layers (llama.cpp knows which layers they are)
     attn_softcap: float = 0.0  # Gemma 2: soft-capped attention scores and logits
     final_softcap: float = 0.0
-    vocab: int = 0  # 0: the bundled tokenizer's 49,152 tokens; more: those, then unused ones up to this size
+    vocab: int = 0  # 0: the bundled tokenizer's 49,152 tokens; more: those, then made-up words (padded_vocabulary)
 
     @property
     def head_dim(self) -> int:

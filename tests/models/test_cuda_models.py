@@ -24,7 +24,14 @@ from statelm.models.variants import model_class
 from tests.models import test_hf_parity, test_variant_parity
 from tests.models.engine_run import generate
 from tests.models.test_cuda_engine import engine_for
-from tests.models.test_hf_parity import DECODE_STEPS, PROMPT_LEN, PagedSequences, hf_logits, random_tokens
+from tests.models.test_hf_parity import (
+    DECODE_STEPS,
+    PROMPT_LEN,
+    PagedSequences,
+    hf_logits,
+    prefill_then_decode,
+    random_tokens,
+)
 from tests.models.tiny_checkpoints import make_tiny_checkpoint
 from tests.models.tiny_gguf import write_gguf_from_checkpoint, write_tiny_gguf
 from tests.unit.gguf_blocks import FORMATS
@@ -45,7 +52,7 @@ def logits_on_every_path(model: LlamaForCausalLM, tokens: list[int]) -> dict[str
     found = {}
     for path in compute_paths(model):
         use_compute_path(model, path)
-        found[path] = test_hf_parity.prefill_then_decode(PagedSequences(model), tokens, PROMPT_LEN)
+        found[path] = prefill_then_decode(PagedSequences(model), tokens, PROMPT_LEN)
     return found
 
 
@@ -77,7 +84,7 @@ def test_a_gguf_dequantized_on_the_gpu_computes_what_the_cpu_does(qtype: Q, tmp_
     on_gpu = load_model(str(path), CUDA, torch.float32, chunking=RowChunking.batch_invariant(), quantization="auto")
     tokens = random_tokens(PROMPT_LEN + DECODE_STEPS, on_cpu.config.vocab_size, seed=2)
     use_compute_path(on_cpu.model, "torch")
-    expected = test_hf_parity.prefill_then_decode(PagedSequences(on_cpu.model), tokens, PROMPT_LEN)
+    expected = prefill_then_decode(PagedSequences(on_cpu.model), tokens, PROMPT_LEN)
     found = logits_on_every_path(on_gpu.model, tokens)
     errors = relative_errors(found, expected)
     assert max(errors.values()) <= TOLERANCE, errors
