@@ -25,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -194,7 +195,7 @@ def tensor_shapes(shape: Shape, vocab: int) -> dict[str, tuple[int, ...]]:
 
 def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
     """An F16 GGUF of the shape with random weights, written tensor by tensor."""
-    tokenizer = padded_vocabulary(dict(GGUFFile(resolve_source("default").path).header.fields), shape.vocab)
+    tokenizer = padded_vocabulary(GGUFFile(resolve_source("default").path).header.fields, shape.vocab)
     vocab = len(tokenizer["tokenizer.ggml.tokens"])
     writer = GGUFWriter(path, arch=shape.arch)
     writer.add_name(f"random {name}")
@@ -242,7 +243,7 @@ def write_f16(path: Path, name: str, shape: Shape, seed: int = 0) -> None:
     writer.close()
 
 
-def padded_vocabulary(fields: dict[str, Any], size: int) -> dict[str, Any]:
+def padded_vocabulary(fields: Mapping[str, Any], size: int) -> Mapping[str, Any]:
     """The tokenizer fields padded up to `size` with made-up words (a space and four letters, byte-level): normal
     tokens that render text as a real vocabulary's do, so that a stream has a chunk for every token it samples
     (the merges never produce them: a reply's text tokenizes back into the file's own tokens)."""
