@@ -184,6 +184,15 @@ class EngineConfig:
         " a follow-up resending the conversation finds it | --no-refresh-replies: no such background work.",
         flag="--refresh-replies",
     )
+    speculative_tokens: int | None = setting(
+        None,
+        help="Most tokens of a draft a decoding sequence verifies in a step: the tokens that followed the latest"
+        " earlier occurrence of its last 3 (or 2) tokens in its own text (prompt lookup); a reply that quotes its"
+        " prompt (a document, code being edited) gets up to N+1 tokens a step, the same tokens and logprobs as"
+        " one at a time where the compute path is batch-invariant. Drafts run while at most 4 sequences do"
+        " (default: 4 on a CPU whose compute path the self-check verified, else 0; 0: off).",
+        minimum=0,
+    )
     pinned_kv_fraction: float = setting(
         0.5, help="Share of the KV cache that cache_control pins may hold, all keys (0: no pins).", minimum=0, maximum=1
     )

@@ -76,6 +76,7 @@ class ServingMetrics:
         self.journal = JournalCounters()
         registry.register(CounterCollector(lambda: self.journal, JOURNAL_FIGURES))
         registry.register(CounterCollector(lambda: engine.stats().cache_pins, PIN_FIGURES))
+        registry.register(CounterCollector(engine.stats, DRAFT_FIGURES))
 
     def watch_storage(self, health: StorageHealth, owed: Callable[[], int]) -> None:
         """Export the state store's condition, room, owed writes, failures and refusals (owed: how many writes)."""
@@ -153,6 +154,10 @@ JOURNAL_FIGURES = [  # JournalCounters, updated by the journal's worker threads
     ("statelm_journal_failures", "Session journal writes that failed or were skipped", "failures"),
     ("statelm_journal_write_seconds", "Seconds session journal writes took (fsync included)", "write_seconds"),
     ("statelm_journal_slow_writes", "Session journal writes that took a second or more", "slow_writes"),
+]
+DRAFT_FIGURES = [  # EngineStats: drafts of prompt lookup (--speculative-tokens)
+    ("statelm_draft_tokens", "Draft tokens (prompt lookup) verified in a step's forward", "draft_tokens"),
+    ("statelm_draft_tokens_accepted", "Draft tokens that were the sequence's next tokens", "draft_tokens_accepted"),
 ]
 PIN_FIGURES = [  # CachePinCounters, of the engine's latest stats
     ("statelm_cache_pins_created", "Prefixes pinned by cache_control", "created"),

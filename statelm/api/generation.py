@@ -110,6 +110,8 @@ class ChoiceText:
         last = len(output.new_token_ids) - 1
         ended_by_token = output.finished and output.ended_by_token
         for position, token_id in enumerate(output.new_token_ids):
+            if self.matcher.stopped:
+                break  # a verified draft's tokens after a stop string were never the reply's, as one at a time
             self.token_ids.append(token_id)
             if ended_by_token and position == last:
                 break

@@ -93,6 +93,8 @@ class EngineStats:
     kv_blocks_pinned: int = 0  # of prefixes pinned by cache pins, held or free
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache since start
     prefix_hit_tokens: int = 0  # of which found there
+    draft_tokens: int = 0  # tokens of drafts (prompt lookup) verified since start
+    draft_tokens_accepted: int = 0  # of which the sequences' next tokens
     cache_pins: CachePinCounters = field(default_factory=CachePinCounters)
 
     @property

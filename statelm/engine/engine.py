@@ -15,6 +15,7 @@ import torch
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.client import EngineStats, RequestOutput
 from statelm.engine.kv_manager import KVManager
+from statelm.engine.prompt_lookup import PromptLookup
 from statelm.engine.runner import ModelRunner
 from statelm.engine.sampler import Sampled, TokenLogprob, make_generator, sample
 from statelm.engine.scheduler import ScheduledChunk, Scheduler
@@ -31,6 +32,8 @@ REPLY_REFRESH_IDLE_S = 0.25
 # how long one step of it may keep a request that comes meanwhile waiting: it is stopped only between steps, and a
 # whole step's budget of prompt rows takes seconds on a model of billions of weights
 IDLE_STEP_S = 0.05
+# sequences running at most for drafts to be verified: a larger batch's step already serves its weights to many rows
+SPECULATION_MAX_RUNNING = 4
 
 
 class Engine:
@@ -48,6 +51,7 @@ class Engine:
         vocab_size: int | None = None,
         decoded_kv_exact: bool = False,
         refresh_replies: bool = True,
+        speculative_tokens: int = 0,
     ) -> None:
         self.runner = runner
         self.vocab_size = vocab_size  # ids the tokenizer knows; logit columns past them (padding) are never sampled
@@ -60,6 +64,8 @@ class Engine:
         # they are; else only prompt rows' are, and a session's decoded tail is computed again as prompt rows
         self.decoded_kv_exact = decoded_kv_exact
         self.sessions = SessionKVStore(self.kv, decoded_kv_exact)
+        self.speculative_tokens = speculative_tokens  # a draft's most tokens (prompt lookup); 0: none
+        self.draft_tokens = self.draft_tokens_accepted = 0  # verified since start, and taken
         self.failed_steps_in_a_row = 0  # forward passes that raised since the last one that worked
         self.generator = make_generator(None, runner.device)  # unseeded rows' draws, one call per step
         self.scheduler = Scheduler(self.kv, max_num_seqs, max_num_batched_tokens, self.sessions)
@@ -103,6 +109,7 @@ class Engine:
                 session_id=session_id,
                 index=index,
                 generator=self._seeded_generator(params, index),
+                lookup=PromptLookup(self.speculative_tokens) if self.speculative_tokens else None,
             )
             for index in range(params.n)
         ]
@@ -162,6 +169,8 @@ class Engine:
             kv_blocks_pinned=pool.cache_pins.num_pinned_blocks,
             prefix_queried_tokens=pool.queried_tokens,
             prefix_hit_tokens=pool.hit_tokens,
+            draft_tokens=self.draft_tokens,
+            draft_tokens_accepted=self.draft_tokens_accepted,
             cache_pins=dataclasses.replace(pool.cache_pins.counters),
         )
 
@@ -173,6 +182,7 @@ class Engine:
         """
         self.kv.expire_cache_pins()
         self._refresh_replies_when_idle()
+        self._propose_drafts()
         chunks = self.scheduler.schedule()
         self.last_step_ran = bool(chunks)
         self.latest_stats = self.stats()
@@ -203,7 +213,7 @@ class Engine:
             seq = chunk.seq
             if seq.first_scheduled_at is None:
                 seq.first_scheduled_at = started
-            seq.num_computed_tokens += chunk.num_tokens
+            seq.num_computed_tokens += chunk.num_tokens - len(seq.draft)  # a draft's rows count once verified
             self.kv.publish(seq.block_table, seq.tokens, seq.num_exact_tokens(self.decoded_kv_exact))
             if seq.pending_cache_pins:
                 self.kv.pin_published(seq.block_table, seq.pending_cache_pins)
@@ -214,9 +224,49 @@ class Engine:
         embedded = [self._embedded(chunk.seq) for chunk in chunks if chunk.seq.pooled is not None]
         rows = [row for row, seq in enumerate(result.sampling_seqs) for _ in range(1 + len(seq.forks))]
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
-        logits = result.logits[rows] if len(rows) > len(result.sampling_seqs) else result.logits
-        sampled = sample(logits[:, : self.vocab_size], seqs, self.generator)
-        return [output for output in embedded if output is not None] + self._record(seqs, sampled, time.perf_counter())
+        logits = result.logits[: len(result.sampling_seqs), : self.vocab_size]
+        logits = logits[rows] if len(rows) > len(result.sampling_seqs) else logits
+        drafts = {seq: rows[:, : self.vocab_size] for seq, rows in result.draft_logits().items()}
+        recorded = self._record(seqs, sample(logits, seqs, self.generator), time.perf_counter(), drafts)
+        return [output for output in embedded if output is not None] + recorded
+
+    def _propose_drafts(self) -> None:
+        """Give each decoding sequence a draft of its next tokens from its own text, while few sequences run; a draft
+        never runs past the sequence's max_tokens or context."""
+        running = self.scheduler.running
+        for seq in running:
+            seq.draft = []
+            if seq.lookup is None or seq.forks or seq.num_uncomputed_tokens != 1 or not seq.num_output_tokens:
+                continue
+            if len(running) <= SPECULATION_MAX_RUNNING:
+                room = min(seq.params.max_tokens - seq.num_output_tokens, seq.max_total_tokens - seq.num_tokens)
+                seq.draft = seq.lookup.propose(seq.tokens, room - 1)
+
+    def _take_draft(
+        self, seq: Sequence, logits: torch.Tensor, tokens: list[int], logprobs: list[TokenLogprob] | None
+    ) -> None:
+        """Verify seq's draft after its step's token: while the token just sampled is the draft's next one, that draft
+        token's K/V (computed this step) are the sequence's and its row samples the token after it, as the next step
+        would have (batch invariance: a row's logits do not depend on the rows beside it); its tokens join `tokens`."""
+        draft, seq.draft = seq.draft, []
+        taken = 0
+        while taken < len(draft) and not seq.is_finished and seq.tokens[-1] == draft[taken]:
+            (outcome,) = sample(logits[taken : taken + 1], [seq], self.generator)
+            if outcome.error is not None:
+                break  # the next step samples this row again, and reports its error
+            seq.num_computed_tokens += 1
+            taken += 1
+            seq.append_token(outcome.token_id)
+            tokens.append(outcome.token_id)
+            if logprobs is not None and outcome.logprob is not None:
+                logprobs.append(outcome.logprob)
+        assert seq.lookup is not None
+        seq.lookup.record(len(draft), taken)
+        self.draft_tokens += len(draft)
+        self.draft_tokens_accepted += taken
+        self.kv.trim(seq.block_table, seq.num_tokens)
+        if taken:
+            self.kv.publish(seq.block_table, seq.tokens, seq.num_exact_tokens(self.decoded_kv_exact))
 
     def _embedded(self, seq: Sequence) -> RequestOutput | None:
         """An embedding's output once its whole prompt has run (its vector pooled), else None."""
@@ -228,8 +278,15 @@ class Engine:
         output.embedding = seq.pooled.result()
         return output
 
-    def _record(self, seqs: list[Sequence], sampled: list[Sampled], produced_at: float) -> list[RequestOutput]:
-        """Append sampled tokens and start the forks of first samples; a row that failed fails its request."""
+    def _record(
+        self,
+        seqs: list[Sequence],
+        sampled: list[Sampled],
+        produced_at: float,
+        drafts: Mapping[Sequence, torch.Tensor],
+    ) -> list[RequestOutput]:
+        """Append sampled tokens (and what each draft, given its rows' logits, adds) and start the forks of first
+        samples; a row that failed fails its request."""
         outputs: list[RequestOutput] = []
         failed: set[str] = set()
         for seq, outcome in zip(seqs, sampled, strict=True):
@@ -241,11 +298,13 @@ class Engine:
             if seq.request_id in failed:
                 continue
             seq.append_token(outcome.token_id)
+            tokens, logprobs = [outcome.token_id], None if outcome.logprob is None else [outcome.logprob]
+            if seq in drafts:
+                self._take_draft(seq, drafts[seq], tokens, logprobs)
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 self._refresh_reply(seq)
-            logprobs = None if outcome.logprob is None else [outcome.logprob]
-            outputs.append(self._output(seq, [outcome.token_id], logprobs, produced_at))
+            outputs.append(self._output(seq, tokens, logprobs, produced_at))
         self.scheduler.add_ahead([fork for fork in forks if not fork.is_finished])
         return outputs
 

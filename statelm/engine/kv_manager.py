@@ -66,6 +66,12 @@ class KVManager:
         table.blocks.extend(self.pool.allocate(missing))
         return True
 
+    def trim(self, table: BlockTable, num_tokens: int) -> None:
+        """Free table's blocks past those holding its first num_tokens tokens (a draft's rows that were not taken)."""
+        keep = self.pool.blocks_needed(num_tokens)
+        self.pool.release(table.blocks[keep:])
+        del table.blocks[keep:]
+
     def start_from_cache(self, table: BlockTable, tokens: Sequence[int], counted: bool = True) -> int:
         """Fill the empty table with the prefix cache's blocks of the longest cached prefix of tokens (leaving at
         least one token to compute): whole blocks shared, then the first tokens of the block after them copied from

@@ -16,10 +16,21 @@ from statelm.models.llama import LlamaForCausalLM
 
 @dataclass
 class ForwardResult:
-    """Logits for the sequences whose last token was computed this step, in the same order."""
+    """Logits for the sequences whose last token was computed this step, in the same order: a row each, then the
+    rows of their drafts' tokens, sequence after sequence."""
 
     sampling_seqs: list[Sequence]
-    logits: torch.Tensor  # [len(sampling_seqs), vocab] float32
+    logits: torch.Tensor  # [len(sampling_seqs) + their drafts' tokens, vocab] float32
+
+    def draft_logits(self) -> dict[Sequence, torch.Tensor]:
+        """The logits of each draft's rows (a row predicts the token after its draft token), by sequence."""
+        drafts: dict[Sequence, torch.Tensor] = {}
+        start = len(self.sampling_seqs)
+        for seq in self.sampling_seqs:
+            if seq.draft:
+                drafts[seq] = self.logits[start : start + len(seq.draft)]
+                start += len(seq.draft)
+        return drafts
 
 
 class ModelRunner:
@@ -69,6 +80,7 @@ class ModelRunner:
         query_start = [0]
         sample_rows: list[int] = []
         sampling_seqs: list[Sequence] = []
+        draft_rows: list[int] = []  # rows of the drafts' tokens (ForwardResult.draft_logits)
         is_prompt: list[bool] = []
         tables: list[list[int]] = []
         size = self.block_size
@@ -77,6 +89,7 @@ class ModelRunner:
             end = start + chunk.num_tokens
             blocks = seq.block_table.blocks
             input_ids.extend(seq.tokens[start:end])
+            input_ids.extend(seq.draft)  # a draft follows the chunk's last token (Scheduler._keep_draft)
             positions.extend(range(start, end))
             slots.extend(blocks[position // size] * size + position % size for position in range(start, end))
             prompt_len = len(seq.prompt_ids)
@@ -85,9 +98,10 @@ class ModelRunner:
             query_lens.append(chunk.num_tokens)
             seq_lens.append(end)
             query_start.append(query_start[-1] + chunk.num_tokens)
-            if end == seq.num_tokens and seq.samples:
-                sample_rows.append(query_start[-1] - 1)
+            if end == seq.num_tokens + len(seq.draft) and seq.samples:
+                sample_rows.append(query_start[-1] - 1 - len(seq.draft))
                 sampling_seqs.append(seq)
+                draft_rows.extend(range(query_start[-1] - len(seq.draft), query_start[-1]))
         width = max(len(blocks) for blocks in tables)
         block_tables = torch.tensor([blocks + [0] * (width - len(blocks)) for blocks in tables], dtype=torch.int64)
         meta = AttentionMetadata(
@@ -108,7 +122,7 @@ class ModelRunner:
         for chunk, start in zip(chunks, query_start, strict=False):
             if chunk.seq.pooled is not None:
                 chunk.seq.pooled.add(hidden[start : start + chunk.num_tokens], chunk.seq.num_computed_tokens)
-        rows = torch.tensor(sample_rows, dtype=torch.int64)
+        rows = torch.tensor(sample_rows + draft_rows, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[rows.to(self.device)], prompt_rows[rows])
         return ForwardResult(sampling_seqs, logits)
 

@@ -13,7 +13,7 @@ from statelm.engine.session_kv import SessionKVStore
 
 @dataclass
 class ScheduledChunk:
-    """num_tokens uncomputed tokens of seq to run through the model this step."""
+    """num_tokens uncomputed tokens of seq to run through the model this step (its draft's tokens last, if any)."""
 
     seq: Sequence
     num_tokens: int
@@ -84,6 +84,7 @@ class Scheduler:
             count = chunk_tokens(seq, budget)
             if not self._reserve(seq, count):
                 continue
+            count += self._keep_draft(seq, count, budget - count)
             chunks.append(ScheduledChunk(seq, count))
             budget -= count
         for seq in list(self.waiting):
@@ -155,11 +156,21 @@ class Scheduler:
                 return False
         return True
 
+    def _keep_draft(self, seq: Sequence, count: int, budget: int) -> int:
+        """How many rows of a running seq's draft follow its `count` rows: as many as the step's budget and the free
+        blocks hold (a draft preempts nothing and spills no session), and none unless its last token is computed too."""
+        draft = seq.draft[:budget] if count == seq.num_uncomputed_tokens else []
+        if draft and not self.kv.grow(seq.block_table, seq.num_tokens + len(draft)):
+            draft = []
+        seq.draft = draft
+        return len(draft)
+
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's blocks and queue it to be recomputed first."""
         self.running.remove(seq)
         self.kv.free(seq.block_table)
         seq.num_computed_tokens = 0
+        seq.draft = []
         seq.status = SequenceStatus.WAITING
         self.waiting.appendleft(seq)
 

@@ -12,6 +12,7 @@ from statelm.engine.cache_pins import CachePinRequest
 from statelm.engine.grammar import CompiledGrammar
 from statelm.engine.guidance import GuideStop, OutputGuide, ReasoningBudget
 from statelm.engine.kv_manager import BlockTable
+from statelm.engine.prompt_lookup import PromptLookup
 from statelm.engine.repetition import RepetitionConfig
 from statelm.models.pooling import PooledRows
 
@@ -95,6 +96,8 @@ class Sequence:
     generator: torch.Generator | None = None  # a seeded choice's own; unseeded ones draw from the engine's
     first_scheduled_at: float | None = None  # time.perf_counter() when its first chunk ran
     max_chunk_tokens: int | None = None  # at most this many rows a step (idle-time work, which must give way soon)
+    lookup: PromptLookup | None = None  # drafts its next tokens from its own text (--speculative-tokens)
+    draft: list[int] = field(default_factory=list)  # this step's guess of the tokens after `tokens`, verified by it
     tokens: list[int] = field(init=False)  # prompt then output, the sequence's whole token list
     guide: OutputGuide | None = field(init=False)  # grammar, reasoning budget and repetition stop, if any is asked for
     ended_by_token: bool = field(init=False, default=False)  # its last token ended it and is not output text (EOS…)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 import openai
 import pytest
@@ -54,3 +56,30 @@ def test_bad_token_requests(api: httpx.Client, path: str, body: dict, status: in
     response = api.post(path, json=body)
     assert response.status_code == status, response.text
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_reply_from_verified_drafts_streams_and_counts_as_one_at_a_time(
+    client: openai.OpenAI, api: httpx.Client, model_name: str
+) -> None:
+    """The tiny model's greedy reply to this prompt repeats itself: prompt lookup drafts it, and the streamed text, the
+    logprobs and the usage are those of the whole reply."""
+    before = draft_figures(api)
+    body = {"model": model_name, "prompt": "0 " + "a b c d e f g " * 8, "max_tokens": 40, "temperature": 0}
+    whole = client.completions.create(**body, logprobs=1)
+    streamed = list(client.completions.create(**body, logprobs=1, stream=True, stream_options={"include_usage": True}))
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == whole.choices[0].text
+    logprobs = [chunk.choices[0].logprobs for chunk in streamed if chunk.choices and chunk.choices[0].logprobs]
+    tokens = [token for part in logprobs for token in part.tokens]
+    assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == 40
+    assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens == 40
+    proposed, accepted = (after - start for after, start in zip(draft_figures(api), before, strict=True))
+    assert accepted >= 10 and proposed >= accepted
+
+
+def draft_figures(api: httpx.Client) -> tuple[float, float]:
+    """/metrics' draft tokens verified and accepted."""
+    text = api.get("/metrics").text
+    return tuple(  # type: ignore[return-value]
+        float(re.search(rf"^{name}_total ([0-9.e+]+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
+        for name in ("statelm_draft_tokens", "statelm_draft_tokens_accepted")
+    )

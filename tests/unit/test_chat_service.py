@@ -130,13 +130,23 @@ def test_an_engine_failure_fails_the_request_and_drops_the_session_turn(tokenize
 
 def test_metrics_read_the_engines_stats(tokenizer: Tokenizer) -> None:
     engine = FakeEngine(reply=[1])
-    engine._stats = EngineStats(running=3, waiting=2, kv_blocks_used=5, prefix_queried_tokens=10, prefix_hit_tokens=4)
+    engine._stats = EngineStats(
+        running=3,
+        waiting=2,
+        kv_blocks_used=5,
+        prefix_queried_tokens=10,
+        prefix_hit_tokens=4,
+        draft_tokens=8,
+        draft_tokens_accepted=5,
+    )
     text = ServingMetrics(engine).render().decode()
     for line in (
         "statelm_requests_running 3.0",
         "statelm_requests_waiting 2.0",
         "statelm_kv_blocks_used 5.0",
         "statelm_prefix_cache_hit_rate 0.4",
+        "statelm_draft_tokens_total 8.0",
+        "statelm_draft_tokens_accepted_total 5.0",
     ):
         assert line in text
 

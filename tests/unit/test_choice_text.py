@@ -91,3 +91,24 @@ def test_each_delta_carries_exactly_its_tokens(tokenizer: Tokenizer, stop: str |
     for delta in aligned:
         assert b"".join(tokenizer.token_bytes(t.logprob.token_id) for t in delta.tokens) == delta.text.encode()
     assert any(len(delta.tokens) > 1 for delta in deltas)  # the split characters went out with their tokens
+
+
+@pytest.mark.parametrize("stop", [None, "STOP", "ö", "more"])
+def test_outputs_of_several_tokens_give_what_one_at_a_time_gives(tokenizer: Tokenizer, stop: str | None) -> None:
+    """A verified draft's tokens come in one output: a stop string among them ends the reply where it would have, and
+    the tokens after it are not the reply's (nor counted)."""
+    ids = tokenizer.encode(TEXT)
+    stops = [stop] if stop else []
+    by_one = run(tokenizer, ids, stops)
+    several = ChoiceText(tokenizer, stops, 0, align_to_tokens=True)
+    deltas = []
+    for start in range(0, len(ids), 3):
+        group = ids[start : start + 3]
+        last = start + 3 >= len(ids)
+        logprobs = [TokenLogprob(token_id, -0.5, ()) for token_id in group]
+        output = RequestOutput("r", group, last, FinishReason.LENGTH if last else None, 3, 0, logprobs=logprobs)
+        deltas.append(several.add(output))
+        if several.finish_reason is not None:
+            break
+    assert joined(deltas) == joined(by_one) and deltas[-1].finish_reason == by_one[-1].finish_reason
+    assert deltas[-1].token_ids == by_one[-1].token_ids
