@@ -2,9 +2,10 @@
 
 Usage: .venv/bin/python -m bench.speculation [--llama-server PATH] [--model default] [--draft-tokens 4]
            [--max-tokens 256] [--rounds 2] [--json PATH]
-One stream, greedy, streamed. Each task is a chat request built from this repository's own text: repeat a
-paragraph, edit a function and show it whole, answer a question about a document by quoting it, and write a story
-(nothing to quote: what a draft that misses costs). The servers, one at a time, order alternating over the rounds:
+One stream, streamed. Each task is a chat request built from this repository's own text, greedy: repeat a
+paragraph, edit a function and show it whole, answer a question about a document by quoting it, write a story
+(nothing to quote, though a small model's greedy story may repeat itself); and the story sampled (temperature 0.8,
+seeded): what drafts that miss cost. The servers, one at a time, order alternating over the rounds:
 statelm without drafts (--speculative-tokens 0), statelm with them, and llama-server on the same GGUF (default
 settings, no speculation) where given. Per task: decode tokens a second (the reply's tokens after the first over
 the time between the first and last content chunks), the best of the rounds; the share of verified draft tokens
@@ -28,10 +29,12 @@ import httpx
 
 from bench.common import ROOT, launch, machine_report, start_server
 from bench.peers import find_llama_server, llama_version, stop
-from bench.throughput import fmt, make_target, timed_request
+from bench.throughput import RequestResult, fmt, make_target, timed_request
 from statelm.models.loader import resolve_source
 
 STATELM_PORT, LLAMA_PORT = 8794, 8795
+STORY = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+SAMPLED_STORY = "write a story, sampled"  # temperature 0.8, seeded: the greedy story may repeat itself, this one not
 
 
 def paragraph(path: str, start: str, lines: int) -> str:
@@ -51,7 +54,8 @@ def tasks() -> dict[str, str]:
         "edit code": f"Rename the variable `missing` to `lacking` in this Python method and show the whole method.\n\n"
         f"```python\n{code}\n```",
         "quote a document": f"{doc}\n\nQuote the sentences of this document that say what a session keeps.",
-        "write a story": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "write a story": STORY,
+        SAMPLED_STORY: STORY,
     }
 
 
@@ -76,31 +80,45 @@ def draft_counts(port: int) -> tuple[float, float]:
 
 
 async def run_tasks(server: Server, prompts: dict[str, str], max_tokens: int) -> dict[str, dict[str, object]]:
-    """Each task once against a running server: decode rate, reply text and (with drafts) draft tokens."""
-    target = make_target(server.label, f"http://127.0.0.1:{server.port}", None, False, 600)
-    target.model = (await target.client.models.list()).data[0].id
-    await timed_request(target, 0, "Say hello.", 8, 600)  # warm-up
+    """Each task once against a running server: decode rate, reply text and (with drafts) draft tokens. A client a
+    request: a connection idle between tasks may have been closed by the server."""
+    await one_request(server, 0, "Say hello.", 8)  # warm-up
     results: dict[str, dict[str, object]] = {}
     for request_id, (name, prompt) in enumerate(prompts.items(), start=1):
         before = draft_counts(server.port) if server.drafts else (0.0, 0.0)
-        result = await timed_request(target, request_id, prompt, max_tokens, 600)
+        temperature = 0.8 if name == SAMPLED_STORY else 0.0
+        result = await one_request(server, request_id, prompt, max_tokens, temperature)
         if not result.ok:
             raise SystemExit(f"{server.label}: {name}: {result.error}")
-        after = draft_counts(server.port) if server.drafts else (0.0, 0.0)
+        verified, taken = (
+            (after - start for after, start in zip(draft_counts(server.port), before, strict=True))
+            if server.drafts
+            else (0.0, 0.0)
+        )
         results[name] = {
             "decode_tok_s": result.decode_tok_s,
             "completion_tokens": result.completion_tokens,
             "text": result.text,
-            "draft_tokens": after[0] - before[0],
-            "draft_tokens_accepted": after[1] - before[1],
+            "draft_tokens": verified,
+            "draft_tokens_accepted": taken,
         }
+        drafts = f", drafts {taken:.0f} of {verified:.0f} taken" if server.drafts else ""
         print(
-            f"  {name}: {result.completion_tokens} tokens, {fmt(result.decode_tok_s)} decode tok/s"
-            + (f", drafts {after[1] - before[1]:.0f} of {after[0] - before[0]:.0f} taken" if server.drafts else ""),
-            flush=True,
+            f"  {name}: {result.completion_tokens} tokens, {fmt(result.decode_tok_s)} decode tok/s{drafts}", flush=True
         )
-    await target.client.close()
     return results
+
+
+async def one_request(
+    server: Server, request_id: int, prompt: str, max_tokens: int, temperature: float = 0.0
+) -> RequestResult:
+    """One streamed chat request on a client of its own."""
+    target = make_target(server.label, f"http://127.0.0.1:{server.port}", None, False, 600)
+    target.model = (await target.client.models.list()).data[0].id
+    try:
+        return await timed_request(target, request_id, prompt, max_tokens, 600, temperature=temperature)
+    finally:
+        await target.client.close()
 
 
 def main() -> None:
@@ -130,7 +148,11 @@ def main() -> None:
             drafts=True,
         ),
     ]
-    header = [machine_report(), f"model: {gguf}", f"settings: one stream, greedy, max_tokens {args.max_tokens}"]
+    header = [
+        machine_report(),
+        f"model: {gguf}",
+        f"settings: one stream, greedy but the sampled story, max_tokens {args.max_tokens}",
+    ]
     if args.llama_server is not None:
         llama = find_llama_server(args.llama_server)
         command = [

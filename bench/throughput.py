@@ -110,9 +110,11 @@ async def timed_request(
     max_tokens: int,
     timeout: float,
     history: list[dict[str, str]] | None = None,
+    temperature: float = 0.0,
 ) -> RequestResult:
-    """Stream one greedy completion of prompt (a user message after the messages of history); time the content
-    chunks, keep the reply's text and read the usage chunk."""
+    """Stream one completion of prompt (a user message after the messages of history), greedy unless a temperature
+    is given (then seeded with the request id); time the content chunks, keep the reply's text and read the usage
+    chunk."""
     result = RequestResult(request_id=request_id, ok=False)
     arrivals: list[float] = []
     usage = None
@@ -123,7 +125,8 @@ async def timed_request(
                 model=target.model,
                 messages=[*(history or []), {"role": "user", "content": prompt}],
                 max_tokens=max_tokens,
-                temperature=0,
+                temperature=temperature,
+                seed=request_id if temperature else openai.NOT_GIVEN,
                 stream=True,
                 stream_options={"include_usage": True},
                 extra_body={"ignore_eos": True} if target.ignore_eos else None,

@@ -41,6 +41,8 @@ class GenerationStats:
     started_at: float  # its first prompt chunk ran
     prefilled_at: float  # every prompt had its first token
     ended_at: float  # the last token was sampled
+    draft_tokens: int = 0  # tokens of drafts (prompt lookup) verified
+    draft_tokens_accepted: int = 0  # of which generated
 
     @classmethod
     def merge(cls, parts: list[GenerationStats]) -> GenerationStats:
@@ -52,6 +54,8 @@ class GenerationStats:
             started_at=min(part.started_at for part in parts),
             prefilled_at=max(part.prefilled_at for part in parts),
             ended_at=max(part.ended_at for part in parts),
+            draft_tokens=sum(part.draft_tokens for part in parts),
+            draft_tokens_accepted=sum(part.draft_tokens_accepted for part in parts),
         )
 
 
@@ -223,6 +227,7 @@ async def generate_text(
     last_arrival: dict[int, float] = {}  # per choice
     scheduled_at = ended_at = 0.0
     prompt_tokens = cached_tokens = 0
+    drafted = [0, 0]  # draft tokens verified, and taken
     done = 0
     try:
         request = EngineRequest(request_id, prompt_ids, params, session_id, restore)
@@ -239,6 +244,8 @@ async def generate_text(
             first_token_at.setdefault(output.index, output.produced_at)
             scheduled_at, ended_at = output.scheduled_at or output.produced_at, output.produced_at
             prompt_tokens, cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
+            drafted[0] += output.draft_tokens
+            drafted[1] += output.draft_tokens_accepted
             delta = choice.add(output)
             if delta.finish_reason is not None:
                 done += 1
@@ -252,6 +259,8 @@ async def generate_text(
                     started_at=scheduled_at,
                     prefilled_at=max(first_token_at.values()),
                     ended_at=ended_at,
+                    draft_tokens=drafted[0],
+                    draft_tokens_accepted=drafted[1],
                 )
                 reasons = [choice.finish_reason or FinishReason.STOP.value for choice in choices]
                 metrics.record_finished(reasons, prompt_tokens, cached_tokens, delta.stats.completion_tokens)

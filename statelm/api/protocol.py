@@ -400,6 +400,10 @@ class Usage(BaseModel):
     prompt_tokens_details: PromptTokensDetails
 
 
+def _omit_none(value: object) -> bool:
+    return value is None
+
+
 class Timings(BaseModel):
     """Where a response's time went, in llama.cpp's `timings` fields (`prompt_n` excludes the cached tokens)."""
 
@@ -412,10 +416,8 @@ class Timings(BaseModel):
     predicted_ms: float
     predicted_per_token_ms: float
     predicted_per_second: float
-
-
-def _omit_none(value: object) -> bool:
-    return value is None
+    draft_n: int | None = Field(default=None, exclude_if=_omit_none)  # verified draft tokens
+    draft_n_accepted: int | None = Field(default=None, exclude_if=_omit_none)  # of which generated
 
 
 class TopLogprob(BaseModel):

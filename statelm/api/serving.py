@@ -137,6 +137,8 @@ def timings_of(stats: GenerationStats) -> Timings:
         predicted_ms=predicted_ms,
         predicted_per_token_ms=predicted_ms / stats.completion_tokens if stats.completion_tokens else 0.0,
         predicted_per_second=stats.completion_tokens * 1000 / predicted_ms if predicted_ms > 0 else 0.0,
+        draft_n=stats.draft_tokens or None,
+        draft_n_accepted=stats.draft_tokens_accepted if stats.draft_tokens else None,
     )
 
 

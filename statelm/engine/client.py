@@ -135,6 +135,8 @@ class RequestOutput:
     error: str | None = None
     ended_by_token: bool = False  # the last new token ended the choice and is not output text (EOS, stop token)
     repetition_detected: bool = False  # the choice ended because its output fell into a loop
+    draft_tokens: int = 0  # tokens of the choice's draft (prompt lookup) this step verified
+    draft_tokens_accepted: int = 0  # of which are among new_token_ids
     stats: EngineStats | None = None  # the engine's state after the step that produced it
     embedding: torch.Tensor | None = None  # an embedding request's pooled vector, with its finish
 

@@ -244,10 +244,11 @@ class Engine:
 
     def _take_draft(
         self, seq: Sequence, logits: torch.Tensor, tokens: list[int], logprobs: list[TokenLogprob] | None
-    ) -> None:
+    ) -> tuple[int, int]:
         """Verify seq's draft after its step's token: while the token just sampled is the draft's next one, that draft
         token's K/V (computed this step) are the sequence's and its row samples the token after it, as the next step
-        would have (batch invariance: a row's logits do not depend on the rows beside it); its tokens join `tokens`."""
+        would have (batch invariance: a row's logits do not depend on the rows beside it); its tokens join `tokens`.
+        The draft's length and how many of its tokens were taken."""
         draft, seq.draft = seq.draft, []
         taken = 0
         while taken < len(draft) and not seq.is_finished and seq.tokens[-1] == draft[taken]:
@@ -267,6 +268,7 @@ class Engine:
         self.kv.trim(seq.block_table, seq.num_tokens)
         if taken:
             self.kv.publish(seq.block_table, seq.tokens, seq.num_exact_tokens(self.decoded_kv_exact))
+        return len(draft), taken
 
     def _embedded(self, seq: Sequence) -> RequestOutput | None:
         """An embedding's output once its whole prompt has run (its vector pooled), else None."""
@@ -299,12 +301,13 @@ class Engine:
                 continue
             seq.append_token(outcome.token_id)
             tokens, logprobs = [outcome.token_id], None if outcome.logprob is None else [outcome.logprob]
-            if seq in drafts:
-                self._take_draft(seq, drafts[seq], tokens, logprobs)
+            drafted = self._take_draft(seq, drafts[seq], tokens, logprobs) if seq in drafts else (0, 0)
             if seq.is_finished:
                 self.scheduler.finish(seq)
                 self._refresh_reply(seq)
-            outputs.append(self._output(seq, tokens, logprobs, produced_at))
+            output = self._output(seq, tokens, logprobs, produced_at)
+            output.draft_tokens, output.draft_tokens_accepted = drafted
+            outputs.append(output)
         self.scheduler.add_ahead([fork for fork in forks if not fork.is_finished])
         return outputs
 

@@ -74,6 +74,10 @@ def test_a_reply_from_verified_drafts_streams_and_counts_as_one_at_a_time(
     assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens == 40
     proposed, accepted = (after - start for after, start in zip(draft_figures(api), before, strict=True))
     assert accepted >= 10 and proposed >= accepted
+    timings = whole.model_extra["timings"]  # llama.cpp's names for the request's own drafts
+    assert 2 * timings["draft_n_accepted"] == accepted and 2 * timings["draft_n"] == proposed  # two like requests
+    plain = client.completions.create(model=model_name, prompt="Hello", max_tokens=1)
+    assert "draft_n" not in plain.model_extra["timings"]  # no draft ran
 
 
 def draft_figures(api: httpx.Client) -> tuple[float, float]:
