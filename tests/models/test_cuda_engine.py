@@ -93,3 +93,14 @@ def test_session_kv_restored_from_a_spill_continues_exactly(loaded: LoadedModel)
         for step in restored.step():
             output.extend(step.new_token_ids)
     assert output == expected
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_drafts_asked_for_on_a_gpu_give_the_replies_of_graph_replayed_steps(
+    loaded: LoadedModel, params: SamplingParams
+) -> None:
+    """Off by default on a GPU; asked for, a draft's rows run eagerly beside the graph-replayed steps of others."""
+    assert engine_for(loaded).speculative_tokens == 0
+    requests = {"r": loaded.tokenizer.encode("0 " + "a b c d e f g " * 8)}
+    drafting = engine_for(loaded, speculative_tokens=4)
+    assert generate(drafting, requests, params) == generate(engine_for(loaded), requests, params)

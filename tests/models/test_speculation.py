@@ -11,6 +11,7 @@ from statelm.config import EngineConfig
 from statelm.engine import engine as engine_module
 from statelm.engine.builder import create_engine, load_engine_model
 from statelm.engine.engine import Engine
+from statelm.engine.grammar import GrammarBackend
 from statelm.engine.sampler import TokenLogprob
 from statelm.engine.sequence import SamplingParams
 from statelm.models.loader import LoadedModel
@@ -111,3 +112,14 @@ def test_the_default_drafts_on_a_verified_cpu_path_and_zero_turns_it_off(loaded:
     assert loaded.invariance is not None and loaded.invariance.verified
     assert create_engine(loaded, EngineConfig(kv_cache_memory=8 << 20)).speculative_tokens == 4
     assert engine_for(loaded, 0).speculative_tokens == 0
+
+
+@pytest.mark.parametrize(("kind", "spec"), [("regex", "(ab ){12}x"), ("json_object", None)])
+def test_drafts_under_a_grammar_give_its_output_unchanged(loaded: LoadedModel, kind: str, spec: str | None) -> None:
+    grammar = GrammarBackend(loaded.tokenizer).compile(kind, spec)
+    params = SamplingParams(temperature=0.8, seed=3, max_tokens=48, grammar=grammar, logprobs=1)
+    prompts = repetitive(loaded, 1)
+    engine = engine_for(loaded, 4)
+    assert run(engine, prompts, params) == run(engine_for(loaded, 0), prompts, params)
+    if kind == "regex":  # the grammar repeats itself: drafts are taken
+        assert engine.stats().draft_tokens_accepted >= 10
