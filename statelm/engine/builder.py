@@ -14,7 +14,7 @@ from statelm.engine.async_engine import AsyncEngine
 from statelm.engine.block_pool import BlockPool
 from statelm.engine.cache_pins import CachePinTable
 from statelm.engine.client import EngineClient
-from statelm.engine.engine import Engine
+from statelm.engine.engine import SPECULATION_MAX_RUNNING, Engine
 from statelm.engine.kv_cache import KVCache
 from statelm.engine.runner import ModelRunner
 from statelm.host_memory import available_host_memory
@@ -158,6 +158,10 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
     if exact:
         log.info("generated tokens' K/V are a prefill's (%s rows of either kind): cached and kept as computed",
                  model.activations)  # fmt: skip
+    draft_tokens = speculation_length(config, loaded)
+    if draft_tokens:
+        log.info("drafts by prompt lookup: up to %d tokens a step, verified while at most %d sequences run",
+                 draft_tokens, SPECULATION_MAX_RUNNING)  # fmt: skip
     return Engine(
         runner=ModelRunner(
             model,
@@ -178,7 +182,7 @@ def create_engine(loaded: LoadedModel, config: EngineConfig) -> Engine:
         vocab_size=loaded.tokenizer.vocab_size,
         decoded_kv_exact=exact,
         refresh_replies=config.refresh_replies,
-        speculative_tokens=speculation_length(config, loaded),
+        speculative_tokens=draft_tokens,
     )
 
 
