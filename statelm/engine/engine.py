@@ -226,7 +226,7 @@ class Engine:
         seqs = [choice for seq in result.sampling_seqs for choice in (seq, *seq.forks)]
         logits = result.logits[: len(result.sampling_seqs), : self.vocab_size]
         logits = logits[rows] if len(rows) > len(result.sampling_seqs) else logits
-        drafts = {seq: rows[:, : self.vocab_size] for seq, rows in result.draft_logits().items()}
+        drafts = {seq: draft_rows[:, : self.vocab_size] for seq, draft_rows in result.draft_logits().items()}
         recorded = self._record(seqs, sample(logits, seqs, self.generator), time.perf_counter(), drafts)
         return [output for output in embedded if output is not None] + recorded
 
