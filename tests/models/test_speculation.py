@@ -123,3 +123,18 @@ def test_drafts_under_a_grammar_give_its_output_unchanged(loaded: LoadedModel, k
     assert run(engine, prompts, params) == run(engine_for(loaded, 0), prompts, params)
     if kind == "regex":  # the grammar repeats itself: drafts are taken
         assert engine.stats().draft_tokens_accepted >= 10
+
+
+def test_the_default_model_quoting_its_prompt_takes_drafts_and_replies_the_same() -> None:
+    """The real bundled model, as the server loads it, asked to repeat a sentence: most of the reply comes from drafts,
+    and it is the reply of one token a step."""
+    loaded = load_engine_model(EngineConfig())
+    sentence = "The paged KV cache keeps every block of a session resident between turns, so a follow-up is cheap."
+    messages = [{"role": "user", "content": f"Repeat this sentence exactly: {sentence}"}]
+    prompt = loaded.tokenizer.encode(loaded.tokenizer.apply_chat_template(messages), add_special_tokens=False)
+    params = replace(GREEDY, ignore_eos=False, max_tokens=60)
+    engine = engine_for(loaded, 4)
+    reply = run(engine, {"r": prompt}, params)
+    assert reply == run(engine_for(loaded, 0), {"r": prompt}, params)
+    assert sentence in loaded.tokenizer.decode(reply["r", 0][0])
+    assert engine.stats().draft_tokens_accepted >= len(reply["r", 0][0]) // 2
