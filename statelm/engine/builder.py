@@ -45,8 +45,9 @@ GPU_FREE_MEMORY_FRACTION = 0.8
 # 500-token prompt's time; a GPU keeps the larger step.
 DEFAULT_CPU_STEP_TOKENS = 256
 DEFAULT_GPU_STEP_TOKENS = 512
-# A draft's most tokens by default (--speculative-tokens): a CPU step of 5 generated rows of a 1B Q4_K_M model took
-# 1.6x (VNNI) to 2.3x (AVX2) one row's time, so longer drafts cost more than a likely run of copied tokens gives
+# A draft's most tokens by default (--speculative-tokens): a CPU step of 5 generated rows of a 1B Q4_K_M model takes
+# 2.1x (VNNI) to 2.8x (AVX2) one row's time (bench/draft_rows.py), so longer drafts cost more than a likely run of
+# copied tokens gives
 DEFAULT_DRAFT_TOKENS = 4
 
 
