@@ -82,6 +82,15 @@ def test_a_reply_streams_with_its_figures_and_nothing_leaves_the_server(
     assert requests and all(url.startswith(server.url) for url in requests), requests
 
 
+def test_a_reply_that_quotes_the_message_shows_its_drafted_tokens(page: Any, api: httpx.Client) -> None:
+    conversation(api, "Quote", [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}])
+    show(page, "Quote")
+    sentence = "The paged KV cache keeps every block of a session resident between turns, so a follow-up is cheap."
+    send(page, f"Repeat this sentence exactly: {sentence}")
+    figures = page.locator(".figures").last.inner_text()
+    assert " drafted)" in figures, figures  # "N generated (M drafted)": prompt lookup's verified drafts
+
+
 def test_stop_cancels_the_generation_on_the_server(page: Any, api: httpx.Client) -> None:
     question = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
     session_id = conversation(api, "Endless", question, ignore_eos=True, max_tokens=4000)

@@ -73,13 +73,14 @@ function ToolCallBlock({ call }: { call: ToolCall }) {
   );
 }
 
-/** The figures of a reply: speed, time to first token, prompt tokens and how many came from the cache. */
+/** The figures of a reply: speed, time to first token, prompt tokens and how many came from the cache, generated
+ * tokens and how many came from verified drafts. */
 export function Figures({ figures }: { figures: ReplyFigures }) {
   const parts = [
     figures.tokensPerSecond !== null && `${figures.tokensPerSecond.toFixed(1)} tok/s`,
     figures.ttftMs !== null && `TTFT ${(figures.ttftMs / 1000).toFixed(2)} s`,
     `${figures.promptTokens} prompt (${figures.cachedTokens} cached)`,
-    `${figures.completionTokens} generated`,
+    `${figures.completionTokens} generated` + (figures.draftedTokens ? ` (${figures.draftedTokens} drafted)` : ""),
   ];
   return <div class="figures">{parts.filter(Boolean).join(" · ")}</div>;
 }

@@ -26,7 +26,28 @@ describe("ReplyBuilder", () => {
       tool_calls: [{ id: "call_1", type: "function", function: { name: "f", arguments: '{"x": 1}' } }],
     });
     expect(reply.finishReason).toBe("tool_calls");
-    expect(reply.figures()).toEqual({ tokensPerSecond: 50, ttftMs: 250, promptTokens: 40, cachedTokens: 32, completionTokens: 5 });
+    expect(reply.figures()).toEqual({
+      tokensPerSecond: 50,
+      ttftMs: 250,
+      promptTokens: 40,
+      cachedTokens: 32,
+      completionTokens: 5,
+      draftedTokens: 0,
+    });
+  });
+
+  it("counts the generated tokens that came from verified drafts", () => {
+    const reply = new ReplyBuilder(0);
+    reply.add({ choices: [{ delta: { content: "Hello again" }, finish_reason: "stop" }] }, 10);
+    reply.add(
+      {
+        choices: [],
+        usage: { prompt_tokens: 9, completion_tokens: 12 },
+        timings: { predicted_per_second: 80, prompt_ms: 5, draft_n_accepted: 7 },
+      },
+      20,
+    );
+    expect(reply.figures()?.draftedTokens).toBe(7);
   });
 
   it("throws the error a stream carries", () => {

@@ -77,6 +77,7 @@ export class ReplyBuilder {
       promptTokens: this.usage.prompt_tokens,
       cachedTokens: this.usage.prompt_tokens_details?.cached_tokens ?? 0,
       completionTokens: this.usage.completion_tokens,
+      draftedTokens: this.timings?.draft_n_accepted ?? 0,
     };
   }
 }

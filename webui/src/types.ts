@@ -52,6 +52,7 @@ export interface Usage {
 export interface Timings {
   predicted_per_second: number;
   prompt_ms: number;
+  draft_n_accepted?: number; // generated tokens that came from verified drafts (only where drafts ran)
 }
 
 /** The figures shown under a reply. */
@@ -61,6 +62,7 @@ export interface ReplyFigures {
   promptTokens: number;
   cachedTokens: number;
   completionTokens: number;
+  draftedTokens: number; // of which from verified drafts (prompt lookup)
 }
 
 /** Sampling settings of a conversation; unset fields take the server's defaults. */
