@@ -20,15 +20,12 @@ import functools
 import json
 import re
 import shlex
-import subprocess
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 
 from bench.common import ROOT, launch, machine_report, start_server
-from bench.peers import find_llama_server, llama_version, stop
+from bench.peers import LLAMA, Server, find_llama_server, llama_version, stop
 from bench.throughput import RequestResult, fmt, make_target, timed_request
 from statelm.models.loader import resolve_source
 
@@ -59,16 +56,6 @@ def tasks() -> dict[str, str]:
     }
 
 
-@dataclass
-class Server:
-    """A server under test: its label, port and how to start it."""
-
-    label: str
-    port: int
-    start: Callable[[], tuple[subprocess.Popen[bytes], float]]
-    drafts: bool = False  # statelm with prompt-lookup drafts: its /metrics count them
-
-
 def draft_counts(port: int) -> tuple[float, float]:
     """statelm's draft tokens verified and taken so far, from /metrics."""
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
@@ -80,21 +67,20 @@ def draft_counts(port: int) -> tuple[float, float]:
 
 
 async def run_tasks(server: Server, prompts: dict[str, str], max_tokens: int) -> dict[str, dict[str, object]]:
-    """Each task once against a running server: decode rate, reply text and (with drafts) draft tokens. A client a
+    """Each task once against a running server: decode rate, reply text and (statelm's) draft tokens. A client a
     request: a connection idle between tasks may have been closed by the server."""
-    await one_request(server, 0, "Say hello.", 8)  # warm-up
+    statelm = server.label != LLAMA  # llama-server's /metrics (off by default) has no draft counters
+    model = await served_model(server)
+    await one_request(server, model, 0, "Say hello.", 8)  # warm-up
     results: dict[str, dict[str, object]] = {}
     for request_id, (name, prompt) in enumerate(prompts.items(), start=1):
-        before = draft_counts(server.port) if server.drafts else (0.0, 0.0)
+        before = draft_counts(server.port) if statelm else (0.0, 0.0)
         temperature = 0.8 if name == SAMPLED_STORY else 0.0
-        result = await one_request(server, request_id, prompt, max_tokens, temperature)
+        result = await one_request(server, model, request_id, prompt, max_tokens, temperature)
         if not result.ok:
             raise SystemExit(f"{server.label}: {name}: {result.error}")
-        verified, taken = (
-            (after - start for after, start in zip(draft_counts(server.port), before, strict=True))
-            if server.drafts
-            else (0.0, 0.0)
-        )
+        after = draft_counts(server.port) if statelm else (0.0, 0.0)
+        verified, taken = after[0] - before[0], after[1] - before[1]
         results[name] = {
             "decode_tok_s": result.decode_tok_s,
             "completion_tokens": result.completion_tokens,
@@ -102,19 +88,27 @@ async def run_tasks(server: Server, prompts: dict[str, str], max_tokens: int) ->
             "draft_tokens": verified,
             "draft_tokens_accepted": taken,
         }
-        drafts = f", drafts {taken:.0f} of {verified:.0f} taken" if server.drafts else ""
+        drafts = f", drafts {taken:.0f} of {verified:.0f} taken" if statelm else ""
         print(
             f"  {name}: {result.completion_tokens} tokens, {fmt(result.decode_tok_s)} decode tok/s{drafts}", flush=True
         )
     return results
 
 
+async def served_model(server: Server) -> str:
+    """The model id a running server serves (the first of /v1/models)."""
+    target = make_target(server.label, f"http://127.0.0.1:{server.port}", None, False, 600)
+    try:
+        return (await target.client.models.list()).data[0].id
+    finally:
+        await target.client.close()
+
+
 async def one_request(
-    server: Server, request_id: int, prompt: str, max_tokens: int, temperature: float = 0.0
+    server: Server, model: str, request_id: int, prompt: str, max_tokens: int, temperature: float = 0.0
 ) -> RequestResult:
     """One streamed chat request on a client of its own."""
-    target = make_target(server.label, f"http://127.0.0.1:{server.port}", None, False, 600)
-    target.model = (await target.client.models.list()).data[0].id
+    target = make_target(server.label, f"http://127.0.0.1:{server.port}", model, False, 600)
     try:
         return await timed_request(target, request_id, prompt, max_tokens, 600, temperature=temperature)
     finally:
@@ -135,19 +129,11 @@ def main() -> None:
     gguf = resolve_source(args.model).path
     prompts = tasks()
     serve = ["--model", str(gguf)]
-    servers = [
-        Server(
-            "statelm, no drafts",
-            STATELM_PORT,
-            functools.partial(start_server, [*serve, "--speculative-tokens", "0"], STATELM_PORT),
-        ),
-        Server(
-            f"statelm, drafts of {args.draft_tokens}",
-            STATELM_PORT,
-            functools.partial(start_server, [*serve, "--speculative-tokens", str(args.draft_tokens)], STATELM_PORT),
-            drafts=True,
-        ),
-    ]
+    servers = []
+    for label, drafts in (("statelm, no drafts", 0), (f"statelm, drafts of {args.draft_tokens}", args.draft_tokens)):
+        serve_args = [*serve, "--speculative-tokens", str(drafts)]
+        shown = shlex.join(["statelm", "serve", *serve_args, "--port", str(STATELM_PORT)])
+        servers.append(Server(label, STATELM_PORT, shown, functools.partial(start_server, serve_args, STATELM_PORT)))
     header = [
         machine_report(),
         f"model: {gguf}",
@@ -166,7 +152,7 @@ def main() -> None:
             "-t",
             str(args.threads),
         ]
-        servers.append(Server("llama-server", LLAMA_PORT, functools.partial(launch, command, LLAMA_PORT)))
+        servers.append(Server(LLAMA, LLAMA_PORT, shlex.join(command), functools.partial(launch, command, LLAMA_PORT)))
         header.append(f"llama-server: {llama_version(llama)}: {shlex.join(command)}")
     print("\n".join(header), flush=True)
     runs: dict[str, list[dict[str, dict[str, object]]]] = {server.label: [] for server in servers}

@@ -227,7 +227,7 @@ async def generate_text(
     last_arrival: dict[int, float] = {}  # per choice
     scheduled_at = ended_at = 0.0
     prompt_tokens = cached_tokens = 0
-    drafted = [0, 0]  # draft tokens verified, and taken
+    draft_tokens = draft_tokens_accepted = 0  # verified, and taken
     done = 0
     try:
         request = EngineRequest(request_id, prompt_ids, params, session_id, restore)
@@ -244,8 +244,8 @@ async def generate_text(
             first_token_at.setdefault(output.index, output.produced_at)
             scheduled_at, ended_at = output.scheduled_at or output.produced_at, output.produced_at
             prompt_tokens, cached_tokens = output.num_prompt_tokens, output.num_cached_tokens
-            drafted[0] += output.draft_tokens
-            drafted[1] += output.draft_tokens_accepted
+            draft_tokens += output.draft_tokens
+            draft_tokens_accepted += output.draft_tokens_accepted
             delta = choice.add(output)
             if delta.finish_reason is not None:
                 done += 1
@@ -259,8 +259,8 @@ async def generate_text(
                     started_at=scheduled_at,
                     prefilled_at=max(first_token_at.values()),
                     ended_at=ended_at,
-                    draft_tokens=drafted[0],
-                    draft_tokens_accepted=drafted[1],
+                    draft_tokens=draft_tokens,
+                    draft_tokens_accepted=draft_tokens_accepted,
                 )
                 reasons = [choice.finish_reason or FinishReason.STOP.value for choice in choices]
                 metrics.record_finished(reasons, prompt_tokens, cached_tokens, delta.stats.completion_tokens)

@@ -113,9 +113,8 @@ class KVManager:
     def park(self, table: BlockTable, num_tokens: int) -> BlockTable:
         """Move the blocks holding table's first num_tokens tokens into a new table, freeing the rest; table is left
         empty (a session turn that ended keeps what it computed)."""
-        keep = self.pool.blocks_needed(num_tokens)
-        self.pool.release(table.blocks[keep:])
-        parked = BlockTable(table.blocks[:keep], table.hashes)
+        self.trim(table, num_tokens)
+        parked = BlockTable(table.blocks, table.hashes)
         table.blocks, table.hashes = [], []
         return parked
 

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import re
-
 import httpx
 import openai
 import pytest
 
 from tests.e2e.test_completions import COUNTING, PROMPT
+from tests.http.test_anthropic_cache import metric
+
+DRAFT_FIGURES = ("statelm_draft_tokens_total", "statelm_draft_tokens_accepted_total")
 
 
 def test_several_prompts_with_several_choices_each(client: openai.OpenAI, model_name: str) -> None:
@@ -63,7 +64,7 @@ def test_a_reply_from_verified_drafts_streams_and_counts_as_one_at_a_time(
 ) -> None:
     """The tiny model's greedy reply to this prompt repeats itself: prompt lookup drafts it, and the streamed text, the
     logprobs and the usage are those of the whole reply."""
-    before = draft_figures(api)
+    before = [metric(api, name) for name in DRAFT_FIGURES]
     body = {"model": model_name, "prompt": "0 " + "a b c d e f g " * 8, "max_tokens": 40, "temperature": 0}
     whole = client.completions.create(**body, logprobs=1)
     streamed = list(client.completions.create(**body, logprobs=1, stream=True, stream_options={"include_usage": True}))
@@ -72,18 +73,9 @@ def test_a_reply_from_verified_drafts_streams_and_counts_as_one_at_a_time(
     tokens = [token for part in logprobs for token in part.tokens]
     assert tokens == whole.choices[0].logprobs.tokens and len(tokens) == 40
     assert streamed[-1].usage.completion_tokens == whole.usage.completion_tokens == 40
-    proposed, accepted = (after - start for after, start in zip(draft_figures(api), before, strict=True))
+    proposed, accepted = (metric(api, name) - start for name, start in zip(DRAFT_FIGURES, before, strict=True))
     assert accepted >= 10 and proposed >= accepted
     timings = whole.model_extra["timings"]  # llama.cpp's names for the request's own drafts
     assert 2 * timings["draft_n_accepted"] == accepted and 2 * timings["draft_n"] == proposed  # two like requests
     plain = client.completions.create(model=model_name, prompt="Hello", max_tokens=1)
     assert "draft_n" not in plain.model_extra["timings"]  # no draft ran
-
-
-def draft_figures(api: httpx.Client) -> tuple[float, float]:
-    """/metrics' draft tokens verified and accepted."""
-    text = api.get("/metrics").text
-    return tuple(  # type: ignore[return-value]
-        float(re.search(rf"^{name}_total ([0-9.e+]+)$", text, re.MULTILINE).group(1))  # type: ignore[union-attr]
-        for name in ("statelm_draft_tokens", "statelm_draft_tokens_accepted")
-    )
