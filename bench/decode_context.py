@@ -63,12 +63,16 @@ def bytes_per_token(loaded: LoadedModel, kv_dtype: str) -> int:
 
 
 def engine_for(loaded: LoadedModel, kv_dtype: str, tokens: int) -> Engine:
-    """An engine whose pool holds `tokens` tokens (and 4,096 to spare), without prefix caching."""
+    """An engine whose pool holds `tokens` tokens (and 4,096 to spare), without prefix caching or drafts.
+
+    Drafts would make a step compute several tokens of a sequence (and end its request early): a step here is one.
+    """
     config = EngineConfig(
         kv_cache_memory=(tokens + 4096) * bytes_per_token(loaded, kv_dtype),
         max_num_batched_tokens=2048,
         enable_prefix_caching=False,
         kv_cache_dtype=kv_dtype,
+        speculative_tokens=0,
     )
     return create_engine(loaded, config)
 
