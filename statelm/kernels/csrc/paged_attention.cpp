@@ -747,12 +747,17 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
   const int64_t part_hi = it.part >= 0 ? it.part + 1 : (tile_hi + kPartition - 1) / kPartition;
   const int64_t fetch_hi = it.part >= 0 ? std::min(tile_hi, part_hi * kPartition) : tile_hi;  // keys it will read
   int64_t blocks[kChunk];  // the block of each key of the chunk (past the sequence: its last block, never read)
+  int64_t offsets[kChunk];  // and its place in the block (counted on: a division a key cost as much as its products)
   for (int64_t part = part_lo; part < part_hi; ++part) {
     clear_state(count, padded, s.maxes, s.sums, s.acc);
     const int64_t keys_lo = std::max(tile_lo, part * kPartition), keys_hi = std::min(tile_hi, (part + 1) * kPartition);
     for (int64_t c = keys_lo / kChunk * kChunk; c < keys_hi; c += kChunk) {
       const int lo = static_cast<int>(std::max(c, keys_lo) - c), hi = static_cast<int>(std::min(c + kChunk, keys_hi) - c);
-      for (int j = 0; j < kChunk; ++j) blocks[j] = pb.tables.at(it.seq, std::min((c + j) / layout.block_size, last_block));
+      for (int64_t j = 0, index = c / layout.block_size, offset = c % layout.block_size; j < kChunk; ++j) {
+        blocks[j] = j > 0 && offset > 0 ? blocks[j - 1] : pb.tables.at(it.seq, std::min(index, last_block));
+        offsets[j] = offset;
+        if (++offset == layout.block_size) offset = 0, ++index;
+      }
       for (int64_t kv = 0; kv < it.kv_heads; ++kv) {
         const int64_t head = it.kv_head0 + kv;
         Prefetcher prefetcher;
@@ -766,18 +771,16 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
         if (keys_in_place) {
           for (int v = 0; v < kChunkVecs; ++v) {
             const int j = v * kLanes;
-            const int64_t offset = (c + j) % layout.block_size;
-            columns.columns[v] = k_cache + layout.key(blocks[j], head, offset);
-            if constexpr (kQuantized<T>) columns.scales[v] = pb.k_scale + layout.key_scale(blocks[j], head, offset);
+            columns.columns[v] = k_cache + layout.key(blocks[j], head, offsets[j]);
+            if constexpr (kQuantized<T>) columns.scales[v] = pb.k_scale + layout.key_scale(blocks[j], head, offsets[j]);
           }
         } else {
           gather_keys<T>(pb, blocks, head, c, lo, hi, s.keys);
         }
         for (int j = lo; j < hi; ++j) {
-          const int64_t offset = (c + j) % layout.block_size;
-          const T* row = v_cache + layout.value(blocks[j], head, offset);
+          const T* row = v_cache + layout.value(blocks[j], head, offsets[j]);
           if constexpr (kQuantized<T>) {
-            const at::Half* scales = pb.v_scale + layout.value_scale(blocks[j], head, offset);
+            const at::Half* scales = pb.v_scale + layout.value_scale(blocks[j], head, offsets[j]);
             for (int64_t g = 0; g < layout.groups; ++g) s.scales[j * layout.groups + g] = to_float(scales[g]);
           }
           if (values_in_place) {
