@@ -635,12 +635,13 @@ void widen_row(const T* row, int64_t dim, int64_t padded, float* out) {
 // The chunk's keys [lo, hi) of one head as float32 rows s.keys[d][j] (zero outside): for a block size that does
 // not hold whole vectors, where they cannot be read in place. The same values KeyColumns loads.
 template <typename T>
-void gather_keys(const Problem& pb, const int64_t* blocks, int64_t head, int64_t c, int lo, int hi, float* keys) {
+void gather_keys(const Problem& pb, const int64_t* blocks, const int64_t* offsets, int64_t head, int lo, int hi,
+                 float* keys) {
   const Layout& layout = pb.layout;
   const T* k_cache = static_cast<const T*>(pb.k_cache);
   std::fill(keys, keys + pb.dim * kChunk, 0.0f);
   for (int j = lo; j < hi; ++j) {
-    const int64_t pos = c + j, block = blocks[j], offset = pos % layout.block_size;
+    const int64_t block = blocks[j], offset = offsets[j];
     const T* src = k_cache + layout.key(block, head, offset);
     for (int64_t d = 0; d < pb.dim; ++d) {
       float x = to_float(src[d * layout.block_size]);
@@ -775,7 +776,7 @@ void run_item(const Problem& pb, const Item& it, Scratch& s) {
             if constexpr (kQuantized<T>) columns.scales[v] = pb.k_scale + layout.key_scale(blocks[j], head, offsets[j]);
           }
         } else {
-          gather_keys<T>(pb, blocks, head, c, lo, hi, s.keys);
+          gather_keys<T>(pb, blocks, offsets, head, lo, hi, s.keys);
         }
         for (int j = lo; j < hi; ++j) {
           const T* row = v_cache + layout.value(blocks[j], head, offsets[j]);
