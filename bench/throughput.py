@@ -297,11 +297,20 @@ def comparison_table(first: dict[str, Any], second: dict[str, Any]) -> str:
 
 
 def make_target(label: str, url: str, model: str | None, ignore_eos: bool, timeout: float) -> Target:
-    """A target with its own client (no retries, so a failure counts as an error)."""
+    """A target with its own client: no retries, so a failure counts as an error, and a connection a request.
+
+    No connection is kept between requests: llama-server (cpp-httplib) closes one idle for 5 s, which a request sent
+    on it as it closes meets as a connection error (the likely cause of one llama-server request in three failing
+    now and then). A local connection costs well under a millisecond, beside first tokens of tens of milliseconds or
+    more, and both servers pay it.
+    """
     if not url.startswith(("http://", "https://")):
         raise SystemExit(f"not an http(s) URL: {url}")
     url = url.rstrip("/")
-    client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", timeout=timeout, max_retries=0)
+    http_client = openai.DefaultAsyncHttpxClient(limits=httpx.Limits(max_keepalive_connections=0))
+    client = openai.AsyncOpenAI(
+        base_url=f"{url}/v1", api_key="none", timeout=timeout, max_retries=0, http_client=http_client
+    )
     return Target(label, url, model or "", ignore_eos, client)
 
 
