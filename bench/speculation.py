@@ -26,7 +26,7 @@ import httpx
 
 from bench.common import ROOT, launch, machine_report, start_server
 from bench.peers import LLAMA, Server, find_llama_server, llama_version, stop
-from bench.throughput import RequestResult, fmt, make_target, timed_request
+from bench.throughput import fmt, make_target, timed_request
 from statelm.models.loader import resolve_source
 
 STATELM_PORT, LLAMA_PORT = 8794, 8795
@@ -67,52 +67,36 @@ def draft_counts(port: int) -> tuple[float, float]:
 
 
 async def run_tasks(server: Server, prompts: dict[str, str], max_tokens: int) -> dict[str, dict[str, object]]:
-    """Each task once against a running server: decode rate, reply text and (statelm's) draft tokens. A client a
-    request: a connection idle between tasks may have been closed by the server."""
+    """Each task once against a running server: decode rate, reply text and (statelm's) draft tokens."""
     statelm = server.label != LLAMA  # llama-server's /metrics (off by default) has no draft counters
-    model = await served_model(server)
-    await one_request(server, model, 0, "Say hello.", 8)  # warm-up
-    results: dict[str, dict[str, object]] = {}
-    for request_id, (name, prompt) in enumerate(prompts.items(), start=1):
-        before = draft_counts(server.port) if statelm else (0.0, 0.0)
-        temperature = 0.8 if name == SAMPLED_STORY else 0.0
-        result = await one_request(server, model, request_id, prompt, max_tokens, temperature)
-        if not result.ok:
-            raise SystemExit(f"{server.label}: {name}: {result.error}")
-        after = draft_counts(server.port) if statelm else (0.0, 0.0)
-        verified, taken = after[0] - before[0], after[1] - before[1]
-        results[name] = {
-            "decode_tok_s": result.decode_tok_s,
-            "completion_tokens": result.completion_tokens,
-            "text": result.text,
-            "draft_tokens": verified,
-            "draft_tokens_accepted": taken,
-        }
-        drafts = f", drafts {taken:.0f} of {verified:.0f} taken" if statelm else ""
-        print(
-            f"  {name}: {result.completion_tokens} tokens, {fmt(result.decode_tok_s)} decode tok/s{drafts}", flush=True
-        )
-    return results
-
-
-async def served_model(server: Server) -> str:
-    """The model id a running server serves (the first of /v1/models)."""
     target = make_target(server.label, f"http://127.0.0.1:{server.port}", None, False, 600)
+    results: dict[str, dict[str, object]] = {}
     try:
-        return (await target.client.models.list()).data[0].id
+        target.model = (await target.client.models.list()).data[0].id
+        await timed_request(target, 0, "Say hello.", 8, 600)  # warm-up
+        for request_id, (name, prompt) in enumerate(prompts.items(), start=1):
+            before = draft_counts(server.port) if statelm else (0.0, 0.0)
+            temperature = 0.8 if name == SAMPLED_STORY else 0.0
+            result = await timed_request(target, request_id, prompt, max_tokens, 600, temperature=temperature)
+            if not result.ok:
+                raise SystemExit(f"{server.label}: {name}: {result.error}")
+            after = draft_counts(server.port) if statelm else (0.0, 0.0)
+            verified, taken = after[0] - before[0], after[1] - before[1]
+            results[name] = {
+                "decode_tok_s": result.decode_tok_s,
+                "completion_tokens": result.completion_tokens,
+                "text": result.text,
+                "draft_tokens": verified,
+                "draft_tokens_accepted": taken,
+            }
+            drafts = f", drafts {taken:.0f} of {verified:.0f} taken" if statelm else ""
+            print(
+                f"  {name}: {result.completion_tokens} tokens, {fmt(result.decode_tok_s)} decode tok/s{drafts}",
+                flush=True,
+            )
     finally:
         await target.client.close()
-
-
-async def one_request(
-    server: Server, model: str, request_id: int, prompt: str, max_tokens: int, temperature: float = 0.0
-) -> RequestResult:
-    """One streamed chat request on a client of its own."""
-    target = make_target(server.label, f"http://127.0.0.1:{server.port}", model, False, 600)
-    try:
-        return await timed_request(target, request_id, prompt, max_tokens, 600, temperature=temperature)
-    finally:
-        await target.client.close()
+    return results
 
 
 def main() -> None:
