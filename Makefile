@@ -76,7 +76,7 @@ serve: kernels webui
 test: kernels webui browser test-data $(VENV)/.stamp-cluster
 	$(BIN)/ruff check .
 	@if [ -f webui/node_modules/.stamp ]; then cd webui && npm test --silent; fi
-	STATELM_REQUIRE_TEST_DATA=1 $(BIN)/python -m pytest -q --durations=20
+	STATELM_REQUIRE_TEST_DATA=1 $(BIN)/python -m pytest -q -p xdist -n 2 --dist loadfile --durations=20
 
 lint: setup
 	$(BIN)/ruff check .

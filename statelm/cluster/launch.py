@@ -32,6 +32,12 @@ from statelm.sessions.directory_store import DirectoryStore
 
 log = logging.getLogger("statelm")
 CONTROL_CALLS = 64  # room for the router's own calls (ping, holds, adopt) beside requests
+# Ray Serve finds a dead replica by its periodic health check and only then starts another: every 2 s, not its 10, a
+# killed replica is back in seconds (a check is one small actor call)
+HEALTH_CHECK_PERIOD_S = 2.0
+# a replica being stopped polls for requests still in flight in steps of this, not Ray's 2 s: a drained one (no
+# requests left) goes at once
+SHUTDOWN_WAIT_STEP_S = 0.2
 
 
 def replica_name(index: int) -> str:
@@ -72,6 +78,8 @@ class ReplicaDeployer:
             num_replicas=1,
             max_ongoing_requests=engine_config.max_num_seqs + engine_config.max_queue + CONTROL_CALLS,
             graceful_shutdown_timeout_s=server_config.drain_timeout + 120,  # requests finish, then sessions are saved
+            graceful_shutdown_wait_loop_s=SHUTDOWN_WAIT_STEP_S,
+            health_check_period_s=HEALTH_CHECK_PERIOD_S,
             ray_actor_options={"num_cpus": cluster.replica_cpus, "num_gpus": cluster.replica_gpus},
             logging_config={"enable_access_log": False},  # the replica's own app logs what it answers
         )
