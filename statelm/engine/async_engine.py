@@ -154,8 +154,9 @@ class AsyncEngine:
         return await self._call(lengths)
 
     async def export_session_kv(self, session_id: str) -> SessionKVData | None:
-        """A copy of a resident session's KV; None if it is not resident."""
-        return await self._call(lambda: self.engine.sessions.export(session_id))
+        """A copy of a resident session's KV, taken once a refresh of its decoded tail that is due has run (so that
+        it holds the whole conversation); None if it is not resident."""
+        return await self._call(lambda: self.engine.sessions.export(session_id), after_refresh_of=session_id)
 
     async def load_session_kv(self, session_id: str, data: SessionKVData) -> None:
         """Put a session's KV into the pool; SessionKVError if it cannot fit."""
@@ -191,12 +192,13 @@ class AsyncEngine:
         """Run function on the engine thread, between steps, without waiting for it."""
         self._commands.put(function)
 
-    async def _call(self, function: Callable[[], T]) -> T:
-        """Run function on the engine thread, between steps, and return its result."""
+    async def _call(self, function: Callable[[], T], after_refresh_of: str | None = None) -> T:
+        """Run function on the engine thread, between steps (after the refresh of that session if one is due), and
+        return its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[T] = loop.create_future()
 
-        def command() -> None:
+        def run() -> None:
             try:
                 result = function()
             except Exception as exc:
@@ -204,7 +206,10 @@ class AsyncEngine:
             else:
                 loop.call_soon_threadsafe(settle, future, result, None)
 
-        self._commands.put(command)
+        if after_refresh_of is None:
+            self._commands.put(run)
+        else:
+            self._commands.put(lambda: self.engine.sessions.after_refresh(after_refresh_of, run))
         return await future
 
     def _run(self) -> None:

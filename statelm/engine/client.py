@@ -190,7 +190,8 @@ class EngineClient(Protocol):
         ...
 
     async def export_session_kv(self, session_id: str) -> SessionKVData | None:
-        """A copy of a resident session's KV; None if it is not resident."""
+        """A copy of a resident session's KV, taken once a refresh of its decoded tail that is due has run; None if
+        it is not resident."""
         ...
 
     async def load_session_kv(self, session_id: str, data: SessionKVData) -> None:

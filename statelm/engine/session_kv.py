@@ -117,6 +117,7 @@ class SessionKVStore:
         self.parked: dict[str, SessionBlocks] = {}
         self.spill_handler: SpillHandler | None = None  # receives the KV of sessions spilled under pressure
         self.refreshing: dict[str, tuple[Sequence, SessionBlocks]] = {}  # session → refresh and the KV it extends
+        self.refresh_waiters: dict[str, list[Callable[[], None]]] = {}  # session → what runs once its refresh ends
 
     def num_tokens(self, session_id: str) -> int | None:
         """Tokens a resident session holds; None if it is not resident."""
@@ -195,6 +196,15 @@ class SessionKVStore:
             self.commit(seq.request_id, session_id)
         else:
             self.discard(seq.request_id)
+        for action in self.refresh_waiters.pop(session_id, []):
+            action()
+
+    def after_refresh(self, session_id: str, action: Callable[[], None]) -> None:
+        """Run action now, or once the refresh of the session's decoded tail that is running or waiting has ended."""
+        if session_id in self.refreshing:
+            self.refresh_waiters.setdefault(session_id, []).append(action)
+        else:
+            action()
 
     def holds_back(self, seq: Sequence) -> bool:
         """True for a turn whose session is being refreshed: it starts once the refresh is done."""

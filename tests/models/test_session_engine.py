@@ -87,8 +87,12 @@ def run_turn(
     exact = engine.sessions.resident[session_id].exact
     assert exact == (computed if engine.decoded_kv_exact else len(prompt))
     assert engine.has_work() is (exact < computed)  # the refresh
+    exported: list[int] = []  # the tokens of an export that waits for the refresh (as a snapshot's and a save's do)
+    engine.sessions.after_refresh(session_id, lambda: exported.append(len(engine.sessions.export(session_id).tokens)))
+    assert exported == ([] if exact < computed else [computed])
     assert run_until_idle(engine) == []
     assert engine.sessions.resident[session_id].exact == computed
+    assert exported == [computed]
     return generated
 
 
