@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import subprocess
@@ -15,6 +16,7 @@ import openai
 import pytest
 
 STARTUP_TIMEOUT_S = 240
+START_ATTEMPTS = 3  # a free port can be taken before the server binds it
 
 
 def free_port() -> int:
@@ -33,9 +35,22 @@ def start_server(
     args: list[str], log_path: Path, extra_environment: dict[str, str] | None = None, port: int | None = None
 ) -> tuple[subprocess.Popen[bytes], str]:
     """Start `statelm serve` with args (and extra environment variables) on port (a free one if None) and wait until
-    /health answers."""
-    port = port or free_port()
+    /health answers. A free port another process (the other pytest worker's server) took first is replaced."""
+    for _ in range(START_ATTEMPTS - 1 if port is None else 0):
+        with contextlib.suppress(PortTakenError):
+            return _start_once(args, log_path, extra_environment, free_port())
+    return _start_once(args, log_path, extra_environment, port or free_port())
+
+
+class PortTakenError(RuntimeError):
+    """The server could not bind its port."""
+
+
+def _start_once(
+    args: list[str], log_path: Path, extra_environment: dict[str, str] | None, port: int
+) -> tuple[subprocess.Popen[bytes], str]:
     log = log_path.open("ab")
+    written = log.tell()  # this start's output follows what earlier ones wrote
     if "--state-dir" not in args:
         args = [*args, "--state-dir", str(log_path.parent / "state")]
     process = subprocess.Popen(
@@ -48,7 +63,9 @@ def start_server(
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise RuntimeError(f"server exited with {process.returncode}:\n{log_path.read_text()[-3000:]}")
+            output = log_path.read_bytes()[written:].decode(errors="replace")[-3000:]
+            error = PortTakenError if "address already in use" in output else RuntimeError
+            raise error(f"server exited with {process.returncode}:\n{output}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:
                 return process, url
