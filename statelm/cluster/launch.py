@@ -27,7 +27,7 @@ from statelm.cluster.scaling import Scaler
 from statelm.cluster.store import StoredSessions
 from statelm.config import ClusterConfig, EngineConfig, ServerConfig
 from statelm.server.drain import DrainGate, DrainMiddleware
-from statelm.server.launch import LaunchError, configure_logging, key_ring, serve_http
+from statelm.server.launch import LaunchError, bind_listener, configure_logging, key_ring, serve_http
 from statelm.sessions.directory_store import DirectoryStore
 
 log = logging.getLogger("statelm")
@@ -121,6 +121,7 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         policy = Policy(cluster.routing)
     except ValueError:
         raise LaunchError(f"unknown routing {cluster.routing!r}: use {', '.join(Policy)}") from None
+    listener = bind_listener(server_config)  # before Ray, whose processes bind ports of their choosing
     start_ray(cluster)
     try:
         serve.start(http_options={"location": "NoServer"})  # the router below is the only HTTP endpoint
@@ -139,7 +140,7 @@ def run_cluster(engine_config: EngineConfig, server_config: ServerConfig, cluste
         )
         gate = DrainGate(server_config.drain_timeout)
         app = DrainMiddleware(router, gate, exempt_paths=frozenset({"/health"}))
-        serve_http(app, server_config, gate)
+        serve_http(app, server_config, gate, listener)
     finally:
         serve.shutdown()  # every replica's graceful shutdown saves its sessions
         if cluster.ray_address is None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gc
 import ipaddress
 import logging
+import socket
 import sys
 import time
 
@@ -193,15 +194,30 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
             "and snapshot; pass --api-key or --api-key-file",
             server_config.host,
         )
+    listener = bind_listener(server_config)
     started = time.perf_counter()
     app, drain = build_app(engine_config, server_config)
     log.info("model %s loaded in %.1fs", app.state.model_name, time.perf_counter() - started)
     gc.freeze()  # what start-up made lives as long as the server: the collector need not walk it again
-    serve_http(app, server_config, drain)
+    serve_http(app, server_config, drain, listener)
 
 
-def serve_http(app: ASGIApp, server_config: ServerConfig, gate: DrainGate) -> None:
-    """Serve app with uvicorn on the configured address until a signal drains it through gate."""
+def bind_listener(server_config: ServerConfig) -> socket.socket:
+    """The server's address, bound before anything loads: a port in use fails the start at once (not after the
+    model has loaded), and no other process can take the port meanwhile; it listens from serve_http on."""
+    host, port = server_config.host, server_config.port
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a port in TIME_WAIT is free
+    try:
+        listener.bind((host, port))
+    except OSError as exc:
+        listener.close()
+        raise LaunchError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    return listener
+
+
+def serve_http(app: ASGIApp, server_config: ServerConfig, gate: DrainGate, listener: socket.socket) -> None:
+    """Serve app with uvicorn on the bound listener until a signal drains it through gate."""
     config = uvicorn.Config(
         app,
         host=server_config.host,
@@ -209,4 +225,4 @@ def serve_http(app: ASGIApp, server_config: ServerConfig, gate: DrainGate) -> No
         log_level=server_config.log_level,
         timeout_graceful_shutdown=SHUTDOWN_GRACE_S,
     )
-    DrainingServer(config, gate).run()
+    DrainingServer(config, gate).run(sockets=[listener])

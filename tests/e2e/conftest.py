@@ -64,7 +64,7 @@ def _start_once(
     while time.monotonic() < deadline:
         if process.poll() is not None:
             output = log_path.read_bytes()[written:].decode(errors="replace")[-3000:]
-            error = PortTakenError if "address already in use" in output else RuntimeError
+            error = PortTakenError if "address already in use" in output.lower() else RuntimeError
             raise error(f"server exited with {process.returncode}:\n{output}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -117,3 +118,20 @@ def test_cli_prints_one_line_and_exits_nonzero(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert result.stderr.strip().startswith("statelm: error: model")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
+
+
+def test_a_port_in_use_fails_the_start_at_once_before_the_model_loads(tmp_path: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        command = ["serve", "--model", "default", "--port", str(port), "--state-dir", str(tmp_path / "state")]
+        result = subprocess.run(
+            [sys.executable, "-m", "statelm", *command],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"statelm: error: cannot listen on 127.0.0.1:{port}: Address already in use"
+    assert "loading model" not in result.stdout + result.stderr
