@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from types import FrameType
 
@@ -72,6 +73,14 @@ class DrainingServer(uvicorn.Server):
         super().__init__(config)
         self.gate = gate
         self._deadline: float | None = None
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """Start serving; say where (uvicorn says so itself only when it binds the address)."""
+        await super().startup(sockets)
+        if self.started and sockets:
+            host, port = sockets[0].getsockname()[:2]
+            address = f"[{host}]" if ":" in host else host
+            log.info("serving on http://%s:%d (SIGINT or SIGTERM drains, then stops)", address, port)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """First signal: start draining; a second one: shut down now. Never re-raised, so the exit status is 0."""
