@@ -46,25 +46,30 @@ class PortTakenError(RuntimeError):
     """The server could not bind its port."""
 
 
+def port_was_taken(output: str) -> bool:
+    """Whether a server's output says that it could not bind its port."""
+    return "address already in use" in output.lower()
+
+
 def _start_once(
     args: list[str], log_path: Path, extra_environment: dict[str, str] | None, port: int
 ) -> tuple[subprocess.Popen[bytes], str]:
-    log = log_path.open("ab")
-    written = log.tell()  # this start's output follows what earlier ones wrote
     if "--state-dir" not in args:
         args = [*args, "--state-dir", str(log_path.parent / "state")]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**server_environment(), **(extra_environment or {}), "PYTHONUNBUFFERED": "1"},
-    )
+    with log_path.open("ab") as log:
+        written = log.tell()  # this start's output follows what earlier ones wrote
+        process = subprocess.Popen(
+            [sys.executable, "-m", "statelm", "serve", "--port", str(port), *args],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env={**server_environment(), **(extra_environment or {}), "PYTHONUNBUFFERED": "1"},
+        )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_TIMEOUT_S
     while time.monotonic() < deadline:
         if process.poll() is not None:
             output = log_path.read_bytes()[written:].decode(errors="replace")[-3000:]
-            error = PortTakenError if "address already in use" in output.lower() else RuntimeError
+            error = PortTakenError if port_was_taken(output) else RuntimeError
             raise error(f"server exited with {process.returncode}:\n{output}")
         try:
             if httpx.get(f"{url}/health", timeout=1).status_code == 200:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.e2e.conftest import free_port, server_environment
+from tests.e2e.conftest import free_port, port_was_taken, server_environment
 
 pytest.importorskip("ray.serve")
 pytestmark = pytest.mark.slow
@@ -43,7 +43,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         except RuntimeError:
             _stop(process)
             # another process (the other pytest worker's server) can take the port picked before the router binds it
-            if attempt + 1 < START_ATTEMPTS and "address already in use" in log_path.read_text().lower():
+            if attempt + 1 < START_ATTEMPTS and port_was_taken(log_path.read_text()):
                 continue
             raise
         break
