@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from statelm.engine.logits_processors import apply_min_p
-from statelm.engine.sampler import make_generator, sample
+from statelm.engine.sampler import make_generator, most_likely, sample
 from statelm.engine.sequence import SamplingParams, Sequence
 
 EOS = 3
@@ -33,6 +33,22 @@ def test_greedy_takes_the_argmax() -> None:
     seqs = [seq_with(SamplingParams(temperature=0.0)), seq_with(SamplingParams(top_k=1))]
     assert tokens(logits, seqs) == [1, 0]
     assert sample(torch.empty(0, 3), []) == []  # a step that only prefills
+
+
+def test_the_most_likely_token_is_the_one_torch_argmax_picks() -> None:
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(12, 49_152, generator=generator)
+    logits[1, [7, 300, 40_000]] = 50.0  # ties: the first
+    logits[2] = float("-inf")  # nothing finite: the first
+    logits[3, [9, 20_000]] = float("nan")  # a NaN counts as the largest: the first
+    logits[4, 49_151] = 60.0  # the last
+    logits[5] = 0.0
+    for rows in (logits, logits[1:2], logits[::3], logits[:, :1000]):
+        chosen = most_likely(rows)
+        assert chosen.dtype == torch.int64
+        assert chosen.tolist() == rows.argmax(dim=-1).tolist()
+    assert most_likely(logits).tolist()[1:6] == [7, 0, 9, 49_151, 0]
+    assert most_likely(logits.double()).tolist() == logits.argmax(dim=-1).tolist()  # other dtypes: torch's own
 
 
 def test_top_k_top_p_and_min_p_restrict_the_candidates() -> None:
