@@ -37,6 +37,7 @@ from statelm.engine.logits_processors import (
     apply_min_p,
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
+    largest,
     token_counts,
     token_logprobs,
 )
@@ -348,7 +349,7 @@ def _candidates(scaled: torch.Tensor, top_k: list[int], width: int) -> tuple[tor
     A row with top-k renormalizes over its first k (the rest get probability 0); a row without keeps the
     probabilities of its whole distribution, so that top-p measures the nucleus against all of it.
     """
-    values, ids = torch.topk(scaled, width)
+    values, ids = largest(scaled, width)
     parts = []
     truncated = [row for row, k in enumerate(top_k) if k > 0]
     if truncated:
