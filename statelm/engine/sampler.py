@@ -42,6 +42,7 @@ from statelm.engine.logits_processors import (
     token_logprobs,
 )
 from statelm.engine.sequence import Sequence
+from statelm.kernels.build import kernels_available
 
 log = logging.getLogger(__name__)
 
@@ -375,6 +376,20 @@ def _nucleus(probs: torch.Tensor, top_p: list[float]) -> torch.Tensor:
     return probs.masked_fill(outside, 0.0)
 
 
+def _crossings(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's first position whose running sum of `probs` passes uniform × total ([rows, 1]), and the total.
+
+    float32 CPU rows take the kernels' chunked sums (torch.ops.statelm.inverse_cdf: a few us where torch.cumsum and
+    searchsorted take 50 over 49,152 probabilities); other rows torch's cumulative sums.
+    """
+    if probs.device.type == "cpu" and probs.dtype == torch.float32 and kernels_available():
+        position, total = torch.ops.statelm.inverse_cdf(probs, uniforms)
+        return position.unsqueeze(1), total
+    cumulative = torch.cumsum(probs, dim=-1)
+    total = cumulative[:, -1]
+    return torch.searchsorted(cumulative, (uniforms * total).unsqueeze(1), right=True), total
+
+
 def _invert(
     probs: torch.Tensor, ids: torch.Tensor | None, counts: torch.Tensor | int, uniforms: torch.Tensor
 ) -> torch.Tensor:
@@ -384,10 +399,7 @@ def _invert(
     (uniform × total rounded up to the total) falls back to its last one. A row whose total is not finite and
     positive (every token masked, NaN logits) gets -1.
     """
-    cumulative = torch.cumsum(probs, dim=-1)
-    total = cumulative[:, -1]
-    threshold = (uniforms * total).unsqueeze(1)
-    position = torch.searchsorted(cumulative, threshold, right=True)
+    position, total = _crossings(probs, uniforms)
     position.clamp_(max=counts - 1)
     tokens = (position if ids is None else ids.gather(1, position)).squeeze(1)
     return tokens.masked_fill_(~((total > 0.0) & (total < math.inf)), -1)

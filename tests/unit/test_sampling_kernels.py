@@ -1,5 +1,6 @@
-"""top_k (the sampler's candidates and logprobs' most likely tokens on the kernels path): torch.topk's values in
-its order, equal values by lower id, NaNs first, and a row's result the same in any batch and thread count."""
+"""The sampler's kernels: top_k (the candidates of top-k and top-p, logprobs' most likely tokens) gives torch.topk's
+values in its order, equal values by lower id, NaNs first; inverse_cdf (a draw) finds where torch's cumulative sums
+cross uniform * total; each row's result is the same in any batch and thread count."""
 
 from __future__ import annotations
 
@@ -78,7 +79,7 @@ def test_a_row_gets_the_same_candidates_in_any_batch_and_thread_count(threads: i
         assert torch.equal(strided_values[row], row_values[0]) and torch.equal(strided_ids[row], row_ids[0])
 
 
-def test_bad_arguments_are_refused() -> None:
+def test_top_k_refuses_bad_arguments() -> None:
     with pytest.raises(RuntimeError, match=r"k must be 1\.\.10"):
         torch.ops.statelm.top_k(torch.zeros(2, 10), 11)
     with pytest.raises(RuntimeError, match="float32"):
@@ -91,3 +92,55 @@ def test_largest_takes_the_kernel_for_float32_cpu_rows_and_torch_otherwise() -> 
         values, ids = largest(rows, 10)
         assert torch.equal(values, torch.topk(rows, 10).values) and torch.equal(ids, torch.topk(rows, 10).indices)
     assert largest(logits, 0)[0].shape == (3, 0)  # logprobs without top_logprobs
+
+
+def exact_probabilities(rows: int, n: int, seed: int) -> torch.Tensor:
+    """Multiples of 1/1024 up to 7/1024: every partial sum is exact in float32, in any order of addition."""
+    return torch.randint(0, 8, (rows, n), generator=torch.Generator().manual_seed(seed)).float() / 1024
+
+
+@pytest.mark.parametrize("n", [1, 7, 256, 1000, 49_152])
+def test_the_draw_falls_where_torch_cumulative_sums_cross(n: int) -> None:
+    probs = exact_probabilities(9, n, n)
+    uniforms = torch.rand(9, generator=torch.Generator().manual_seed(n))
+    uniforms[0], uniforms[1] = 0.0, 0.999999
+    positions, totals = torch.ops.statelm.inverse_cdf(probs, uniforms)
+    cumulative = torch.cumsum(probs, dim=-1)
+    expected = torch.searchsorted(cumulative, (uniforms * cumulative[:, -1]).unsqueeze(1), right=True).squeeze(1)
+    assert positions.dtype == torch.int64 and torch.equal(totals, cumulative[:, -1])
+    valid = totals > 0
+    assert torch.equal(positions[valid], expected[valid].clamp(max=n - 1))
+
+
+def test_the_draw_skips_tokens_of_no_probability_and_reports_a_bad_total() -> None:
+    probs = torch.zeros(4, 600)
+    probs[0, [3, 590]] = 0.5
+    probs[1, 599] = 1.0  # the whole mass on the last token, in the last (partial) chunk
+    probs[2, 10] = float("nan")
+    positions, totals = torch.ops.statelm.inverse_cdf(probs, torch.tensor([0.0, 0.0, 0.5, 0.5]))
+    assert positions[:2].tolist() == [3, 599] and totals[:2].tolist() == [1.0, 1.0]
+    assert totals[2].isnan() and totals[3] == 0.0  # the sampler fails these rows
+    assert torch.ops.statelm.inverse_cdf(probs[:1], torch.tensor([0.75]))[0].tolist() == [590]
+
+
+@pytest.mark.invariance
+@pytest.mark.parametrize("threads", [1, 2, 7])
+def test_a_row_draws_the_same_position_in_any_batch_and_thread_count(threads: int) -> None:
+    probs = torch.softmax(torch.randn(20, 5000, generator=torch.Generator().manual_seed(5)) * 3, dim=-1)
+    uniforms = torch.rand(20, generator=torch.Generator().manual_seed(6))
+    alone = [torch.ops.statelm.inverse_cdf(probs[i : i + 1], uniforms[i : i + 1]) for i in range(20)]
+    with kernel_threads(threads):
+        positions, totals = torch.ops.statelm.inverse_cdf(probs, uniforms)
+        strided = torch.zeros(20, 9000)[:, :5000]  # rows apart in memory
+        strided.copy_(probs)
+        strided_positions, strided_totals = torch.ops.statelm.inverse_cdf(strided, uniforms)
+    for row, (row_position, row_total) in enumerate(alone):
+        assert positions[row] == row_position[0] and strided_positions[row] == row_position[0]
+        assert torch.equal(totals[row : row + 1], row_total) and torch.equal(strided_totals[row : row + 1], row_total)
+
+
+def test_the_draw_refuses_bad_arguments() -> None:
+    with pytest.raises(RuntimeError, match="one uniform per row"):
+        torch.ops.statelm.inverse_cdf(torch.ones(2, 10), torch.zeros(3))
+    with pytest.raises(RuntimeError, match="float32"):
+        torch.ops.statelm.inverse_cdf(torch.ones(2, 10, dtype=torch.float64), torch.zeros(2))
