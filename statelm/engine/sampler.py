@@ -10,11 +10,13 @@ The grammar mask and the forced token come from each sequence's `OutputGuide`; a
 budget's end tag) leaves only that token finite in its row, so the row samples it whatever its settings.
 
 The draw takes every non-greedy row together, with temperature, min-p, top-k and top-p as per-row tensors.
-Rows with top-k or top-p look for their candidates among their few most likely tokens (`topk` rather than a
-sort of the vocabulary; top-p widens them through TOP_P_CANDIDATES until they hold its nucleus); the others
-draw over the whole vocabulary in id order. Each row inverts its cumulative distribution with one uniform
-number: a seeded row takes it from its own generator, so its tokens depend only on its seed, and the unseeded
-rows take theirs from the engine's generator in one call. The chosen tokens, greedy rows' included, reach the
+Rows with top-k or top-p look for their candidates among their few most likely tokens (a top-k selection rather
+than a sort of the vocabulary; top-p widens them through TOP_P_CANDIDATES until they hold its nucleus); the others
+draw over the whole vocabulary in id order. On the CPU the passes over a whole row (greedy's argmax, the top-k
+selection, the draw's running sum) run vectorised: numpy's argmax and the kernels' top_k and inverse_cdf.
+Each row inverts its cumulative distribution with one uniform number: a seeded row takes it from its own
+generator, so its tokens depend only on its seed, and the unseeded rows take theirs from the engine's generator
+in one call. The chosen tokens, greedy rows' included, reach the
 host in one transfer (top-p rows add a read of their candidates' mass).
 
 Logprobs are taken from the processed logits before temperature and truncation (see `token_logprobs`).
