@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -55,6 +57,35 @@ class Guards:
         return (f"{ASSETS_PREFIX}/",) if self.webui is not None else ()
 
 
+_frozen_apps = 0  # apps of this process running with the start-up heap frozen
+_frozen_apps_lock = threading.Lock()
+
+
+def freeze_start_up_heap() -> None:
+    """Take what start-up built (the model's tables, the vocabulary, the routes and schemas) out of the garbage
+    collector's scans, once its own garbage is collected.
+
+    A full collection walks every tracked object while holding the GIL: with the default model's 240,000 objects it
+    paused the event loop and the engine's Python for 120 ms, longer with a larger vocabulary, at moments no
+    request chooses. Frozen objects stay alive as they would anyway; only cycles they later join are not collected.
+    """
+    global _frozen_apps
+    with _frozen_apps_lock:
+        _frozen_apps += 1
+        gc.collect()
+        gc.freeze()
+
+
+def thaw_start_up_heap() -> None:
+    """Give the frozen objects back to the collector once the last app of the process has stopped, so that the
+    interpreter's exit collects them as usual (native bindings check for leaks then)."""
+    global _frozen_apps
+    with _frozen_apps_lock:
+        _frozen_apps -= 1
+        if _frozen_apps == 0:
+            gc.unfreeze()
+
+
 def create_app(
     engine: EngineClient,
     chat: ChatService,
@@ -78,12 +109,14 @@ def create_app(
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         await manager.start()
         await responses.start()
+        freeze_start_up_heap()
         try:
             yield
         finally:
             await manager.close()
             embedding_service.close()
             engine.shutdown()
+            thaw_start_up_heap()
 
     app = FastAPI(title="statelm", version="0.1.0", lifespan=lifespan)
     app.state.engine = engine
