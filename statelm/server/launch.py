@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import gc
 import ipaddress
 import logging
 import socket
@@ -198,7 +197,6 @@ def run_server(engine_config: EngineConfig, server_config: ServerConfig) -> None
     started = time.perf_counter()
     app, drain = build_app(engine_config, server_config)
     log.info("model %s loaded in %.1fs", app.state.model_name, time.perf_counter() - started)
-    gc.freeze()  # what start-up made lives as long as the server: the collector need not walk it again
     serve_http(app, server_config, drain, listener)
 
 
