@@ -109,6 +109,12 @@ def token_logprobs(logits: torch.Tensor, chosen_ids: torch.Tensor, num_top: int)
     return TokenLogprobs(chosen=chosen, top_ids=top_ids, top_logprobs=top_values)
 
 
+def sampling_kernels_take(rows: torch.Tensor) -> bool:
+    """Whether the kernels' passes over whole rows (torch.ops.statelm.top_k, inverse_cdf) take these: float32 CPU
+    rows, where the kernels are loaded."""
+    return rows.device.type == "cpu" and rows.dtype == torch.float32 and kernels_available()
+
+
 def largest(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's k largest values, best first, and their ids: a NaN first, as torch.topk ranks it.
 
@@ -116,7 +122,7 @@ def largest(rows: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     which reads the row at memory speed where torch.topk copies and selects among all of it (91 us for 49,152
     logits, one thread); other rows take torch.topk.
     """
-    if k > 0 and rows.device.type == "cpu" and rows.dtype == torch.float32 and kernels_available():
+    if k > 0 and sampling_kernels_take(rows):
         values, ids = torch.ops.statelm.top_k(rows, k)
         return values, ids
     values, ids = torch.topk(rows, k, dim=-1)

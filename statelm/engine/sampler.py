@@ -40,11 +40,11 @@ from statelm.engine.logits_processors import (
     apply_presence_frequency_penalties,
     apply_repetition_penalty,
     largest,
+    sampling_kernels_take,
     token_counts,
     token_logprobs,
 )
 from statelm.engine.sequence import Sequence
-from statelm.kernels.build import kernels_available
 
 log = logging.getLogger(__name__)
 
@@ -384,7 +384,7 @@ def _crossings(probs: torch.Tensor, uniforms: torch.Tensor) -> tuple[torch.Tenso
     float32 CPU rows take the kernels' chunked sums (torch.ops.statelm.inverse_cdf: a few us where torch.cumsum and
     searchsorted take 50 over 49,152 probabilities); other rows torch's cumulative sums.
     """
-    if probs.device.type == "cpu" and probs.dtype == torch.float32 and kernels_available():
+    if sampling_kernels_take(probs):
         position, total = torch.ops.statelm.inverse_cdf(probs, uniforms)
         return position.unsqueeze(1), total
     cumulative = torch.cumsum(probs, dim=-1)

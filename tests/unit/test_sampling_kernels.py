@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from statelm.engine.logits_processors import largest
+from statelm.engine.logits_processors import largest, sampling_kernels_take
 from statelm.kernels.build import KernelBuildError, load_kernels
 from tests.unit.kernel_threads import kernel_threads
 
@@ -92,6 +92,9 @@ def test_largest_takes_the_kernel_for_float32_cpu_rows_and_torch_otherwise() -> 
         values, ids = largest(rows, 10)
         assert torch.equal(values, torch.topk(rows, 10).values) and torch.equal(ids, torch.topk(rows, 10).indices)
     assert largest(logits, 0)[0].shape == (3, 0)  # logprobs without top_logprobs
+    assert sampling_kernels_take(logits) and not sampling_kernels_take(logits.double())
+    tied = torch.zeros(1, 500)  # every value equal: the kernel's rule, lower ids first
+    assert largest(tied, 10)[1].tolist() == [list(range(10))]
 
 
 def exact_probabilities(rows: int, n: int, seed: int) -> torch.Tensor:
