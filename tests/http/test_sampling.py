@@ -39,10 +39,9 @@ def test_session_turns_take_logprobs_but_one_choice(client: openai.OpenAI, model
     with pytest.raises(openai.BadRequestError) as info:
         chat(client, model_name, CAPITAL, n=2, extra_body={"session_id": "sampling-turns"})
     assert info.value.body["param"] == "n"
+    # greedy: a sampled reply may hold a special token, which the logprobs list and the text leaves out
     turn = {"max_tokens": 4, "logprobs": True, "temperature": 0, "extra_body": {"session_id": "sampling-turns"}}
-    reply = chat(
-        client, model_name, CAPITAL, **turn
-    )  # greedy: a sampled reply may hold a special token, not in its text
+    reply = chat(client, model_name, CAPITAL, **turn)
     tokens = reply.choices[0].logprobs.content
     # every generated token is counted; the one that ended the reply (EOS, a stop token) has no logprob entry
     ended_by_token = reply.choices[0].finish_reason == "stop"
